@@ -1,0 +1,680 @@
+//! The `Proxy` custom resource: its spec with defaults, bounds and CEL rules, its status, and its helpers.
+//!
+//! Every rule a user can break is enforced by the apiserver (schema bounds and the CEL rules below), so an invalid
+//! object never reaches the operator; the helpers still clamp values, so a Proxy built in Rust without going
+//! through the apiserver cannot make them misbehave.
+
+use std::time::Duration as StdDuration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::core::Duration;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The Squid port when `spec.port` is not given.
+pub const DEFAULT_PORT: i32 = 3128;
+/// The lease cap per proxy when `spec.maxLeases` is not given.
+pub const DEFAULT_MAX_LEASES: i32 = 5;
+/// Seconds between probes when `healthCheck.intervalSeconds` is not given.
+pub const DEFAULT_INTERVAL_SECONDS: i32 = 30;
+/// Seconds a probe may take when `healthCheck.timeoutSeconds` is not given.
+pub const DEFAULT_TIMEOUT_SECONDS: i32 = 10;
+/// Consecutive successes to become healthy when `healthCheck.healthyThreshold` is not given.
+pub const DEFAULT_HEALTHY_THRESHOLD: i32 = 2;
+/// Consecutive failures to become unhealthy when `healthCheck.unhealthyThreshold` is not given.
+pub const DEFAULT_UNHEALTHY_THRESHOLD: i32 = 3;
+/// The smallest probe interval the schema accepts.
+pub const MIN_INTERVAL_SECONDS: i32 = 5;
+
+/// The condition that says the proxy can be handed out.
+pub const CONDITION_READY: &str = "Ready";
+/// The condition that says the instance exists and has an address.
+pub const CONDITION_PROVISIONED: &str = "Provisioned";
+/// The condition that follows the health engine's verdict.
+pub const CONDITION_HEALTHY: &str = "Healthy";
+
+/// The desired state of one HTTP forward proxy.
+// Each `printcolumn(...)` repeats keys such as `type_ = "string"`, which clippy mistakes for a duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "crawl.example.com",
+    version = "v1alpha1",
+    kind = "Proxy",
+    plural = "proxies",
+    namespaced,
+    shortname = "px",
+    category = "egress",
+    status = "ProxyStatus",
+    doc = "An HTTP forward proxy that egress-operator runs (Managed) or adopts (External), health-checks and hands out to crawlers.",
+    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode", description = "Managed or External"),
+    printcolumn(
+        name = "Provider",
+        type_ = "string",
+        json_path = ".spec.provider",
+        description = "The configured provider that runs the instance"
+    ),
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Where the proxy is in its life cycle"
+    ),
+    printcolumn(
+        name = "Endpoint",
+        type_ = "string",
+        json_path = ".status.endpoint.address",
+        description = "host:port crawlers connect to"
+    ),
+    printcolumn(
+        name = "Healthy",
+        type_ = "boolean",
+        json_path = ".status.health.healthy",
+        description = "The health engine's verdict"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = without_nullable)]
+#[x_kube(
+    validation = Rule::new("has(self.provider) == has(oldSelf.provider) && (!has(self.provider) || self.provider == oldSelf.provider)")
+        .message("spec.provider is immutable (setting or removing it counts as a change): create a new Proxy to move to another provider")
+        .field_path(".provider"),
+    validation = Rule::new("self.mode != 'Managed' || has(self.provider)")
+        .message("spec.provider is required when spec.mode is Managed: name one of the providers in the operator's providers config")
+        .field_path(".provider")
+        .reason(kube::core::Reason::FieldValueRequired),
+    validation = Rule::new("self.mode != 'External' || has(self.endpoint)")
+        .message("spec.endpoint is required when spec.mode is External: give the host and port of the existing proxy")
+        .field_path(".endpoint")
+        .reason(kube::core::Reason::FieldValueRequired),
+    validation = Rule::new("self.mode != 'External' || !(has(self.provider) || has(self.placement) || has(self.cloudInit))")
+        .message("spec.provider, spec.placement and spec.cloudInit must not be set when spec.mode is External: the operator does not create an External proxy")
+        .reason(kube::core::Reason::FieldValueForbidden),
+    validation = Rule::new("self.mode != 'Managed' || !has(self.endpoint)")
+        .message("spec.endpoint must not be set when spec.mode is Managed: the operator publishes the instance's address in status.endpoint")
+        .field_path(".endpoint")
+        .reason(kube::core::Reason::FieldValueForbidden),
+)]
+pub struct ProxySpec {
+    /// `Managed`: the operator creates the instance on `provider`. `External`: the proxy exists at `endpoint`.
+    /// Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.mode is immutable: create a new Proxy to change it"))]
+    pub mode: ProxyMode,
+
+    /// Name of a provider instance in the operator's providers config. Required when Managed, forbidden when
+    /// External; immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub provider: Option<String>,
+
+    /// Where and on what the instance runs; each field falls back to the provider's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+
+    /// Cloud-init user data for VM providers, inline or from a Secret. It may hold secrets and is never logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInit>,
+
+    /// External only: where the existing proxy is reachable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<Endpoint>,
+
+    /// Managed only: the port Squid listens on.
+    #[serde(default = "default_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+
+    /// Proxy credentials: Squid requires them, and the discovery API hands them to clients with the `lease` scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<ProxyAuth>,
+
+    /// How the health engine probes this proxy.
+    #[serde(default)]
+    pub health_check: HealthCheck,
+
+    /// At most this many concurrent leases on this proxy. 0 means never lease it (drain). Defaults to 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100000), extend("default" = DEFAULT_MAX_LEASES))]
+    pub max_leases: Option<i32>,
+
+    /// Replace the instance (so it gets a new IP) once it is older than this, for example `90m` or `24h`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("spec.maxAge must be a positive duration such as 90m or 24h"))]
+    #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"))]
+    pub max_age: Option<Duration>,
+}
+
+/// Makes every `Option` field inside a schema non-nullable.
+///
+/// schemars describes an `Option` as "the type, or null", which kube turns into `nullable: true`, and the apiserver
+/// then stores an explicit `null` that CEL's `has()` counts as set: `provider: null` would satisfy "Managed requires
+/// provider". Without `nullable`, the apiserver drops nulls before defaulting and validation, so in the spec `null`
+/// always means absent.
+fn without_nullable(schema: &mut schemars::Schema) {
+    fn walk(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.remove("nullable");
+                if let Some(serde_json::Value::Array(types)) = map.get_mut("type") {
+                    types.retain(|kind| kind != "null");
+                    if types.len() == 1 {
+                        let only = types.remove(0);
+                        map.insert("type".into(), only);
+                    }
+                }
+                for key in ["anyOf", "oneOf"] {
+                    if let Some(serde_json::Value::Array(variants)) = map.get_mut(key) {
+                        variants.retain(|variant| variant.get("type").is_none_or(|kind| kind != "null"));
+                    }
+                }
+                map.values_mut().for_each(walk);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    if let Some(object) = schema.as_object_mut() {
+        object.values_mut().for_each(walk);
+    }
+}
+
+fn default_port() -> i32 {
+    DEFAULT_PORT
+}
+
+/// Whether the operator runs the proxy or adopts one that exists elsewhere.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ProxyMode {
+    /// The operator creates the instance on a provider and deletes it with the object.
+    Managed,
+    /// The proxy exists elsewhere; the operator only health-checks it and hands it out.
+    External,
+}
+
+/// Provider-specific placement of a Managed instance.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Placement {
+    /// GCE zone, KVM host key, or namespace for the kubernetes provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub zone: Option<String>,
+    /// GCE machine type, KVM machine profile key, or pod resource profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub machine_type: Option<String>,
+    /// GCE image, KVM image key or URL, or container image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub image: Option<String>,
+}
+
+/// Cloud-init user data: exactly one of `inline` and `secretRef`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.inline) != has(self.secretRef)")
+    .message("spec.cloudInit needs exactly one of inline and secretRef"))]
+pub struct CloudInit {
+    /// The user data itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub inline: Option<String>,
+    /// A key of a Secret in the Proxy's namespace that holds the user data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+}
+
+/// A key of a Secret in the referring object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// The key within the Secret's data.
+    #[schemars(length(min = 1))]
+    pub key: String,
+}
+
+/// A Secret in the referring object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct SecretNameRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1))]
+    pub name: String,
+}
+
+/// Proxy credentials.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyAuth {
+    /// A Secret with the keys `username` and `password`.
+    pub secret_ref: SecretNameRef,
+}
+
+/// Where a proxy is reachable.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub struct Endpoint {
+    /// Host name or IP address.
+    #[schemars(length(min = 1, max = 253))]
+    pub host: String,
+    /// TCP port.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+impl Endpoint {
+    /// `host:port`, with an IPv6 address in brackets so the result parses as a socket address or URL authority.
+    pub fn address(&self) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// How the health engine probes a proxy. Every field has a default, so `healthCheck: {}` is complete.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.timeoutSeconds < self.intervalSeconds")
+    .message("spec.healthCheck.timeoutSeconds must be less than spec.healthCheck.intervalSeconds")
+    .field_path(".timeoutSeconds"))]
+pub struct HealthCheck {
+    /// Seconds between probes.
+    #[serde(default = "default_interval_seconds")]
+    #[schemars(range(min = 5, max = 86400))]
+    pub interval_seconds: i32,
+    /// Seconds a probe may take; less than `intervalSeconds`.
+    #[serde(default = "default_timeout_seconds")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub timeout_seconds: i32,
+    /// Consecutive successes before an unhealthy proxy becomes healthy.
+    #[serde(default = "default_healthy_threshold")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub healthy_threshold: i32,
+    /// Consecutive failures before a healthy proxy becomes unhealthy.
+    #[serde(default = "default_unhealthy_threshold")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub unhealthy_threshold: i32,
+    /// The http:// or https:// URL fetched through the proxy; defaults to the operator's `--default-probe-url`.
+    #[serde(rename = "probeURL", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^https?://[^\s/?#]+([/?#]\S*)?$"), length(max = 2048))]
+    pub probe_url: Option<String>,
+}
+
+fn default_interval_seconds() -> i32 {
+    DEFAULT_INTERVAL_SECONDS
+}
+fn default_timeout_seconds() -> i32 {
+    DEFAULT_TIMEOUT_SECONDS
+}
+fn default_healthy_threshold() -> i32 {
+    DEFAULT_HEALTHY_THRESHOLD
+}
+fn default_unhealthy_threshold() -> i32 {
+    DEFAULT_UNHEALTHY_THRESHOLD
+}
+
+impl Default for HealthCheck {
+    fn default() -> Self {
+        Self {
+            interval_seconds: DEFAULT_INTERVAL_SECONDS,
+            timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+            healthy_threshold: DEFAULT_HEALTHY_THRESHOLD,
+            unhealthy_threshold: DEFAULT_UNHEALTHY_THRESHOLD,
+            probe_url: None,
+        }
+    }
+}
+
+/// A health check with every default resolved, in the units the health engine works in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectiveHealthCheck {
+    /// Time between probes.
+    pub interval: StdDuration,
+    /// Time one probe may take; always less than `interval`.
+    pub timeout: StdDuration,
+    /// Consecutive successes to become healthy (at least 1).
+    pub healthy_threshold: u32,
+    /// Consecutive failures to become unhealthy (at least 1).
+    pub unhealthy_threshold: u32,
+    /// The URL fetched through the proxy.
+    pub probe_url: String,
+}
+
+impl HealthCheck {
+    /// Resolves the probe URL default and clamps every value into the schema's bounds.
+    ///
+    /// The apiserver already enforces the bounds; clamping here keeps a Proxy built in Rust (a test fixture, an
+    /// embedding tool) from producing a zero interval or a timeout longer than the interval.
+    pub fn effective(&self, default_probe_url: &str) -> EffectiveHealthCheck {
+        let interval_seconds = self.interval_seconds.clamp(MIN_INTERVAL_SECONDS, 86400);
+        let timeout_seconds = self.timeout_seconds.clamp(1, interval_seconds - 1);
+        EffectiveHealthCheck {
+            interval: StdDuration::from_secs(interval_seconds.unsigned_abs().into()),
+            timeout: StdDuration::from_secs(timeout_seconds.unsigned_abs().into()),
+            healthy_threshold: self.healthy_threshold.max(1).unsigned_abs(),
+            unhealthy_threshold: self.unhealthy_threshold.max(1).unsigned_abs(),
+            probe_url: self.probe_url.clone().unwrap_or_else(|| default_probe_url.to_owned()),
+        }
+    }
+}
+
+impl ProxySpec {
+    /// A spec of the given mode with every optional field unset and every default applied.
+    pub fn new(mode: ProxyMode) -> Self {
+        Self {
+            mode,
+            provider: None,
+            placement: None,
+            cloud_init: None,
+            endpoint: None,
+            port: DEFAULT_PORT,
+            auth: None,
+            health_check: HealthCheck::default(),
+            max_leases: None,
+            max_age: None,
+        }
+    }
+
+    /// The lease cap: `maxLeases`, or 5 when unset. An explicit 0 stays 0 (the proxy is drained).
+    pub fn max_leases(&self) -> u32 {
+        self.max_leases.unwrap_or(DEFAULT_MAX_LEASES).max(0).unsigned_abs()
+    }
+
+    /// `maxAge` as a standard duration, when set and positive.
+    pub fn max_age(&self) -> Option<StdDuration> {
+        self.max_age.filter(|age| !age.is_negative()).map(StdDuration::from).filter(|age| !age.is_zero())
+    }
+}
+
+/// The observed state of a proxy, written by the operator.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyStatus {
+    /// Where the proxy is in its life cycle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ProxyPhase>,
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The current instance (Managed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<InstanceStatus>,
+    /// The instance being replaced, while a replacement is in progress (make-before-break).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_instance: Option<InstanceStatus>,
+    /// Where crawlers connect: the instance's address and port (Managed) or `spec.endpoint` (External).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<EndpointStatus>,
+    /// The address the probe target saw, when the probe URL echoes it.
+    #[serde(rename = "egressIP", default, skip_serializing_if = "Option::is_none")]
+    pub egress_ip: Option<String>,
+    /// The health engine's verdict; written only when it flips.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthStatus>,
+    /// Set when a permanent error latched the object; cleared by a spec change or the `retry` annotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<FailureStatus>,
+    /// `Ready`, `Provisioned` and `Healthy`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// The life-cycle phase of a proxy.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum ProxyPhase {
+    /// Accepted, nothing created yet (or waiting for quota).
+    Pending,
+    /// The instance is being created.
+    Provisioning,
+    /// The instance runs and has an address; not yet proven healthy.
+    Running,
+    /// Healthy and handed out to crawlers.
+    Ready,
+    /// Probes fail; not handed out.
+    Unhealthy,
+    /// A new instance is being made before the old one is deleted.
+    Replacing,
+    /// The object is being deleted and its instances cleaned up.
+    Deleting,
+    /// A permanent error latched the object; see `status.failure`.
+    Failed,
+}
+
+/// The provider's view of an instance's state, as recorded in status.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum InstanceState {
+    /// Being created or booting; no address yet.
+    Provisioning,
+    /// Running with an address.
+    Running,
+    /// Stopped but still defined.
+    Stopped,
+    /// Gone or going (preempted, failed, deleted).
+    Terminated,
+}
+
+/// One provider instance.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceStatus {
+    /// The instance name (`px-` and 16 base32 characters).
+    pub name: String,
+    /// The provider's self-contained identifier of the instance.
+    #[serde(rename = "providerID")]
+    pub provider_id: String,
+    /// The last observed state.
+    pub state: InstanceState,
+    /// The instance's address, once it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// The spec hash the instance was created for.
+    pub spec_hash: String,
+    /// When the provider created the instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<Time>,
+}
+
+/// The published endpoint.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct EndpointStatus {
+    /// Host name or IP address.
+    pub host: String,
+    /// TCP port.
+    pub port: i32,
+    /// `host:port`, for display (IPv6 in brackets).
+    pub address: String,
+}
+
+impl From<&Endpoint> for EndpointStatus {
+    fn from(endpoint: &Endpoint) -> Self {
+        Self { host: endpoint.host.clone(), port: endpoint.port, address: endpoint.address() }
+    }
+}
+
+impl From<&EndpointStatus> for Endpoint {
+    fn from(status: &EndpointStatus) -> Self {
+        Self { host: status.host.clone(), port: status.port }
+    }
+}
+
+/// The health engine's verdict.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthStatus {
+    /// Whether probes get through.
+    pub healthy: bool,
+    /// When `healthy` last flipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<Time>,
+    /// Why the last failing probe failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// A latched permanent failure.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct FailureStatus {
+    /// A stable, machine-readable reason.
+    pub reason: String,
+    /// What went wrong, for a human.
+    pub message: String,
+    /// When the failure latched.
+    pub since: Time,
+}
+
+impl Proxy {
+    /// Where crawlers connect: `spec.endpoint` for External proxies, the published `status.endpoint` for Managed
+    /// ones (none until the instance has an address).
+    pub fn effective_endpoint(&self) -> Option<Endpoint> {
+        match self.spec.mode {
+            ProxyMode::External => self.spec.endpoint.clone(),
+            ProxyMode::Managed => self.status.as_ref()?.endpoint.as_ref().map(Endpoint::from),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn managed() -> ProxySpec {
+        ProxySpec { provider: Some("pods".into()), ..ProxySpec::new(ProxyMode::Managed) }
+    }
+
+    fn external(host: &str, port: i32) -> ProxySpec {
+        ProxySpec { endpoint: Some(Endpoint { host: host.into(), port }), ..ProxySpec::new(ProxyMode::External) }
+    }
+
+    fn published(host: &str, port: i32) -> ProxyStatus {
+        ProxyStatus { endpoint: Some((&Endpoint { host: host.into(), port }).into()), ..ProxyStatus::default() }
+    }
+
+    #[test]
+    fn effective_endpoint_follows_the_mode() {
+        let cases: [(&str, ProxySpec, Option<ProxyStatus>, Option<Endpoint>); 5] = [
+            (
+                "external uses spec",
+                external("proxy.example", 8080),
+                None,
+                Some(Endpoint { host: "proxy.example".into(), port: 8080 }),
+            ),
+            (
+                "external ignores status",
+                external("proxy.example", 8080),
+                Some(published("10.0.0.1", 3128)),
+                Some(Endpoint { host: "proxy.example".into(), port: 8080 }),
+            ),
+            ("managed without status", managed(), None, None),
+            ("managed before publishing", managed(), Some(ProxyStatus::default()), None),
+            (
+                "managed uses status",
+                managed(),
+                Some(published("10.0.0.1", 3128)),
+                Some(Endpoint { host: "10.0.0.1".into(), port: 3128 }),
+            ),
+        ];
+        for (name, spec, status, expected) in cases {
+            let mut proxy = Proxy::new("p", spec);
+            proxy.status = status;
+            assert_eq!(proxy.effective_endpoint(), expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn endpoint_address_brackets_ipv6() {
+        let cases = [
+            ("10.0.0.1", 3128, "10.0.0.1:3128"),
+            ("::1", 8080, "[::1]:8080"),
+            ("[::1]", 80, "[::1]:80"),
+            ("proxy.example", 1, "proxy.example:1"),
+        ];
+        for (host, port, expected) in cases {
+            assert_eq!(Endpoint { host: host.into(), port }.address(), expected);
+        }
+    }
+
+    #[test]
+    fn max_leases_defaults_to_five_and_keeps_zero() {
+        let cases = [(None, 5), (Some(0), 0), (Some(1), 1), (Some(40), 40), (Some(-3), 0)];
+        for (value, expected) in cases {
+            let spec = ProxySpec { max_leases: value, ..managed() };
+            assert_eq!(spec.max_leases(), expected, "maxLeases {value:?}");
+        }
+    }
+
+    #[test]
+    fn max_age_parses_go_durations() {
+        let cases = [
+            (None, None),
+            (Some("90m"), Some(5400)),
+            (Some("24h"), Some(86400)),
+            (Some("1h30m"), Some(5400)),
+            (Some("0s"), None),
+            (Some("-5m"), None),
+        ];
+        for (value, expected) in cases {
+            let spec = ProxySpec { max_age: value.map(|v| v.parse().expect("valid duration")), ..managed() };
+            assert_eq!(spec.max_age().map(|age| age.as_secs()), expected, "maxAge {value:?}");
+        }
+    }
+
+    #[test]
+    fn health_check_with_defaults() {
+        let default_url = "https://probe.example/ip";
+        let cases = [
+            ("defaults", HealthCheck::default(), (30, 10, 2, 3, default_url)),
+            (
+                "explicit",
+                HealthCheck {
+                    interval_seconds: 60,
+                    timeout_seconds: 5,
+                    healthy_threshold: 1,
+                    unhealthy_threshold: 7,
+                    probe_url: Some("http://o.example/".into()),
+                },
+                (60, 5, 1, 7, "http://o.example/"),
+            ),
+            (
+                "clamped from nonsense",
+                HealthCheck {
+                    interval_seconds: 0,
+                    timeout_seconds: 99,
+                    healthy_threshold: 0,
+                    unhealthy_threshold: -1,
+                    probe_url: None,
+                },
+                (5, 4, 1, 1, default_url),
+            ),
+        ];
+        for (name, check, (interval, timeout, healthy, unhealthy, url)) in cases {
+            let effective = check.effective(default_url);
+            assert_eq!(effective.interval, StdDuration::from_secs(interval), "{name}");
+            assert_eq!(effective.timeout, StdDuration::from_secs(timeout), "{name}");
+            assert_eq!(effective.healthy_threshold, healthy, "{name}");
+            assert_eq!(effective.unhealthy_threshold, unhealthy, "{name}");
+            assert_eq!(effective.probe_url, url, "{name}");
+        }
+    }
+
+    #[test]
+    fn empty_health_check_deserializes_with_every_default() {
+        let check: HealthCheck = serde_json::from_str("{}").expect("empty object is a valid health check");
+        assert_eq!(check, HealthCheck::default());
+    }
+
+    #[test]
+    fn explicit_zero_max_leases_survives_serde() {
+        let spec = ProxySpec { max_leases: Some(0), ..managed() };
+        let json = serde_json::to_value(&spec).expect("serializes");
+        assert_eq!(json["maxLeases"], 0);
+        let back: ProxySpec = serde_json::from_value(json).expect("deserializes");
+        assert_eq!(back.max_leases, Some(0));
+        let unset = serde_json::to_value(managed()).expect("serializes");
+        assert!(unset.get("maxLeases").is_none(), "an unset maxLeases is omitted so the apiserver default applies");
+    }
+}

@@ -1,0 +1,317 @@
+//! The CRDs as the real kube-apiserver serves them: every CEL rule accepts and rejects, defaults are filled in,
+//! an explicit `maxLeases: 0` survives, and the printer columns come back through the Table API.
+//!
+//! Objects are sent as raw JSON with server-side apply where the point is what a user would type (`healthCheck: {}`)
+//! and as Rust values where the point is the round trip through the Rust types.
+
+use egress_api::{
+    Endpoint, EndpointStatus, HealthStatus, ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, Proxy, ProxyMode,
+    ProxyPhase, ProxySpec, ProxyStatus, TargetHealth,
+};
+use egress_testenv::TestNamespace;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const MANAGER: &str = "egress-api-tests";
+
+/// Applies `spec` as the Proxy `name` and returns the apiserver's error message, if it refused.
+async fn apply(proxies: &Api<Proxy>, name: &str, spec: Value) -> Result<Proxy, String> {
+    let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy", "metadata": { "name": name }, "spec": spec });
+    proxies.patch(name, &PatchParams::apply(MANAGER), &Patch::Apply(&body)).await.map_err(describe)
+}
+
+/// Merge-patches the Proxy's spec, the way `kubectl patch --type merge` would.
+async fn merge(proxies: &Api<Proxy>, name: &str, spec: Value) -> Result<Proxy, String> {
+    proxies.patch(name, &PatchParams::default(), &Patch::Merge(json!({ "spec": spec }))).await.map_err(describe)
+}
+
+fn describe(error: kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => format!("{} ({}): {}", status.code, status.reason, status.message),
+        other => format!("not an API error: {other}"),
+    }
+}
+
+#[track_caller]
+fn assert_rejected(result: Result<Proxy, String>, message: &str) {
+    match result {
+        Ok(proxy) => panic!("the apiserver accepted {:?}; expected a rejection saying {message:?}", proxy.spec),
+        Err(error) => {
+            assert!(error.starts_with("422"), "expected 422 Invalid, got {error}");
+            assert!(error.contains(message), "expected {message:?} in the rejection, got {error}");
+        }
+    }
+}
+
+#[track_caller]
+fn assert_accepted(result: Result<Proxy, String>) -> Proxy {
+    result.unwrap_or_else(|error| panic!("the apiserver rejected a valid object: {error}"))
+}
+
+fn external() -> Value {
+    json!({ "mode": "External", "endpoint": { "host": "proxy.example", "port": 8080 } })
+}
+
+fn managed() -> Value {
+    json!({ "mode": "Managed", "provider": "pods" })
+}
+
+fn with(mut base: Value, field: &str, value: Value) -> Value {
+    base[field] = value;
+    base
+}
+
+async fn proxies(prefix: &str) -> (TestNamespace, Api<Proxy>) {
+    let ns = egress_testenv::namespace(prefix).await;
+    let api = ns.api();
+    (ns, api)
+}
+
+// Rule 1: mode is immutable.
+#[tokio::test]
+async fn rule_mode_is_immutable() {
+    let (_ns, api) = proxies("cel-mode").await;
+    assert_accepted(apply(&api, "p", external()).await);
+    assert_accepted(merge(&api, "p", json!({ "endpoint": { "port": 9090 } })).await);
+    assert_rejected(
+        merge(&api, "p", json!({ "mode": "Managed", "provider": "pods", "endpoint": null })).await,
+        "spec.mode is immutable",
+    );
+}
+
+// Rule 2: provider is immutable, and setting or removing it counts as a change.
+#[tokio::test]
+async fn rule_provider_is_immutable() {
+    let (_ns, api) = proxies("cel-provider").await;
+    assert_accepted(apply(&api, "p", managed()).await);
+    assert_accepted(merge(&api, "p", json!({ "placement": { "zone": "europe-west1-b" } })).await);
+    assert_rejected(merge(&api, "p", json!({ "provider": "gcp-eu" })).await, "spec.provider is immutable");
+    assert_rejected(merge(&api, "p", json!({ "provider": null })).await, "spec.provider is immutable");
+}
+
+// Rule 3: Managed requires provider.
+#[tokio::test]
+async fn rule_managed_requires_provider() {
+    let (_ns, api) = proxies("cel-managed-provider").await;
+    assert_rejected(
+        apply(&api, "without", json!({ "mode": "Managed" })).await,
+        "spec.provider is required when spec.mode is Managed",
+    );
+    // An explicit null never passes for a provider: the spec schema has no nullable fields.
+    assert_rejected(apply(&api, "null", json!({ "mode": "Managed", "provider": null })).await, "spec.provider");
+    assert_accepted(apply(&api, "with", managed()).await);
+}
+
+// Rule 4: External requires endpoint.
+#[tokio::test]
+async fn rule_external_requires_endpoint() {
+    let (_ns, api) = proxies("cel-external-endpoint").await;
+    assert_rejected(
+        apply(&api, "without", json!({ "mode": "External" })).await,
+        "spec.endpoint is required when spec.mode is External",
+    );
+    assert_accepted(apply(&api, "with", external()).await);
+}
+
+// Rule 5: External forbids provider, placement and cloudInit.
+#[tokio::test]
+async fn rule_external_forbids_instance_fields() {
+    let (_ns, api) = proxies("cel-external-forbids").await;
+    let message = "spec.provider, spec.placement and spec.cloudInit must not be set when spec.mode is External";
+    assert_rejected(apply(&api, "provider", with(external(), "provider", json!("pods"))).await, message);
+    assert_rejected(apply(&api, "placement", with(external(), "placement", json!({ "zone": "z" }))).await, message);
+    assert_rejected(
+        apply(&api, "cloudinit", with(external(), "cloudInit", json!({ "inline": "#cloud-config" }))).await,
+        message,
+    );
+    assert_accepted(
+        apply(&api, "auth-only", with(external(), "auth", json!({ "secretRef": { "name": "creds" } }))).await,
+    );
+}
+
+// Rule 6: Managed forbids endpoint.
+#[tokio::test]
+async fn rule_managed_forbids_endpoint() {
+    let (_ns, api) = proxies("cel-managed-endpoint").await;
+    assert_rejected(
+        apply(&api, "endpoint", with(managed(), "endpoint", json!({ "host": "h", "port": 1 }))).await,
+        "spec.endpoint must not be set when spec.mode is Managed",
+    );
+    assert_accepted(apply(&api, "plain", managed()).await);
+}
+
+// Rule 7: cloudInit needs exactly one of inline and secretRef.
+#[tokio::test]
+async fn rule_cloud_init_exactly_one_source() {
+    let (_ns, api) = proxies("cel-cloudinit").await;
+    let message = "spec.cloudInit needs exactly one of inline and secretRef";
+    let both = json!({ "inline": "#cloud-config", "secretRef": { "name": "ci", "key": "user-data" } });
+    assert_rejected(apply(&api, "both", with(managed(), "cloudInit", both)).await, message);
+    assert_rejected(apply(&api, "neither", with(managed(), "cloudInit", json!({}))).await, message);
+    assert_accepted(apply(&api, "inline", with(managed(), "cloudInit", json!({ "inline": "#cloud-config" }))).await);
+    assert_accepted(
+        apply(
+            &api,
+            "secret",
+            with(managed(), "cloudInit", json!({ "secretRef": { "name": "ci", "key": "user-data" } })),
+        )
+        .await,
+    );
+}
+
+// Rule 8: timeoutSeconds < intervalSeconds, checked after defaults are filled in.
+#[tokio::test]
+async fn rule_timeout_below_interval() {
+    let (_ns, api) = proxies("cel-timeout").await;
+    let message = "spec.healthCheck.timeoutSeconds must be less than spec.healthCheck.intervalSeconds";
+    let equal = json!({ "intervalSeconds": 30, "timeoutSeconds": 30 });
+    assert_rejected(apply(&api, "equal", with(external(), "healthCheck", equal)).await, message);
+    // The interval is not given: its default (30) is filled in before the rule runs.
+    assert_rejected(
+        apply(&api, "over-default", with(external(), "healthCheck", json!({ "timeoutSeconds": 40 }))).await,
+        message,
+    );
+    let below = json!({ "intervalSeconds": 30, "timeoutSeconds": 29 });
+    assert_accepted(apply(&api, "below", with(external(), "healthCheck", below)).await);
+}
+
+#[tokio::test]
+async fn max_age_must_be_a_positive_duration() {
+    let (_ns, api) = proxies("max-age").await;
+    assert_rejected(
+        apply(&api, "zero", with(managed(), "maxAge", json!("0s"))).await,
+        "spec.maxAge must be a positive duration",
+    );
+    assert_rejected(apply(&api, "words", with(managed(), "maxAge", json!("one day"))).await, "spec.maxAge");
+    let accepted = assert_accepted(apply(&api, "ok", with(managed(), "maxAge", json!("1h30m"))).await);
+    assert_eq!(accepted.spec.max_age().map(|age| age.as_secs()), Some(5400));
+}
+
+#[tokio::test]
+async fn apiserver_fills_every_default() {
+    let (_ns, api) = proxies("defaults").await;
+    let proxy = assert_accepted(apply(&api, "empty-check", with(managed(), "healthCheck", json!({}))).await);
+    let check = &proxy.spec.health_check;
+    assert_eq!(
+        (check.interval_seconds, check.timeout_seconds, check.healthy_threshold, check.unhealthy_threshold),
+        (30, 10, 2, 3)
+    );
+    assert_eq!(check.probe_url, None);
+    assert_eq!(proxy.spec.port, 3128);
+    assert_eq!(proxy.spec.max_leases, Some(5), "the apiserver stores the default maxLeases");
+
+    // Without healthCheck at all, the object-level default applies and the nested defaults with it.
+    let bare = assert_accepted(apply(&api, "no-check", managed()).await);
+    assert_eq!(bare.spec.health_check, egress_api::HealthCheck::default());
+
+    // The raw object as stored, not as Rust reads it: the defaults are really in etcd.
+    let raw: Value = serde_json::to_value(api.get("empty-check").await.expect("get")).expect("to json");
+    assert_eq!(raw["spec"]["healthCheck"]["intervalSeconds"], 30);
+    assert_eq!(raw["spec"]["maxLeases"], 5);
+    assert_eq!(raw["spec"]["port"], 3128);
+}
+
+#[tokio::test]
+async fn explicit_zero_max_leases_survives_the_round_trip() {
+    let (_ns, api) = proxies("max-leases").await;
+    let spec = ProxySpec { max_leases: Some(0), ..ProxySpec::new(ProxyMode::External) };
+    let spec = ProxySpec { endpoint: Some(Endpoint { host: "127.0.0.1".into(), port: 3128 }), ..spec };
+    api.create(&PostParams::default(), &Proxy::new("drained", spec)).await.expect("create");
+    let read = api.get("drained").await.expect("get");
+    assert_eq!(read.spec.max_leases, Some(0));
+    assert_eq!(read.spec.max_leases(), 0);
+
+    // An update that leaves the field alone keeps the 0 too.
+    let mut updated = read.clone();
+    updated.spec.health_check.interval_seconds = 60;
+    let replaced = api.replace("drained", &PostParams::default(), &updated).await.expect("replace");
+    assert_eq!(replaced.spec.max_leases, Some(0));
+}
+
+/// Fetches the objects of `path` as a `meta.k8s.io/v1` Table, as kubectl does for `get`.
+async fn table(client: &kube::Client, path: &str) -> Value {
+    let request = http::Request::get(path)
+        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+        .body(Vec::new())
+        .expect("request");
+    let text = client.request_text(request).await.expect("table request");
+    serde_json::from_str(&text).expect("a JSON Table")
+}
+
+fn column_names(table: &Value) -> Vec<String> {
+    table["columnDefinitions"]
+        .as_array()
+        .expect("columnDefinitions")
+        .iter()
+        .map(|column| column["name"].as_str().expect("column name").to_uppercase())
+        .collect()
+}
+
+#[tokio::test]
+async fn proxy_printer_columns_through_the_table_api() {
+    let (ns, api) = proxies("columns").await;
+    assert_accepted(apply(&api, "ext", external()).await);
+    let status = ProxyStatus {
+        phase: Some(ProxyPhase::Ready),
+        endpoint: Some(EndpointStatus::from(&Endpoint { host: "proxy.example".into(), port: 8080 })),
+        health: Some(HealthStatus { healthy: true, last_transition_time: None, last_error: None }),
+        ..ProxyStatus::default()
+    };
+    api.patch_status("ext", &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
+        .await
+        .expect("the status subresource accepts a status patch");
+
+    let table =
+        table(&ns.client(), &format!("/apis/crawl.example.com/v1alpha1/namespaces/{}/proxies", ns.name())).await;
+    assert_eq!(column_names(&table), ["NAME", "MODE", "PROVIDER", "PHASE", "ENDPOINT", "HEALTHY", "AGE"]);
+    let cells = table["rows"][0]["cells"].as_array().expect("one row").clone();
+    assert_eq!(cells[0], "ext");
+    assert_eq!(cells[1], "External");
+    assert_eq!(cells[3], "Ready");
+    assert_eq!(cells[4], "proxy.example:8080");
+    assert_eq!(cells[5], true);
+}
+
+#[tokio::test]
+async fn status_is_a_subresource() {
+    let (_ns, api) = proxies("subresource").await;
+    assert_accepted(apply(&api, "p", external()).await);
+    // A status sent to the main resource is ignored; only the subresource writes it.
+    let ignored = api
+        .patch("p", &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Ready" } })))
+        .await
+        .expect("patch");
+    assert_eq!(ignored.status.and_then(|status| status.phase), None);
+    let written = api
+        .patch_status("p", &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Ready" } })))
+        .await
+        .expect("status patch");
+    assert_eq!(written.status.and_then(|status| status.phase), Some(ProxyPhase::Ready));
+}
+
+#[tokio::test]
+async fn provider_health_shows_ready_over_total() {
+    let ns = egress_testenv::namespace("provider-health").await;
+    let api: Api<ProviderHealth> = Api::all(ns.client());
+    // ProviderHealth is cluster-scoped, so the name carries the namespace to stay unique across tests.
+    let name = format!("pods-{}", ns.name());
+    let object = ProviderHealth::new(&name, ProviderHealthSpec {});
+    api.create(&PostParams::default(), &object).await.expect("create ProviderHealth");
+    let target =
+        TargetHealth { name: "cluster".into(), ready: true, reason: None, message: None, last_transition_time: None };
+    let status = ProviderHealthStatus::from_targets(vec![target], None);
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
+        .await
+        .expect("status patch");
+
+    let table = table(&ns.client(), "/apis/crawl.example.com/v1alpha1/providerhealths").await;
+    assert_eq!(column_names(&table), ["NAME", "READY", "LAST CHECK", "AGE"]);
+    let row = table["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .find(|row| row["cells"][0] == name.as_str())
+        .expect("our ProviderHealth is listed")
+        .clone();
+    assert_eq!(row["cells"][1], "1/1");
+}

@@ -1,0 +1,151 @@
+//! `cargo xtask envtest`: builds kube-apiserver and etcd from their Go modules into the cache directory, and with
+//! `--up` keeps a control plane running for manual use.
+//!
+//! The Go wrapper module in `xtask/envtest/` pins `k8s.io/kubernetes` and replaces each of its staging modules with
+//! the matching published release, so `go build` resolves everything through the Go module proxy. The binaries land
+//! in `egress_testenv::assets::bin_dir()`, outside the checkout, so a machine builds them once.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use egress_testenv::assets::{self, KUBERNETES_VERSION};
+
+use crate::process::{output, run};
+use crate::workspace_root;
+
+/// The Go module that builds the control plane.
+pub fn go_module_dir() -> PathBuf {
+    workspace_root().join("xtask").join("envtest")
+}
+
+/// Builds the binaries unless the cache already holds the right version; returns their directory.
+pub fn ensure_built() -> Result<PathBuf> {
+    let dir = assets::bin_dir();
+    if is_current(&dir) {
+        eprintln!("envtest: kube-apiserver {KUBERNETES_VERSION} and etcd are present in {}", dir.display());
+        return Ok(dir);
+    }
+    if output(Command::new("go").arg("version")).is_none() {
+        bail!(
+            "building the test control plane needs Go (1.26 or newer) on PATH; install it, or set {} to a directory \
+             that already holds kube-apiserver and etcd {KUBERNETES_VERSION}",
+            assets::BIN_DIR_ENV
+        );
+    }
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Build into a scratch directory and rename into place, so an interrupted build never leaves a binary that
+    // looks current but is truncated.
+    let scratch = dir.join(format!(".build-{}", std::process::id()));
+    fs::create_dir_all(&scratch)?;
+    let version = KUBERNETES_VERSION.trim_start_matches('v');
+    let (major, minor) =
+        version.split_once('.').map(|(major, rest)| (major, rest.split('.').next().unwrap_or(""))).unwrap_or(("", ""));
+    let mut stamp = Vec::new();
+    for package in ["k8s.io/component-base/version", "k8s.io/client-go/pkg/version"] {
+        stamp.push(format!("-X {package}.gitVersion={KUBERNETES_VERSION}"));
+        stamp.push(format!("-X {package}.gitMajor={major}"));
+        stamp.push(format!("-X {package}.gitMinor={minor}"));
+        stamp.push(format!("-X {package}.gitTreeState=clean"));
+    }
+    let builds = [
+        ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver", format!("-s -w {}", stamp.join(" "))),
+        ("etcd", "go.etcd.io/etcd/server/v3", "-s -w".to_owned()),
+    ];
+    for (name, package, ldflags) in builds {
+        let started = Instant::now();
+        eprintln!("envtest: building {name} from {package} (the first build on a machine takes several minutes)");
+        run(Command::new("go")
+            .current_dir(go_module_dir())
+            .env("CGO_ENABLED", "0")
+            .args(["build", "-trimpath", "-ldflags", &ldflags, "-o"])
+            .arg(scratch.join(name))
+            .arg(package))?;
+        eprintln!("envtest: built {name} in {:.0?}", started.elapsed());
+    }
+    for name in ["kube-apiserver", "etcd"] {
+        fs::rename(scratch.join(name), dir.join(name))
+            .with_context(|| format!("moving {name} into {}", dir.display()))?;
+    }
+    fs::remove_dir_all(&scratch)?;
+    if !is_current(&dir) {
+        bail!("the freshly built kube-apiserver in {} does not report {KUBERNETES_VERSION}", dir.display());
+    }
+    Ok(dir)
+}
+
+/// Whether `dir` holds an etcd and a kube-apiserver that reports the pinned version.
+fn is_current(dir: &Path) -> bool {
+    let reported = output(Command::new(dir.join("kube-apiserver")).arg("--version"));
+    reported.is_some_and(|text| text.trim() == format!("Kubernetes {KUBERNETES_VERSION}"))
+        && output(Command::new(dir.join("etcd")).arg("--version")).is_some()
+}
+
+/// Starts a control plane with the CRDs installed and keeps it up until Ctrl-C.
+pub fn up(copy_kubeconfig_to: Option<PathBuf>, with_sample: bool) -> Result<()> {
+    ensure_built()?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let plane = egress_testenv::ControlPlane::start().await?;
+        let kubeconfig = match copy_kubeconfig_to {
+            Some(path) => {
+                fs::copy(plane.kubeconfig_path(), &path).with_context(|| format!("writing {}", path.display()))?;
+                path
+            }
+            None => plane.kubeconfig_path().to_path_buf(),
+        };
+        if with_sample {
+            create_sample(&plane).await?;
+        }
+        println!("control plane {} ready in {:.1?}", plane.server_url(), plane.startup_duration());
+        println!("kubeconfig: {}", kubeconfig.display());
+        println!("try:        kubectl --kubeconfig {} get px -A", kubeconfig.display());
+        println!("Ctrl-C stops it and removes its files.");
+        tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+        println!("stopping the control plane");
+        drop(plane);
+        Ok(())
+    })
+}
+
+/// Creates an External Proxy `example` in the `default` namespace, so `kubectl get px` and `kubectl describe px`
+/// have something to show on a fresh control plane.
+async fn create_sample(plane: &egress_testenv::ControlPlane) -> Result<()> {
+    use egress_api::{Endpoint, Proxy, ProxyMode, ProxySpec};
+    let spec = ProxySpec {
+        endpoint: Some(Endpoint { host: "127.0.0.1".into(), port: 3128 }),
+        ..ProxySpec::new(ProxyMode::External)
+    };
+    let proxies: kube::Api<Proxy> = kube::Api::namespaced(plane.client().await?, "default");
+    proxies
+        .create(&kube::api::PostParams::default(), &Proxy::new("example", spec))
+        .await
+        .context("creating the sample Proxy")?;
+    println!("created the sample External Proxy default/example (127.0.0.1:3128)");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Go module, the testenv constant and the k8s-openapi feature must name one Kubernetes release.
+    #[test]
+    fn go_module_pins_the_testenv_version() {
+        let go_mod = fs::read_to_string(go_module_dir().join("go.mod")).expect("xtask/envtest/go.mod is readable");
+        assert!(
+            go_mod.contains(&format!("k8s.io/kubernetes {KUBERNETES_VERSION}")),
+            "go.mod must require k8s.io/kubernetes {KUBERNETES_VERSION}"
+        );
+        let staging = KUBERNETES_VERSION.replacen("v1.", "v0.", 1);
+        for line in go_mod.lines().filter(|line| line.contains("=> k8s.io/")) {
+            assert!(line.trim_end().ends_with(&staging), "staging replacement not at {staging}: {line}");
+        }
+        let minor = KUBERNETES_VERSION.split('.').nth(1).expect("a minor version");
+        let manifest =
+            fs::read_to_string(workspace_root().join("Cargo.toml")).expect("the workspace manifest is readable");
+        assert!(manifest.contains(&format!("\"v1_{minor}\"")), "k8s-openapi must enable the v1_{minor} feature");
+    }
+}

@@ -1,0 +1,72 @@
+//! `cargo xtask`: the project's automation, written in Rust so it runs wherever cargo does.
+//!
+//! Each subcommand lives in its own module; this file only parses the command line and dispatches.
+
+mod crdgen;
+mod envtest;
+mod process;
+mod test;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Project automation for egress-operator.
+#[derive(Parser)]
+#[command(name = "cargo xtask", about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write the CRD YAML under crds/ from the Rust types, or check that it is current.
+    Crdgen {
+        /// Do not write: exit non-zero and name each stale file when crds/ differs from the Rust types.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Build the test control plane (kube-apiserver and etcd) into the cache directory, or keep one running.
+    Envtest {
+        /// Start a control plane with the CRDs installed, print its kubeconfig path, and keep it up until Ctrl-C.
+        #[arg(long)]
+        up: bool,
+        /// With --up: also write the kubeconfig to this path.
+        #[arg(long, requires = "up")]
+        kubeconfig: Option<PathBuf>,
+        /// With --up: do not create the sample External Proxy `default/example`.
+        #[arg(long, requires = "up")]
+        no_sample: bool,
+    },
+    /// Install what is missing, then run formatting, lints, the CRD drift check and every test.
+    Test {
+        /// Arguments passed to `cargo test` after the workspace selection (for example a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        cargo_test_args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Crdgen { check } => crdgen::run(check),
+        Command::Envtest { up: false, .. } => envtest::ensure_built().map(|dir| println!("{}", dir.display())),
+        Command::Envtest { up: true, kubeconfig, no_sample } => envtest::up(kubeconfig, !no_sample),
+        Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: xtask's manifest sits one level below it.
+fn workspace_root() -> PathBuf {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().map(PathBuf::from).unwrap_or(manifest_dir)
+}
