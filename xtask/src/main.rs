@@ -4,6 +4,7 @@
 
 mod crdgen;
 mod envtest;
+mod packages;
 mod process;
 mod test;
 

@@ -16,6 +16,8 @@
 
 pub mod assets;
 pub mod control_plane;
+pub mod node_agent;
+pub mod origin;
 pub mod pki;
 
 use std::future::Future;
@@ -27,6 +29,8 @@ use kube::{Client, Resource};
 use tokio::sync::OnceCell;
 
 pub use control_plane::ControlPlane;
+pub use node_agent::NodeAgent;
+pub use origin::{LocalOrigin, get_through_proxy};
 
 static SHARED: OnceCell<ControlPlane> = OnceCell::const_new();
 

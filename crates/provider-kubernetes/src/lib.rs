@@ -1,0 +1,251 @@
+//! The kubernetes provider: each proxy instance is Squid in a Pod of the cluster the operator runs in.
+//!
+//! For an instance named `px-…` the provider creates, in the instance's namespace (`placement.zone`, else the
+//! configured namespace), a Pod, a ConfigMap with `squid.conf`, and — when the Proxy has credentials — a Secret with
+//! the password file, all named like the instance. The ConfigMap and Secret are owned by the Pod, so the cluster's
+//! garbage collector removes them with it; `delete` removes all three anyway, so nothing depends on a collector
+//! running. Every object carries the GC contract as labels under `crawl.example.com/`.
+//!
+//! `provider_id` is `<namespace>/<pod>`. Errors are classified from the API's status codes (see [`classify`]).
+
+mod objects;
+pub mod squid;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use egress_provider::config::{KubernetesConfig, ProviderConfig, ProviderSettings, ResourceProfile};
+use egress_provider::registry::Built;
+use egress_provider::{
+    Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict,
+};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::{Client, Resource};
+use tracing::{debug, instrument};
+
+pub use objects::{INSTANCE_LABEL, LABEL_PREFIX, tag_label};
+
+/// The kubernetes provider.
+#[derive(Clone)]
+pub struct KubernetesProvider {
+    client: Client,
+    config: KubernetesConfig,
+}
+
+impl KubernetesProvider {
+    /// A provider that creates pods through `client` with the given settings.
+    pub fn new(client: Client, config: KubernetesConfig) -> Self {
+        Self { client, config }
+    }
+
+    /// The registry constructor for `type: kubernetes`: uses the operator's own in-cluster or kubeconfig
+    /// credentials.
+    pub async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
+        let ProviderSettings::Kubernetes(settings) = config.settings else {
+            return Err(ProviderError::permanent(format!("provider {:?} is not of type kubernetes", config.name)));
+        };
+        let client = Client::try_default().await.map_err(|error| {
+            ProviderError::transient("no Kubernetes client configuration (in-cluster or kubeconfig)").with_source(error)
+        })?;
+        let provider = std::sync::Arc::new(Self::new(client, settings));
+        Ok(Built { provider: provider.clone(), checker: Some(provider) })
+    }
+
+    fn resources(&self, machine_type: Option<&str>) -> Result<&ResourceProfile, ProviderError> {
+        match machine_type {
+            None => Ok(&self.config.resources),
+            Some(name) => self.config.machine_types.get(name).ok_or_else(|| {
+                let known: Vec<&str> = self.config.machine_types.keys().map(String::as_str).collect();
+                ProviderError::permanent(format!(
+                    "unknown machine type {name:?} for the kubernetes provider (configured: {})",
+                    if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                ))
+            }),
+        }
+    }
+}
+
+/// Splits `<namespace>/<pod>`.
+fn parse_provider_id(provider_id: &str) -> Result<(&str, &str), ProviderError> {
+    match provider_id.split_once('/') {
+        Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((namespace, name))
+        }
+        _ => Err(ProviderError::permanent(format!(
+            "{provider_id:?} is not a kubernetes provider ID (expected <namespace>/<pod>)"
+        ))),
+    }
+}
+
+/// Classifies a Kubernetes API error.
+///
+/// 404 → `NotFound`; 403 whose message says a quota was exceeded → `QuotaExceeded`; 400, 403 and 422 →
+/// `Permanent`; 429, 5xx and everything that is not an API answer (transport, TLS, timeouts) → `Transient`.
+pub fn classify(context: &str, error: kube::Error) -> ProviderError {
+    let class = match &error {
+        kube::Error::Api(status) => match status.code {
+            404 => ErrorClass::NotFound,
+            403 if status.message.contains("exceeded quota") => ErrorClass::QuotaExceeded,
+            400 | 403 | 422 => ErrorClass::Permanent,
+            _ => ErrorClass::Transient,
+        },
+        _ => ErrorClass::Transient,
+    };
+    ProviderError::new(class, context.to_owned()).with_source(error)
+}
+
+fn is_conflict(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+/// The instance a pod stands for.
+///
+/// Pending → Provisioning; Running with a pod IP → Running; Running without one → Provisioning;
+/// Succeeded, Failed and Unknown → Terminated; a pod being deleted → Terminated.
+pub fn instance_from_pod(pod: &Pod) -> Instance {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let status = pod.status.as_ref();
+    let ip: Option<IpAddr> = status.and_then(|status| status.pod_ip.as_deref()).and_then(|ip| ip.parse().ok());
+    let state = if pod.metadata.deletion_timestamp.is_some() {
+        InstanceState::Terminated
+    } else {
+        match status.and_then(|status| status.phase.as_deref()) {
+            Some("Running") => InstanceState::Running,
+            Some("Succeeded" | "Failed" | "Unknown") => InstanceState::Terminated,
+            _ => InstanceState::Provisioning,
+        }
+    };
+    let created_at = pod.metadata.creation_timestamp.as_ref().map(|time| SystemTime::from(time.0));
+    let tags = objects::tags_from_labels(pod.metadata.labels.as_ref().unwrap_or(&BTreeMap::new()));
+    Instance::new(name.clone(), format!("{namespace}/{name}"), state, ip, created_at, tags)
+}
+
+#[async_trait]
+impl Provider for KubernetesProvider {
+    #[instrument(skip(self, request), fields(provider = "kubernetes", instance = %request.name))]
+    async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
+        let namespace = request.zone.as_deref().unwrap_or(&self.config.namespace);
+        if !egress_provider::config::is_identifier(namespace) {
+            return Err(ProviderError::permanent(format!(
+                "{namespace:?} (placement.zone) is not a valid namespace name for the kubernetes provider"
+            )));
+        }
+        let resources = self.resources(request.machine_type.as_deref())?;
+        let image = request.image.as_deref().unwrap_or(&self.config.image);
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let pod = objects::pod(&self.config, request, namespace, image, resources)?;
+        let pod = match pods.create(&PostParams::default(), &pod).await {
+            Ok(created) => {
+                debug!(namespace, "pod created");
+                created
+            }
+            // Same name, so same Proxy and spec hash: a create that ran before a crash. Adopt it.
+            Err(error) if is_conflict(&error) => {
+                debug!(namespace, "pod exists; adopting it");
+                pods.get(&request.name).await.map_err(|error| classify("reading the existing pod", error))?
+            }
+            // On create, 404 means the namespace does not exist: retrying the same request cannot help.
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                return Err(ProviderError::permanent(format!("namespace {namespace:?} does not exist"))
+                    .with_source(kube::Error::Api(status)));
+            }
+            Err(error) => return Err(classify("creating the pod", error)),
+        };
+        // The ConfigMap and Secret are made after the pod so they can name it as owner; the pod waits for them.
+        // Re-running this after a crash between the two steps creates what is missing.
+        let owner = pod.controller_owner_ref(&()).map(|mut owner| {
+            owner.controller = Some(false);
+            owner
+        });
+        let config_maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), namespace);
+        let config_map = objects::config_map(request, namespace, owner.clone());
+        match config_maps.create(&PostParams::default(), &config_map).await {
+            Ok(_) => {}
+            Err(error) if is_conflict(&error) => {}
+            Err(error) => return Err(classify("creating the squid ConfigMap", error)),
+        }
+        if let Some(secret) = objects::auth_secret(request, namespace, owner) {
+            let secrets: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {}
+                Err(error) if is_conflict(&error) => {}
+                Err(error) => return Err(classify("creating the proxy auth Secret", error)),
+            }
+        }
+        Ok(instance_from_pod(&pod))
+    }
+
+    #[instrument(skip(self), fields(provider = "kubernetes"))]
+    async fn get(&self, provider_id: &str) -> Result<Instance, ProviderError> {
+        let (namespace, name) = parse_provider_id(provider_id)?;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let pod = pods.get(name).await.map_err(|error| classify(&format!("reading pod {provider_id}"), error))?;
+        Ok(instance_from_pod(&pod))
+    }
+
+    #[instrument(skip(self), fields(provider = "kubernetes"))]
+    async fn delete(&self, provider_id: &str) -> Result<(), ProviderError> {
+        let (namespace, name) = parse_provider_id(provider_id)?;
+        let params = DeleteParams::background();
+        let ignore_missing = |result: Result<_, kube::Error>, what: &str| match result {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            Err(error) => Err(classify(&format!("deleting {what} {provider_id}"), error)),
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        ignore_missing(pods.delete(name, &params).await.map(|_| ()), "pod")?;
+        let config_maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), namespace);
+        ignore_missing(config_maps.delete(name, &params).await.map(|_| ()), "ConfigMap")?;
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+        ignore_missing(secrets.delete(name, &params).await.map(|_| ()), "Secret")?;
+        Ok(())
+    }
+
+    #[instrument(skip(self, tags), fields(provider = "kubernetes"))]
+    async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError> {
+        let selector = objects::selector(tags)?;
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|error| classify("listing proxy pods", error))?;
+        Ok(list.items.iter().map(instance_from_pod).collect())
+    }
+}
+
+#[async_trait]
+impl Checker for KubernetesProvider {
+    /// One target, `cluster`: the API answers and this identity may list pods cluster-wide (as `list_by_tag` does).
+    async fn check(&self) -> Vec<TargetVerdict> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let verdict = match pods.list_metadata(&ListParams::default().limit(1)).await {
+            Ok(_) => TargetVerdict::ready("cluster"),
+            Err(error) => {
+                let error = classify("listing pods", error);
+                let reason = match error.class() {
+                    ErrorClass::Permanent => "Forbidden",
+                    _ => "Unreachable",
+                };
+                TargetVerdict::not_ready("cluster", reason, error.chain())
+            }
+        };
+        vec![verdict]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn provider_ids_parse_strictly() {
+        assert_eq!(parse_provider_id("egress/px-a").expect("valid"), ("egress", "px-a"));
+        for bad in ["px-a", "/px-a", "egress/", "a/b/c", ""] {
+            assert_eq!(parse_provider_id(bad).expect_err(bad).class(), ErrorClass::Permanent, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! The kubernetes provider against the real test control plane, and with the local node agent, against real Squid.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use egress_provider::config::{KubernetesConfig, ProviderSettings, ProvidersConfig};
+use egress_provider::{
+    Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProxyCredentials, Sensitive, Tags,
+    instance_name,
+};
+use egress_provider_kubernetes::KubernetesProvider;
+use egress_testenv::{LocalOrigin, NodeAgent, TestNamespace, eventually, get_through_proxy};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, ResourceQuota, ResourceQuotaSpec, Secret};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+const CLUSTER: &str = "test-cluster";
+
+fn settings(namespace: &str) -> KubernetesConfig {
+    let text = format!(
+        "providers:\n  - name: pods\n    type: kubernetes\n    kubernetes:\n      namespace: {namespace}\n      fdLimit: 4096\n      \
+         machineTypes:\n        small: {{ cpu: 10m, memory: 64Mi }}\n"
+    );
+    let config = ProvidersConfig::parse(&text, "test").unwrap_or_else(|error| panic!("{error}"));
+    match config.providers.into_iter().next().map(|provider| provider.settings) {
+        Some(ProviderSettings::Kubernetes(settings)) => settings,
+        other => panic!("expected a kubernetes block, got {other:?}"),
+    }
+}
+
+fn provider(ns: &TestNamespace) -> KubernetesProvider {
+    KubernetesProvider::new(ns.client(), settings(ns.name()))
+}
+
+/// A request as the reconciler would make it for the Proxy `uid`.
+fn request(uid: &str) -> CreateRequest {
+    let hash = "340e470e78ddee5a";
+    CreateRequest {
+        name: instance_name(uid, hash),
+        zone: None,
+        machine_type: None,
+        image: None,
+        cloud_init: None,
+        port: 3128,
+        credentials: None,
+        tags: Tags::gc_contract(CLUSTER, uid, hash),
+    }
+}
+
+/// Waits until the instance runs; a pod the node agent reports Failed ends the wait with the agent's message.
+async fn wait_running(ns: &TestNamespace, provider: &KubernetesProvider, provider_id: &str) -> Instance {
+    let name = provider_id.split('/').nth(1).expect("namespace/name");
+    eventually("the pod to run", Duration::from_secs(60), || async {
+        let pod = ns.api::<Pod>().get(name).await.ok()?;
+        let status = pod.status.unwrap_or_default();
+        if status.phase.as_deref() == Some("Failed") {
+            panic!("the pod failed: {}", status.message.unwrap_or_default());
+        }
+        let instance = provider.get(provider_id).await.ok()?;
+        (instance.state == InstanceState::Running).then_some(instance)
+    })
+    .await
+}
+
+async fn pods(ns: &TestNamespace) -> Vec<Pod> {
+    ns.api::<Pod>().list(&ListParams::default()).await.expect("list pods").items
+}
+
+#[tokio::test]
+async fn lifecycle_create_get_list_delete() {
+    let ns = egress_testenv::namespace("k8s-lifecycle").await;
+    let provider = provider(&ns);
+    let request = request("11111111-aaaa-bbbb-cccc-000000000001");
+
+    let created = provider.create(&request).await.expect("create");
+    assert_eq!(created.name, request.name);
+    assert_eq!(created.provider_id, format!("{}/{}", ns.name(), request.name));
+    assert_eq!(created.state, InstanceState::Provisioning, "an unscheduled pod is Provisioning");
+    assert_eq!(created.tags, request.tags);
+    assert!(ns.api::<ConfigMap>().get_opt(&request.name).await.expect("get ConfigMap").is_some(), "squid.conf exists");
+
+    let got = provider.get(&created.provider_id).await.expect("get");
+    assert_eq!(got, created);
+
+    let listed = provider.list_by_tag(&Tags::owned_by_cluster(CLUSTER)).await.expect("list");
+    assert!(listed.iter().any(|instance| instance.provider_id == created.provider_id), "{listed:?}");
+    let other_cluster = provider.list_by_tag(&Tags::owned_by_cluster("another-cluster")).await.expect("list");
+    assert!(other_cluster.iter().all(|instance| instance.provider_id != created.provider_id));
+
+    provider.delete(&created.provider_id).await.expect("delete");
+    // The pod was never bound to a node, so the apiserver removes it at once.
+    let error = provider.get(&created.provider_id).await.expect_err("the pod is gone");
+    assert_eq!(error.class(), ErrorClass::NotFound);
+    assert!(
+        ns.api::<ConfigMap>().get_opt(&request.name).await.expect("get ConfigMap").is_none(),
+        "the ConfigMap is gone"
+    );
+    assert!(pods(&ns).await.is_empty());
+}
+
+#[tokio::test]
+async fn creating_twice_gives_one_pod() {
+    let ns = egress_testenv::namespace("k8s-idempotent").await;
+    let provider = provider(&ns);
+    let request = request("11111111-aaaa-bbbb-cccc-000000000002");
+    let first = provider.create(&request).await.expect("first create");
+    let second = provider.create(&request).await.expect("second create adopts the pod");
+    assert_eq!(first.provider_id, second.provider_id);
+    assert_eq!(pods(&ns).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_missing_config_map_is_recreated_by_the_next_create() {
+    // A crash between creating the pod and its ConfigMap leaves a pod without configuration; the retry heals it.
+    let ns = egress_testenv::namespace("k8s-heal").await;
+    let provider = provider(&ns);
+    let request = request("11111111-aaaa-bbbb-cccc-000000000003");
+    provider.create(&request).await.expect("create");
+    ns.api::<ConfigMap>().delete(&request.name, &Default::default()).await.expect("delete the ConfigMap");
+    provider.create(&request).await.expect("create again");
+    assert!(ns.api::<ConfigMap>().get_opt(&request.name).await.expect("get").is_some());
+}
+
+#[tokio::test]
+async fn pod_phases_map_to_instance_states() {
+    let ns = egress_testenv::namespace("k8s-states").await;
+    let provider = provider(&ns);
+    let request = request("11111111-aaaa-bbbb-cccc-000000000004");
+    let created = provider.create(&request).await.expect("create");
+    let cases: [(&str, Option<&str>, InstanceState); 6] = [
+        ("Pending", None, InstanceState::Provisioning),
+        ("Running", None, InstanceState::Provisioning),
+        ("Running", Some("10.1.2.3"), InstanceState::Running),
+        ("Succeeded", Some("10.1.2.3"), InstanceState::Terminated),
+        ("Failed", None, InstanceState::Terminated),
+        ("Unknown", None, InstanceState::Terminated),
+    ];
+    for (phase, ip, expected) in cases {
+        let status =
+            json!({ "status": { "phase": phase, "podIP": ip, "podIPs": ip.map(|ip| vec![json!({ "ip": ip })]) } });
+        ns.api::<Pod>()
+            .patch_status(&request.name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .expect("patch pod status");
+        let instance: Instance = provider.get(&created.provider_id).await.expect("get");
+        assert_eq!(instance.state, expected, "phase {phase} with IP {ip:?}");
+        let expected_ip =
+            if expected == InstanceState::Running { ip.map(|ip| ip.parse().expect("ip")) } else { instance.ip };
+        assert_eq!(instance.ip, expected_ip);
+    }
+}
+
+#[tokio::test]
+async fn list_by_tag_spans_namespaces() {
+    let first = egress_testenv::namespace("k8s-list-a").await;
+    let second = egress_testenv::namespace("k8s-list-b").await;
+    let provider = provider(&first);
+    let uid = "11111111-aaaa-bbbb-cccc-000000000005";
+    let in_first = provider.create(&request(uid)).await.expect("create in the default namespace");
+    let mut elsewhere = request("11111111-aaaa-bbbb-cccc-000000000006");
+    elsewhere.zone = Some(second.name().to_owned());
+    let in_second = provider.create(&elsewhere).await.expect("create in placement.zone's namespace");
+    assert!(in_second.provider_id.starts_with(&format!("{}/", second.name())));
+
+    let listed = provider.list_by_tag(&Tags::owned_by_cluster(CLUSTER)).await.expect("list");
+    let ids: Vec<&str> = listed.iter().map(|instance| instance.provider_id.as_str()).collect();
+    assert!(ids.contains(&in_first.provider_id.as_str()) && ids.contains(&in_second.provider_id.as_str()), "{ids:?}");
+
+    let one = provider.list_by_tag(&Tags::owned_by_cluster(CLUSTER).with(Tags::PROXY_UID, uid)).await.expect("list");
+    assert_eq!(one.iter().map(|instance| &instance.provider_id).collect::<Vec<_>>(), [&in_first.provider_id]);
+}
+
+#[tokio::test]
+async fn a_resource_quota_gives_quota_exceeded() {
+    let ns = egress_testenv::namespace("k8s-quota").await;
+    let quota = ResourceQuota {
+        metadata: ObjectMeta { name: Some("no-pods".into()), ..ObjectMeta::default() },
+        spec: Some(ResourceQuotaSpec {
+            hard: Some(BTreeMap::from([("pods".to_owned(), Quantity("0".into()))])),
+            ..ResourceQuotaSpec::default()
+        }),
+        status: None,
+    };
+    let quotas: Api<ResourceQuota> = ns.api();
+    quotas.create(&PostParams::default(), &quota).await.expect("create quota");
+    // No controller-manager runs here to compute the quota's usage, so the test reports it as that controller would.
+    let usage = json!({ "status": { "hard": { "pods": "0" }, "used": { "pods": "0" } } });
+    quotas.patch_status("no-pods", &PatchParams::default(), &Patch::Merge(usage)).await.expect("quota status");
+
+    let error = provider(&ns).create(&request("11111111-aaaa-bbbb-cccc-000000000007")).await.expect_err("over quota");
+    assert_eq!(error.class(), ErrorClass::QuotaExceeded, "{}", error.chain());
+    assert!(error.chain().contains("exceeded quota"), "the cause is kept: {}", error.chain());
+}
+
+#[tokio::test]
+async fn invalid_requests_are_permanent() {
+    let ns = egress_testenv::namespace("k8s-permanent").await;
+    let provider = provider(&ns);
+    let mut unknown_profile = request("11111111-aaaa-bbbb-cccc-000000000008");
+    unknown_profile.machine_type = Some("huge".into());
+    let error = provider.create(&unknown_profile).await.expect_err("unknown machine type");
+    assert_eq!(error.class(), ErrorClass::Permanent);
+    assert!(
+        error.to_string().contains("unknown machine type \"huge\" for the kubernetes provider (configured: small)"),
+        "{error}"
+    );
+
+    let mut bad_namespace = request("11111111-aaaa-bbbb-cccc-000000000009");
+    bad_namespace.zone = Some("Not_A_Namespace".into());
+    assert_eq!(provider.create(&bad_namespace).await.expect_err("invalid namespace").class(), ErrorClass::Permanent);
+
+    assert_eq!(provider.get("no-slash").await.expect_err("bad id").class(), ErrorClass::Permanent);
+}
+
+#[tokio::test]
+async fn deleting_a_missing_instance_succeeds() {
+    let ns = egress_testenv::namespace("k8s-delete-missing").await;
+    provider(&ns).delete(&format!("{}/px-doesnotexist0000", ns.name())).await.expect("idempotent delete");
+    provider(&ns).delete("no-such-namespace/px-doesnotexist0000").await.expect("idempotent delete");
+}
+
+#[tokio::test]
+async fn checker_reports_the_cluster_ready() {
+    let ns = egress_testenv::namespace("k8s-check").await;
+    let verdicts = provider(&ns).check().await;
+    assert_eq!(verdicts.len(), 1);
+    assert!(verdicts[0].ready, "{verdicts:?}");
+    assert_eq!(verdicts[0].target, "cluster");
+}
+
+#[tokio::test]
+async fn squid_in_a_pod_serves_with_and_without_credentials() {
+    let ns = egress_testenv::namespace("k8s-squid").await;
+    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("the node agent starts");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = provider(&ns);
+    let mut request = request("11111111-aaaa-bbbb-cccc-00000000000a");
+    request.machine_type = Some("small".into());
+    request.credentials =
+        Some(ProxyCredentials { username: "crawler".into(), password: Sensitive::new("s3cret pass".into()) });
+    let created = provider.create(&request).await.expect("create");
+    let secret = ns.api::<Secret>().get(&request.name).await.expect("the auth Secret exists");
+    let stored = secret
+        .data
+        .expect("data")
+        .values()
+        .map(|value| String::from_utf8_lossy(&value.0).into_owned())
+        .collect::<String>();
+    assert!(!stored.contains("s3cret"), "only a hash of the password is stored");
+
+    let running = wait_running(&ns, &provider, &created.provider_id).await;
+    let ip = running.ip.expect("a running instance has an address");
+    assert_eq!(Some(ip), agent.pod_ip(ns.name(), &request.name).map(Into::into));
+    let proxy = std::net::SocketAddr::new(ip, 3128);
+
+    assert_eq!(get_through_proxy(proxy, &origin.url(), None).await.expect("request"), 407);
+    assert_eq!(get_through_proxy(proxy, &origin.url(), Some(("crawler", "wrong"))).await.expect("request"), 407);
+    assert_eq!(get_through_proxy(proxy, &origin.url(), Some(("crawler", "s3cret pass"))).await.expect("request"), 200);
+    assert_eq!(origin.requests(), 1, "only the authorised request reached the origin");
+
+    let squid_pid = agent.squid_pid(ns.name(), &request.name).expect("a Squid process");
+    provider.delete(&created.provider_id).await.expect("delete");
+    eventually("the pod to be gone", Duration::from_secs(30), || async {
+        provider.get(&created.provider_id).await.err().filter(|error| error.is_not_found())
+    })
+    .await;
+    eventually("Squid to stop", Duration::from_secs(30), || async {
+        (!std::path::Path::new(&format!("/proc/{squid_pid}")).exists()).then_some(())
+    })
+    .await;
+    assert!(get_through_proxy(proxy, &origin.url(), None).await.is_err(), "nothing listens any more");
+}
+
+#[tokio::test]
+async fn squid_without_credentials_is_open_to_local_clients() {
+    let ns = egress_testenv::namespace("k8s-open").await;
+    let _agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("the node agent starts");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = provider(&ns);
+    let created = provider.create(&request("11111111-aaaa-bbbb-cccc-00000000000b")).await.expect("create");
+    let running = wait_running(&ns, &provider, &created.provider_id).await;
+    let proxy = std::net::SocketAddr::new(running.ip.expect("address"), 3128);
+    assert_eq!(get_through_proxy(proxy, &origin.url(), None).await.expect("request"), 200);
+}

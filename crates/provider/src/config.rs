@@ -1,0 +1,680 @@
+//! The providers config file (`--providers-config`): a list of named provider instances, each with one
+//! type-specific block.
+//!
+//! Parsing is strict and complete: the YAML is read into a plain tree first, then walked by hand, so that unknown
+//! keys, type/block mismatches, duplicate names, missing fields and malformed identifiers are all reported in one
+//! pass, each with its path (`providers[2].kvm.hosts[0].name: must match ...`). Serde's derive stops at the first
+//! problem, which would make a user fix a file one mistake per restart.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::path::PathBuf;
+
+use serde_json::{Map, Value};
+
+/// The pattern every name and key in the file must match: it keeps IDs, file names and label values parseable.
+pub const IDENTIFIER_PATTERN: &str = "[a-z0-9]([a-z0-9-]*[a-z0-9])?";
+
+/// The provider types this file knows.
+pub const PROVIDER_TYPES: [&str; 3] = ["kubernetes", "gcp", "kvm"];
+
+/// A parsed and validated providers file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProvidersConfig {
+    /// The providers, in file order; names are unique.
+    pub providers: Vec<ProviderConfig>,
+}
+
+/// One named provider instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProviderConfig {
+    /// The name `Proxy.spec.provider` refers to.
+    pub name: String,
+    /// The type-specific settings.
+    pub settings: ProviderSettings,
+}
+
+/// The settings block of one provider type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProviderSettings {
+    /// Squid in Pods of this cluster.
+    Kubernetes(KubernetesConfig),
+    /// Compute Engine VMs.
+    Gcp(GcpConfig),
+    /// libvirt guests on hosts reached over SSH.
+    Kvm(KvmConfig),
+}
+
+impl ProviderSettings {
+    /// The `type` value this block belongs to.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Self::Kubernetes(_) => "kubernetes",
+            Self::Gcp(_) => "gcp",
+            Self::Kvm(_) => "kvm",
+        }
+    }
+}
+
+/// `kubernetes:` — Squid in a Pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    /// Namespace for pods whose Proxy gives no `placement.zone`. Default `egress-proxies`.
+    pub namespace: String,
+    /// Container image with Squid. Default `ubuntu/squid:latest`.
+    pub image: String,
+    /// `Always`, `IfNotPresent` or `Never`; unset leaves Kubernetes' default.
+    pub image_pull_policy: Option<String>,
+    /// The open-files limit Squid runs under (`ulimit -n`). Default 16384.
+    pub fd_limit: u32,
+    /// Requests and memory limit for pods whose Proxy gives no `placement.machineType`.
+    pub resources: ResourceProfile,
+    /// Named resource profiles `placement.machineType` may select.
+    pub machine_types: BTreeMap<String, ResourceProfile>,
+}
+
+/// A pod resource profile: CPU request, and memory as both request and limit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResourceProfile {
+    /// CPU request, a Kubernetes quantity (`50m`, `1`).
+    pub cpu: String,
+    /// Memory request and limit, a Kubernetes quantity (`128Mi`).
+    pub memory: String,
+}
+
+/// `gcp:` — Compute Engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GcpConfig {
+    /// The project instances are created in.
+    pub project: String,
+    /// The VPC network. Default `default`.
+    pub network: String,
+    /// The subnetwork, when the network is in custom mode.
+    pub subnetwork: Option<String>,
+    /// The zone for Proxies that give no `placement.zone`.
+    pub default_zone: Option<String>,
+    /// The machine type for Proxies that give no `placement.machineType`. Default `e2-micro`.
+    pub default_machine_type: String,
+    /// The image for Proxies that give no `placement.image`; it must run cloud-init.
+    pub default_image: String,
+    /// The network tag the user's firewall rule opens the proxy port for. Default `egress-proxy`.
+    pub firewall_tag: String,
+    /// A service-account key file; unset uses Application Default Credentials.
+    pub credentials_file: Option<PathBuf>,
+    /// The Compute Engine endpoint; unset uses Google's. For private endpoints and tests.
+    pub endpoint: Option<String>,
+}
+
+/// `kvm:` — libvirt guests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvmConfig {
+    /// How to reach the hosts.
+    pub ssh: KvmSsh,
+    /// The hosts; `placement.zone` names one.
+    pub hosts: Vec<KvmHost>,
+    /// Images by key; `placement.image` names one.
+    pub images: BTreeMap<String, KvmImage>,
+    /// Machine profiles by key; `placement.machineType` names one.
+    pub machine_types: BTreeMap<String, KvmMachineType>,
+    /// The host for Proxies that give no `placement.zone`; default the first host.
+    pub default_host: Option<String>,
+    /// The image for Proxies that give no `placement.image`; default the only image when there is one.
+    pub default_image: Option<String>,
+    /// The machine profile for Proxies that give no `placement.machineType`.
+    pub default_machine_type: Option<String>,
+}
+
+/// SSH settings shared by all hosts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvmSsh {
+    /// The default user. Default `root`.
+    pub user: String,
+    /// The private key file (for example a mounted Secret); read lazily, so it may appear after start.
+    pub private_key_file: PathBuf,
+    /// The known_hosts file; no host key is ever accepted unchecked.
+    pub known_hosts_file: PathBuf,
+}
+
+/// One KVM host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvmHost {
+    /// The key `placement.zone` uses.
+    pub name: String,
+    /// Host name or IP address for SSH.
+    pub address: String,
+    /// SSH port. Default 22.
+    pub port: u16,
+    /// SSH user; default `ssh.user`.
+    pub user: Option<String>,
+    /// The libvirt storage pool for images and disks. Default `default`.
+    pub pool: String,
+    /// The bridge guests attach to. Default `br0`.
+    pub bridge: String,
+}
+
+/// A cached guest image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvmImage {
+    /// Where to download it (http or https).
+    pub url: String,
+    /// Its SHA-256, 64 lowercase hex characters; a mismatch fails the download.
+    pub sha256: String,
+    /// `qcow2` (default) or `raw`.
+    pub format: String,
+    /// `uefi` (default) or `bios`.
+    pub firmware: String,
+}
+
+/// A guest size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvmMachineType {
+    /// Virtual CPUs.
+    pub vcpus: u32,
+    /// Memory in MiB.
+    pub memory_mib: u32,
+    /// Root disk size in GiB.
+    pub disk_gib: u32,
+}
+
+/// One problem in the file, with the path to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Where: `providers[2].kvm.hosts[0].name`, or the empty string for the whole file.
+    pub path: String,
+    /// What is wrong and, where it helps, what is expected.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() { f.write_str(&self.message) } else { write!(f, "{}: {}", self.path, self.message) }
+    }
+}
+
+/// Every problem found in a providers file.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// Where the file came from, for the message (a path, or `<input>`).
+    pub source_name: String,
+    /// Every problem, in file order.
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let count = self.problems.len();
+        write!(f, "{} has {count} problem{}:", self.source_name, if count == 1 { "" } else { "s" })?;
+        for problem in &self.problems {
+            write!(f, "\n  - {problem}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ProvidersConfig {
+    /// Parses and validates a providers file; `source_name` names it in the error (usually its path).
+    pub fn parse(text: &str, source_name: &str) -> Result<Self, ConfigError> {
+        let fail = |problems| ConfigError { source_name: source_name.to_owned(), problems };
+        let tree: Value = match serde_saphyr::from_str(text) {
+            Ok(tree) => tree,
+            Err(error) => {
+                return Err(fail(vec![Problem { path: String::new(), message: format!("not valid YAML: {error}") }]));
+            }
+        };
+        let mut walker = Walker::default();
+        let config = walker.file(&tree);
+        match config {
+            Some(config) if walker.problems.is_empty() => Ok(config),
+            _ => Err(fail(walker.problems)),
+        }
+    }
+
+    /// The provider with this name.
+    pub fn get(&self, name: &str) -> Option<&ProviderConfig> {
+        self.providers.iter().find(|provider| provider.name == name)
+    }
+}
+
+/// Whether `value` matches [`IDENTIFIER_PATTERN`] and fits a DNS label (63 characters).
+pub fn is_identifier(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    let allowed = |byte: &u8| byte.is_ascii_lowercase() || byte.is_ascii_digit();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(allowed)
+        && bytes.last().is_some_and(allowed)
+        && bytes.iter().all(|byte| allowed(byte) || *byte == b'-')
+}
+
+/// Collects problems while walking the tree. Each reader returns `None` (after recording why) when a value is
+/// unusable, and the caller carries on with the next field.
+#[derive(Default)]
+struct Walker {
+    problems: Vec<Problem>,
+}
+
+/// A mapping in the tree and where it is.
+struct Node<'a> {
+    path: String,
+    map: &'a Map<String, Value>,
+}
+
+impl Node<'_> {
+    fn child(&self, key: &str) -> String {
+        if self.path.is_empty() { key.to_owned() } else { format!("{}.{key}", self.path) }
+    }
+}
+
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "empty",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+impl Walker {
+    fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem { path: path.into(), message: message.into() });
+    }
+
+    /// A mapping with only the `allowed` keys; an unknown key is reported and otherwise ignored.
+    fn mapping<'a>(&mut self, path: &str, value: &'a Value, allowed: &[&str]) -> Option<Node<'a>> {
+        let Value::Object(map) = value else {
+            self.problem(path, format!("must be a mapping, found {}", kind_of(value)));
+            return None;
+        };
+        let node = Node { path: path.to_owned(), map };
+        for key in map.keys() {
+            if !allowed.contains(&key.as_str()) {
+                self.problem(node.child(key), format!("unknown field (expected one of: {})", allowed.join(", ")));
+            }
+        }
+        Some(node)
+    }
+
+    fn string(&mut self, node: &Node<'_>, key: &str, required: bool) -> Option<String> {
+        match node.map.get(key) {
+            None | Some(Value::Null) => {
+                if required {
+                    self.problem(node.child(key), "is required");
+                }
+                None
+            }
+            Some(Value::String(text)) if text.trim().is_empty() => {
+                self.problem(node.child(key), "must not be empty");
+                None
+            }
+            Some(Value::String(text)) => Some(text.clone()),
+            Some(other) => {
+                self.problem(node.child(key), format!("must be a string, found {}", kind_of(other)));
+                None
+            }
+        }
+    }
+
+    fn identifier(&mut self, node: &Node<'_>, key: &str, required: bool) -> Option<String> {
+        let value = self.string(node, key, required)?;
+        self.check_identifier(&node.child(key), &value).then_some(value)
+    }
+
+    fn check_identifier(&mut self, path: &str, value: &str) -> bool {
+        let ok = is_identifier(value);
+        if !ok {
+            self.problem(path, format!("{value:?} must match {IDENTIFIER_PATTERN} (at most 63 characters)"));
+        }
+        ok
+    }
+
+    fn one_of(&mut self, node: &Node<'_>, key: &str, choices: &[&str]) -> Option<String> {
+        let value = self.string(node, key, false)?;
+        if choices.contains(&value.as_str()) {
+            Some(value)
+        } else {
+            self.problem(node.child(key), format!("{value:?} is not one of: {}", choices.join(", ")));
+            None
+        }
+    }
+
+    fn url(&mut self, node: &Node<'_>, key: &str, required: bool) -> Option<String> {
+        let value = self.string(node, key, required)?;
+        let rest = value.strip_prefix("https://").or_else(|| value.strip_prefix("http://"));
+        if rest.is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/') && !rest.contains(char::is_whitespace)) {
+            Some(value)
+        } else {
+            self.problem(node.child(key), format!("{value:?} must be an http:// or https:// URL"));
+            None
+        }
+    }
+
+    fn integer(&mut self, node: &Node<'_>, key: &str, min: u64, max: u64) -> Option<u32> {
+        let value = node.map.get(key)?;
+        match value.as_u64() {
+            Some(number) if (min..=max).contains(&number) => u32::try_from(number).ok(),
+            Some(number) => {
+                self.problem(node.child(key), format!("{number} is out of range ({min} to {max})"));
+                None
+            }
+            None => {
+                self.problem(node.child(key), format!("must be a whole number from {min} to {max}, found {value}"));
+                None
+            }
+        }
+    }
+
+    fn quantity(&mut self, node: &Node<'_>, key: &str, default: &str) -> String {
+        match self.string(node, key, false) {
+            Some(value) if is_quantity(&value) => value,
+            Some(value) => {
+                self.problem(
+                    node.child(key),
+                    format!("{value:?} is not a Kubernetes quantity such as 100m, 1 or 128Mi"),
+                );
+                default.to_owned()
+            }
+            None => default.to_owned(),
+        }
+    }
+
+    fn list<'a>(&mut self, node: &Node<'a>, key: &str) -> Vec<(String, &'a Value)> {
+        match node.map.get(key) {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => {
+                items.iter().enumerate().map(|(index, item)| (format!("{}[{index}]", node.child(key)), item)).collect()
+            }
+            Some(other) => {
+                self.problem(node.child(key), format!("must be a list, found {}", kind_of(other)));
+                Vec::new()
+            }
+        }
+    }
+
+    /// A mapping whose keys are identifiers, read entry by entry with `read`.
+    fn keyed<'a, T>(
+        &mut self,
+        node: &Node<'a>,
+        key: &str,
+        mut read: impl FnMut(&mut Self, &str, &'a Value) -> Option<T>,
+    ) -> BTreeMap<String, T> {
+        let mut entries = BTreeMap::new();
+        match node.map.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(map)) => {
+                for (name, value) in map {
+                    let path = format!("{}.{name}", node.child(key));
+                    let valid_key = self.check_identifier(&path, name);
+                    if let Some(entry) = read(self, &path, value)
+                        && valid_key
+                    {
+                        entries.insert(name.clone(), entry);
+                    }
+                }
+            }
+            Some(other) => self.problem(node.child(key), format!("must be a mapping, found {}", kind_of(other))),
+        }
+        entries
+    }
+
+    fn file(&mut self, tree: &Value) -> Option<ProvidersConfig> {
+        if tree.is_null() {
+            self.problem("", "the file is empty; expected a mapping with a `providers` list");
+            return None;
+        }
+        let root = self.mapping("", tree, &["providers"])?;
+        if !root.map.contains_key("providers") {
+            self.problem("providers", "is required");
+        }
+        let mut providers = Vec::new();
+        let mut names = HashSet::new();
+        for (path, value) in self.list(&root, "providers") {
+            if let Some(provider) = self.provider(&path, value) {
+                if !names.insert(provider.name.clone()) {
+                    self.problem(format!("{path}.name"), format!("duplicate provider name {:?}", provider.name));
+                }
+                providers.push(provider);
+            }
+        }
+        Some(ProvidersConfig { providers })
+    }
+
+    fn provider(&mut self, path: &str, value: &Value) -> Option<ProviderConfig> {
+        let node = self.mapping(path, value, &["name", "type", "kubernetes", "gcp", "kvm"])?;
+        let name = self.identifier(&node, "name", true);
+        let kind = self.string(&node, "type", true);
+        if let Some(kind) = &kind
+            && !PROVIDER_TYPES.contains(&kind.as_str())
+        {
+            self.problem(node.child("type"), format!("{kind:?} is not one of: {}", PROVIDER_TYPES.join(", ")));
+        }
+        // A block of another type is a mistake even when the right block is present too.
+        for block in PROVIDER_TYPES {
+            if node.map.contains_key(block) && kind.as_deref().is_some_and(|kind| kind != block) {
+                let kind = kind.as_deref().unwrap_or_default();
+                self.problem(node.child(block), format!("does not match type {kind:?}; use a `{kind}:` block"));
+            }
+        }
+        let kind = kind.filter(|kind| PROVIDER_TYPES.contains(&kind.as_str()))?;
+        let block_path = node.child(&kind);
+        let empty = Value::Object(Map::new());
+        let block = match node.map.get(kind.as_str()) {
+            Some(block) => block,
+            // A kubernetes provider can live with every default; the others need their block.
+            None if kind == "kubernetes" => &empty,
+            None => {
+                self.problem(&block_path, format!("is required for type {kind:?}"));
+                return None;
+            }
+        };
+        let settings = match kind.as_str() {
+            "kubernetes" => ProviderSettings::Kubernetes(self.kubernetes(&block_path, block)?),
+            "gcp" => ProviderSettings::Gcp(self.gcp(&block_path, block)?),
+            _ => ProviderSettings::Kvm(self.kvm(&block_path, block)?),
+        };
+        Some(ProviderConfig { name: name?, settings })
+    }
+
+    fn kubernetes(&mut self, path: &str, value: &Value) -> Option<KubernetesConfig> {
+        let node = self.mapping(
+            path,
+            value,
+            &["namespace", "image", "imagePullPolicy", "fdLimit", "resources", "machineTypes"],
+        )?;
+        let namespace = self.identifier(&node, "namespace", false).unwrap_or_else(|| "egress-proxies".into());
+        let image = self.string(&node, "image", false).unwrap_or_else(|| "ubuntu/squid:latest".into());
+        let image_pull_policy = self.one_of(&node, "imagePullPolicy", &["Always", "IfNotPresent", "Never"]);
+        let fd_limit = self.integer(&node, "fdLimit", 1024, 1_048_576).unwrap_or(16384);
+        let resources = match node.map.get("resources") {
+            Some(value) => self.resource_profile(&node.child("resources"), value)?,
+            None => ResourceProfile { cpu: "50m".into(), memory: "128Mi".into() },
+        };
+        let machine_types =
+            self.keyed(&node, "machineTypes", |walker, path, value| walker.resource_profile(path, value));
+        Some(KubernetesConfig { namespace, image, image_pull_policy, fd_limit, resources, machine_types })
+    }
+
+    fn resource_profile(&mut self, path: &str, value: &Value) -> Option<ResourceProfile> {
+        let node = self.mapping(path, value, &["cpu", "memory"])?;
+        Some(ResourceProfile {
+            cpu: self.quantity(&node, "cpu", "50m"),
+            memory: self.quantity(&node, "memory", "128Mi"),
+        })
+    }
+
+    fn gcp(&mut self, path: &str, value: &Value) -> Option<GcpConfig> {
+        let node = self.mapping(
+            path,
+            value,
+            &[
+                "project",
+                "network",
+                "subnetwork",
+                "defaultZone",
+                "defaultMachineType",
+                "defaultImage",
+                "firewallTag",
+                "credentialsFile",
+                "endpoint",
+            ],
+        )?;
+        let project = self.string(&node, "project", true);
+        if let Some(project) = &project
+            && !is_gcp_project_id(project)
+        {
+            self.problem(
+                node.child("project"),
+                format!("{project:?} is not a project ID (6 to 30 lowercase letters, digits and dashes, starting with a letter)"),
+            );
+        }
+        let network = self.string(&node, "network", false).unwrap_or_else(|| "default".into());
+        let subnetwork = self.string(&node, "subnetwork", false);
+        let default_zone = self.string(&node, "defaultZone", false);
+        let default_machine_type = self.string(&node, "defaultMachineType", false).unwrap_or_else(|| "e2-micro".into());
+        let default_image = self
+            .string(&node, "defaultImage", false)
+            .unwrap_or_else(|| "projects/ubuntu-os-cloud/global/images/family/ubuntu-2404-lts-amd64".into());
+        let firewall_tag = self.identifier(&node, "firewallTag", false).unwrap_or_else(|| "egress-proxy".into());
+        let credentials_file = self.string(&node, "credentialsFile", false).map(PathBuf::from);
+        let endpoint = self.url(&node, "endpoint", false);
+        Some(GcpConfig {
+            project: project.filter(|project| is_gcp_project_id(project))?,
+            network,
+            subnetwork,
+            default_zone,
+            default_machine_type,
+            default_image,
+            firewall_tag,
+            credentials_file,
+            endpoint,
+        })
+    }
+
+    fn kvm(&mut self, path: &str, value: &Value) -> Option<KvmConfig> {
+        let node = self.mapping(
+            path,
+            value,
+            &["ssh", "hosts", "images", "machineTypes", "defaultHost", "defaultImage", "defaultMachineType"],
+        )?;
+        let ssh = match node.map.get("ssh") {
+            Some(value) => self.kvm_ssh(&node.child("ssh"), value),
+            None => {
+                self.problem(node.child("ssh"), "is required (privateKeyFile and knownHostsFile)");
+                None
+            }
+        };
+        let mut hosts = Vec::new();
+        let mut host_names = HashSet::new();
+        let host_entries = self.list(&node, "hosts");
+        if host_entries.is_empty() {
+            self.problem(node.child("hosts"), "needs at least one host");
+        }
+        for (host_path, value) in host_entries {
+            if let Some(host) = self.kvm_host(&host_path, value) {
+                if !host_names.insert(host.name.clone()) {
+                    self.problem(format!("{host_path}.name"), format!("duplicate host name {:?}", host.name));
+                }
+                hosts.push(host);
+            }
+        }
+        let images = self.keyed(&node, "images", |walker, path, value| walker.kvm_image(path, value));
+        if images.is_empty() && !node.map.contains_key("images") {
+            self.problem(node.child("images"), "needs at least one image");
+        }
+        let machine_types =
+            self.keyed(&node, "machineTypes", |walker, path, value| walker.kvm_machine_type(path, value));
+        let default_host = self.reference(&node, "defaultHost", host_names.iter().map(String::as_str), "hosts");
+        let default_image = self.reference(&node, "defaultImage", images.keys().map(String::as_str), "images");
+        let default_machine_type =
+            self.reference(&node, "defaultMachineType", machine_types.keys().map(String::as_str), "machineTypes");
+        Some(KvmConfig { ssh: ssh?, hosts, images, machine_types, default_host, default_image, default_machine_type })
+    }
+
+    /// An optional field that must name one of `known`.
+    fn reference<'k>(
+        &mut self,
+        node: &Node<'_>,
+        key: &str,
+        known: impl Iterator<Item = &'k str> + Clone,
+        section: &str,
+    ) -> Option<String> {
+        let value = self.identifier(node, key, false)?;
+        if known.clone().any(|name| name == value) {
+            Some(value)
+        } else {
+            let mut names: Vec<&str> = known.collect();
+            names.sort_unstable();
+            self.problem(node.child(key), format!("{value:?} is not one of the {section}: {}", names.join(", ")));
+            None
+        }
+    }
+
+    fn kvm_ssh(&mut self, path: &str, value: &Value) -> Option<KvmSsh> {
+        let node = self.mapping(path, value, &["user", "privateKeyFile", "knownHostsFile"])?;
+        let user = self.string(&node, "user", false).unwrap_or_else(|| "root".into());
+        let private_key_file = self.string(&node, "privateKeyFile", true).map(PathBuf::from);
+        let known_hosts_file = self.string(&node, "knownHostsFile", true).map(PathBuf::from);
+        Some(KvmSsh { user, private_key_file: private_key_file?, known_hosts_file: known_hosts_file? })
+    }
+
+    fn kvm_host(&mut self, path: &str, value: &Value) -> Option<KvmHost> {
+        let node = self.mapping(path, value, &["name", "address", "port", "user", "pool", "bridge"])?;
+        let name = self.identifier(&node, "name", true);
+        let address = self.string(&node, "address", true);
+        let port = self.integer(&node, "port", 1, 65535).and_then(|port| u16::try_from(port).ok()).unwrap_or(22);
+        let user = self.string(&node, "user", false);
+        let pool = self.string(&node, "pool", false).unwrap_or_else(|| "default".into());
+        let bridge = self.string(&node, "bridge", false).unwrap_or_else(|| "br0".into());
+        Some(KvmHost { name: name?, address: address?, port, user, pool, bridge })
+    }
+
+    fn kvm_image(&mut self, path: &str, value: &Value) -> Option<KvmImage> {
+        let node = self.mapping(path, value, &["url", "sha256", "format", "firmware"])?;
+        let url = self.url(&node, "url", true);
+        let sha256 = self.string(&node, "sha256", true);
+        if let Some(sha256) = &sha256
+            && !(sha256.len() == 64
+                && sha256.bytes().all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte)))
+        {
+            self.problem(node.child("sha256"), "must be 64 lowercase hex characters");
+        }
+        let format = self.one_of(&node, "format", &["qcow2", "raw"]).unwrap_or_else(|| "qcow2".into());
+        let firmware = self.one_of(&node, "firmware", &["uefi", "bios"]).unwrap_or_else(|| "uefi".into());
+        let sha256 = sha256.filter(|sha256| sha256.len() == 64)?;
+        Some(KvmImage { url: url?, sha256, format, firmware })
+    }
+
+    fn kvm_machine_type(&mut self, path: &str, value: &Value) -> Option<KvmMachineType> {
+        let node = self.mapping(path, value, &["vcpus", "memoryMiB", "diskGiB"])?;
+        let required = |walker: &mut Self, key: &str, min: u64, max: u64| {
+            if !node.map.contains_key(key) {
+                walker.problem(node.child(key), "is required");
+            }
+            walker.integer(&node, key, min, max)
+        };
+        let vcpus = required(self, "vcpus", 1, 256);
+        let memory_mib = required(self, "memoryMiB", 128, 4_194_304);
+        let disk_gib = required(self, "diskGiB", 1, 65_536);
+        Some(KvmMachineType { vcpus: vcpus?, memory_mib: memory_mib?, disk_gib: disk_gib? })
+    }
+}
+
+fn is_gcp_project_id(value: &str) -> bool {
+    (6..=30).contains(&value.len())
+        && value.starts_with(|c: char| c.is_ascii_lowercase())
+        && !value.ends_with('-')
+        && value.bytes().all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'-')
+}
+
+/// A Kubernetes quantity: a decimal number and an optional suffix (`m`, `k`, `M`, `G`, `T`, `Ki`, `Mi`, `Gi`, `Ti`).
+fn is_quantity(value: &str) -> bool {
+    let split = value.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(value.len());
+    let (number, suffix) = value.split_at(split);
+    let number_ok =
+        !number.is_empty() && number.matches('.').count() <= 1 && !number.starts_with('.') && !number.ends_with('.');
+    number_ok && ["", "m", "k", "M", "G", "T", "Ki", "Mi", "Gi", "Ti"].contains(&suffix)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,46 @@
+//! Debian packages the tests need, installed by `cargo xtask test` when missing.
+//!
+//! Only what is absent is installed, so a warm machine spends one `dpkg-query` here. Without root (or without
+//! apt-get) nothing is installed and the error names the command that would.
+
+use std::process::Command;
+
+use anyhow::{Result, bail};
+
+use crate::process::{output, run};
+
+/// The packages, and why each is needed.
+pub const REQUIRED: &[(&str, &str)] = &[("squid", "real Squid proxies for the kubernetes provider and the node agent")];
+
+fn installed(package: &str) -> bool {
+    output(Command::new("dpkg-query").args(["-W", "-f=${Status}", package]))
+        .is_some_and(|status| status.trim() == "install ok installed")
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
+}
+
+/// Installs every missing package with apt-get when running as root.
+pub fn ensure_installed() -> Result<()> {
+    let missing: Vec<&str> = REQUIRED.iter().map(|(name, _)| *name).filter(|name| !installed(name)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let command = format!("apt-get install -y {}", missing.join(" "));
+    if !is_root() || output(Command::new("apt-get").arg("--version")).is_none() {
+        let reasons: Vec<String> = REQUIRED
+            .iter()
+            .filter(|(name, _)| missing.contains(name))
+            .map(|(name, why)| format!("{name} ({why})"))
+            .collect();
+        bail!("missing Debian packages: {}; install them with `{command}` as root", reasons.join(", "));
+    }
+    eprintln!("installing missing Debian packages: {}", missing.join(" "));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-qq"])
+        .args(&missing))?;
+    Ok(())
+}
