@@ -418,6 +418,10 @@ pub struct ProxyStatus {
     /// Set when a permanent error latched the object; cleared by a spec change or the `retry` annotation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<FailureStatus>,
+    /// How many times `maxAge` has replaced the instance; part of the desired spec hash, so raising it starts a
+    /// replacement that survives an operator restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_age_rotations: Option<u32>,
     /// `Ready`, `Provisioned` and `Healthy`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
@@ -518,6 +522,7 @@ pub struct HealthStatus {
 
 /// A latched permanent failure.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct FailureStatus {
     /// A stable, machine-readable reason.
     pub reason: String,
@@ -525,9 +530,29 @@ pub struct FailureStatus {
     pub message: String,
     /// When the failure latched.
     pub since: Time,
+    /// The `crawl.example.com/retry` annotation's value when the failure latched; changing it clears the latch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_token: Option<String>,
 }
 
 impl Proxy {
+    /// The token that forces replacements: the `rotate` annotation and the number of `maxAge` rotations, combined.
+    /// `None` when neither is set, so a Proxy that was never rotated hashes exactly like its plain spec.
+    pub fn rotation_token(&self) -> Option<String> {
+        let annotation = crate::annotations::annotation(self, crate::annotations::ROTATE);
+        let rotations = self.status.as_ref().and_then(|status| status.max_age_rotations).unwrap_or(0);
+        match (annotation, rotations) {
+            (None, 0) => None,
+            (Some(token), 0) => Some(token.to_owned()),
+            (token, rotations) => Some(format!("{}#maxAge{rotations}", token.unwrap_or_default())),
+        }
+    }
+
+    /// The spec hash the current instance should have: [`crate::spec_hash`] over the spec and the rotation token.
+    pub fn desired_spec_hash(&self) -> String {
+        crate::spec_hash(&self.spec, self.rotation_token().as_deref())
+    }
+
     /// Where crawlers connect: `spec.endpoint` for External proxies, the published `status.endpoint` for Managed
     /// ones (none until the instance has an address).
     pub fn effective_endpoint(&self) -> Option<Endpoint> {
@@ -582,6 +607,26 @@ mod tests {
             let mut proxy = Proxy::new("p", spec);
             proxy.status = status;
             assert_eq!(proxy.effective_endpoint(), expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn rotation_token_combines_the_annotation_and_max_age_rotations() {
+        let cases = [
+            (None, None, None),
+            (None, Some(0), None),
+            (Some("a"), None, Some("a")),
+            (None, Some(2), Some("#maxAge2")),
+            (Some("a"), Some(1), Some("a#maxAge1")),
+        ];
+        for (annotation, rotations, expected) in cases {
+            let mut proxy = Proxy::new("p", managed());
+            if let Some(token) = annotation {
+                proxy.metadata.annotations = Some([(crate::annotations::ROTATE.to_owned(), token.to_owned())].into());
+            }
+            proxy.status = Some(ProxyStatus { max_age_rotations: rotations, ..ProxyStatus::default() });
+            assert_eq!(proxy.rotation_token().as_deref(), expected, "{annotation:?} {rotations:?}");
+            assert_eq!(proxy.desired_spec_hash(), crate::spec_hash(&proxy.spec, expected));
         }
     }
 

@@ -1,0 +1,529 @@
+//! The kube `Controller` over Proxies: observe → decide → act, under the finalizer helper.
+//!
+//! `reconcile` is the finalizer helper's single top-level call, dispatching to [`apply`] and [`cleanup`];
+//! `error_policy` alone decides error backoff (1 s doubling to 5 min per object, reset on success). Objects are
+//! watched through `DeserializeGuard`, so one malformed Proxy is reported and skipped instead of breaking the stream.
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use egress_api::annotations::{self, FINALIZER};
+use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
+use egress_provider::{
+    CreateRequest, ErrorClass, Instance, Provider, ProviderError, ProxyCredentials, Sensitive, Tags,
+};
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use tracing::{Instrument, debug, info, info_span, instrument, warn};
+
+use crate::Error;
+use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
+use crate::health::HealthBoard;
+use crate::metrics::ReconcileMetrics;
+use crate::providers::Providers;
+use crate::status::time;
+
+/// The field manager of every status write.
+pub const FIELD_MANAGER: &str = "egress-operator";
+
+/// The first error backoff; it doubles per consecutive failure of the same object.
+const ERROR_BACKOFF_MIN: Duration = Duration::from_secs(1);
+/// The longest error backoff.
+const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+/// Settings of the reconciler.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// The `--cluster-id`, written on every instance so clusters sharing a provider never collect each other's.
+    pub cluster_id: String,
+    /// How often a settled Proxy's instance is looked at again, to notice preemption or removal.
+    pub resync: Duration,
+    /// How many Proxies are reconciled at once.
+    pub concurrency: u16,
+}
+
+impl ControllerConfig {
+    /// Defaults for `cluster_id`: resync every minute, 16 concurrent reconciles.
+    pub fn new(cluster_id: impl Into<String>) -> Self {
+        Self { cluster_id: cluster_id.into(), resync: Duration::from_secs(60), concurrency: 16 }
+    }
+}
+
+/// Everything a reconcile needs, shared by all of them.
+pub struct Context {
+    client: Client,
+    providers: Arc<dyn Providers>,
+    health: HealthBoard,
+    config: ControllerConfig,
+    recorder: Recorder,
+    metrics: ReconcileMetrics,
+    failures: Mutex<HashMap<String, u32>>,
+    quota_refusals: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    /// A context for the controller.
+    pub fn new(
+        client: Client,
+        providers: Arc<dyn Providers>,
+        health: HealthBoard,
+        config: ControllerConfig,
+        metrics: ReconcileMetrics,
+    ) -> Self {
+        let reporter = Reporter { controller: "egress-operator".into(), instance: std::env::var("POD_NAME").ok() };
+        let recorder = Recorder::new(client.clone(), reporter);
+        Self {
+            client,
+            providers,
+            health,
+            config,
+            recorder,
+            metrics,
+            failures: Mutex::default(),
+            quota_refusals: Mutex::default(),
+        }
+    }
+
+    /// The metrics this context records into.
+    pub fn metrics(&self) -> &ReconcileMetrics {
+        &self.metrics
+    }
+
+    /// The configured providers.
+    pub fn providers(&self) -> Arc<dyn Providers> {
+        self.providers.clone()
+    }
+
+    /// The controller's settings.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.config
+    }
+
+    /// The Kubernetes client.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    async fn publish(&self, proxy: &Proxy, event: &EventSpec) {
+        let event = KubeEvent {
+            type_: if event.warning { EventType::Warning } else { EventType::Normal },
+            reason: event.reason.to_owned(),
+            note: Some(event.note.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(error) = self.recorder.publish(&event, &proxy.object_ref(&())).await {
+            warn!(%error, reason = %event.reason, "publishing an Event failed");
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves; in-flight reconciles finish first.
+///
+/// `health_triggers` yields `(namespace, name)` of Proxies whose health verdict changed; each triggers a reconcile.
+pub async fn run(
+    context: Arc<Context>,
+    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let api: Api<DeserializeGuard<Proxy>> = Api::all(context.client.clone());
+    let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
+    let concurrency = context.config.concurrency;
+    Controller::new(api, watcher::Config::default())
+        .with_config(RuntimeConfig::default().concurrency(concurrency))
+        .reconcile_on(triggers)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, context)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                debug!(%error, "controller event");
+            }
+        })
+        .instrument(info_span!("proxy_controller"))
+        .await;
+}
+
+#[instrument(skip(object, context), fields(proxy = %object.name_any(), namespace = object.namespace().unwrap_or_default()))]
+async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) -> Result<Action, Error> {
+    let timer = context.metrics.start();
+    let proxy = match &object.0 {
+        Ok(proxy) => proxy.clone(),
+        Err(invalid) => {
+            // Nothing can be done until someone fixes or deletes the object; keep it out of the backoff loop.
+            warn!(error = %invalid.error, "skipping a Proxy that cannot be read");
+            timer.finish(false);
+            return Ok(Action::await_change());
+        }
+    };
+    let uid = proxy.uid().unwrap_or_default();
+    let namespace = proxy.namespace().unwrap_or_default();
+    let api: Api<Proxy> = Api::namespaced(context.client.clone(), &namespace);
+    let result = finalizer(&api, FINALIZER, Arc::new(proxy), |event| async {
+        match event {
+            FinalizerEvent::Apply(proxy) => apply(&proxy, &context).await,
+            FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, &context).await,
+        }
+    })
+    .await
+    .map_err(|error| Error::Finalizer(Box::new(error)));
+    if result.is_ok() {
+        context.failures.lock().expect("failure counts").remove(&uid);
+    }
+    timer.finish(result.is_ok());
+    result
+}
+
+fn error_policy(object: Arc<DeserializeGuard<Proxy>>, error: &Error, context: Arc<Context>) -> Action {
+    let uid = object.uid().unwrap_or_default();
+    let failures = {
+        let mut counts = context.failures.lock().expect("failure counts");
+        let count = counts.entry(uid).or_default();
+        *count = count.saturating_add(1);
+        *count
+    };
+    let factor = 1_u32.checked_shl(failures.saturating_sub(1)).unwrap_or(u32::MAX);
+    let backoff = ERROR_BACKOFF_MIN.saturating_mul(factor).min(ERROR_BACKOFF_MAX);
+    context.metrics.error(error.kind());
+    warn!(proxy = %object.name_any(), kind = error.kind(), %error, failures, backoff_secs = backoff.as_secs(), "reconcile failed");
+    Action::requeue(backoff)
+}
+
+/// `maxAge` shortened by a per-Proxy jitter of up to 10%, so a fleet created together does not rotate together.
+fn jittered_max_age(proxy: &Proxy) -> Option<Duration> {
+    let max_age = proxy.spec.max_age()?;
+    let uid = proxy.uid().unwrap_or_default();
+    let spread = uid.bytes().fold(0_u32, |acc, byte| acc.wrapping_mul(31).wrapping_add(u32::from(byte))) % 1000;
+    Some(max_age.mul_f64(1.0 - f64::from(spread) / 10_000.0))
+}
+
+fn observed(instance: &Instance) -> Observed {
+    Observed::Found {
+        state: match instance.state {
+            egress_provider::InstanceState::Provisioning => egress_api::InstanceState::Provisioning,
+            egress_provider::InstanceState::Running => egress_api::InstanceState::Running,
+            egress_provider::InstanceState::Stopped => egress_api::InstanceState::Stopped,
+            egress_provider::InstanceState::Terminated => egress_api::InstanceState::Terminated,
+        },
+        ip: instance.ip.map(|ip| ip.to_string()),
+        created_at: instance.created_at,
+    }
+}
+
+fn provider_name(proxy: &Proxy) -> Option<&str> {
+    proxy.spec.provider.as_deref()
+}
+
+/// Reads the world: the status, and what the provider says about the recorded instances.
+async fn observe(
+    proxy: &Proxy,
+    context: &Context,
+    provider: Option<&Arc<dyn Provider>>,
+) -> Result<Facts, ProviderError> {
+    let status = proxy.status.clone().unwrap_or_default();
+    let retry_token = annotations::annotation(proxy, annotations::RETRY).map(str::to_owned);
+    let mut facts = Facts {
+        mode: proxy.spec.mode,
+        generation: proxy.metadata.generation,
+        port: proxy.spec.port,
+        spec_endpoint: proxy.spec.endpoint.clone(),
+        status: status.clone(),
+        desired_hash: proxy.desired_spec_hash(),
+        retry_token,
+        max_age: jittered_max_age(proxy),
+        resync: context.config.resync,
+        now: SystemTime::now(),
+        desired: Observed::NotRecorded,
+        previous: PreviousObserved::None,
+        health: None,
+    };
+    let latched = status.failure.as_ref().is_some_and(|failure| {
+        status.observed_generation == facts.generation && failure.retry_token == facts.retry_token
+    });
+    let namespace = proxy.namespace().unwrap_or_default();
+    let name = proxy.name_any();
+    if let (Some(provider), false) = (provider, latched) {
+        if let Some(current) = status.instance.as_ref().filter(|current| current.spec_hash == facts.desired_hash) {
+            facts.desired = match provider.get(&current.provider_id).await {
+                Ok(instance) => observed(&instance),
+                Err(error) if error.is_not_found() => Observed::NotFound,
+                Err(error) => return Err(error),
+            };
+        }
+        if let Some(previous) = &status.previous_instance {
+            facts.previous = match provider.get(&previous.provider_id).await {
+                Ok(_) => PreviousObserved::Present,
+                Err(error) if error.is_not_found() => PreviousObserved::Gone,
+                Err(error) => return Err(error),
+            };
+        }
+        if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
+            let address = egress_api::Endpoint { host: ip.clone(), port: facts.port }.address();
+            facts.health = context.health.get(&namespace, &name, &address);
+        }
+    }
+    if proxy.spec.mode == ProxyMode::External
+        && let Some(endpoint) = &proxy.spec.endpoint
+    {
+        facts.health = context.health.get(&namespace, &name, &endpoint.address());
+    }
+    Ok(facts)
+}
+
+async fn apply(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+    let uid = proxy.uid().unwrap_or_default();
+    let provider = match (proxy.spec.mode, provider_name(proxy)) {
+        (ProxyMode::Managed, Some(name)) => match context.providers.provider(name).await {
+            Ok(provider) => Some(provider),
+            Err(error) if error.class() == ErrorClass::Permanent => {
+                let facts = observe(proxy, context, None).await?;
+                return latch(proxy, context, &facts, &error).await;
+            }
+            Err(error) => return Err(error.into()),
+        },
+        (ProxyMode::Managed, None) => {
+            let facts = observe(proxy, context, None).await?;
+            let error = ProviderError::permanent("spec.provider is not set");
+            return latch(proxy, context, &facts, &error).await;
+        }
+        (ProxyMode::External, _) => None,
+    };
+    let facts = match observe(proxy, context, provider.as_ref()).await {
+        Ok(facts) => facts,
+        Err(error) if error.class() == ErrorClass::Permanent => {
+            let facts = observe(proxy, context, None).await?;
+            return latch(proxy, context, &facts, &error).await;
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let Decision { action, mut status, events, requeue } = decide::decide(&facts);
+    let mut requeue = requeue;
+    match (&action, &provider) {
+        (decide::Action::Nothing, _) | (_, None) => {}
+        (decide::Action::Create, Some(provider)) => {
+            let request = create_request(proxy, context, &facts).await?;
+            match provider.create(&request).await {
+                Ok(instance) => {
+                    status.instance = Some(instance_status(&instance, &facts.desired_hash));
+                    context.quota_refusals.lock().expect("quota counts").remove(&uid);
+                    requeue = Requeue::After(Duration::from_secs(1));
+                }
+                Err(error) if error.class() == ErrorClass::QuotaExceeded => {
+                    let consecutive = {
+                        let mut counts = context.quota_refusals.lock().expect("quota counts");
+                        let count = counts.entry(uid.clone()).or_default();
+                        *count = count.saturating_add(1);
+                        *count
+                    };
+                    let (status, event, backoff) = decide::on_quota_exceeded(&facts, &error.chain(), consecutive);
+                    write_status(proxy, context, &facts.status, &status).await?;
+                    context.publish(proxy, &event).await;
+                    info!(backoff_secs = backoff.as_secs(), "provider quota exceeded; backing off");
+                    return Ok(Action::requeue(backoff));
+                }
+                Err(error) if error.class() == ErrorClass::Permanent => {
+                    return latch(proxy, context, &facts, &error).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        (decide::Action::Delete { provider_id }, Some(provider)) => match provider.delete(provider_id).await {
+            Ok(()) => {}
+            Err(error) if error.class() == ErrorClass::Permanent => return latch(proxy, context, &facts, &error).await,
+            Err(error) => return Err(error.into()),
+        },
+    }
+    write_status(proxy, context, &facts.status, &status).await?;
+    for event in &events {
+        context.publish(proxy, event).await;
+    }
+    context.metrics.phase(&uid, status.phase);
+    Ok(match requeue {
+        Requeue::AwaitChange => Action::await_change(),
+        Requeue::After(after) => Action::requeue(after.max(Duration::from_millis(100))),
+    })
+}
+
+/// Latches a permanent failure: status `Failed` with the reason, an Event, and no retry until something changes.
+async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &ProviderError) -> Result<Action, Error> {
+    warn!(error = %error.chain(), "permanent failure; waiting for a spec or retry-annotation change");
+    let (status, event) = decide::on_permanent_failure(facts, &error.chain());
+    write_status(proxy, context, &facts.status, &status).await?;
+    context.publish(proxy, &event).await;
+    context.metrics.phase(&proxy.uid().unwrap_or_default(), status.phase);
+    Ok(Action::await_change())
+}
+
+fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
+    let state = match observed(instance) {
+        Observed::Found { state, .. } => state,
+        _ => egress_api::InstanceState::Provisioning,
+    };
+    InstanceStatus {
+        name: instance.name.clone(),
+        provider_id: instance.provider_id.clone(),
+        state,
+        ip: instance.ip.map(|ip| ip.to_string()),
+        spec_hash: spec_hash.to_owned(),
+        created_at: instance.created_at.map(time),
+    }
+}
+
+/// Builds the provider request, reading the cloud-init and credentials Secrets. A missing Secret or key is
+/// transient: the Secret may be created after the Proxy.
+async fn create_request(proxy: &Proxy, context: &Context, facts: &Facts) -> Result<CreateRequest, Error> {
+    let uid = proxy.uid().unwrap_or_default();
+    let namespace = proxy.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
+    let read_key = |name: String, key: String| {
+        let secrets = secrets.clone();
+        let namespace = namespace.clone();
+        async move {
+            let secret = secrets.get_opt(&name).await?;
+            let value =
+                secret.and_then(|secret| secret.data).and_then(|mut data| data.remove(&key)).map(|bytes| bytes.0);
+            value.ok_or_else(|| {
+                Error::Provider(ProviderError::transient(format!("Secret {namespace}/{name} has no key {key:?} (yet)")))
+            })
+        }
+    };
+    let placement = proxy.spec.placement.clone().unwrap_or_default();
+    let cloud_init = match &proxy.spec.cloud_init {
+        Some(cloud_init) => match (&cloud_init.inline, &cloud_init.secret_ref) {
+            (Some(inline), _) => Some(Sensitive::new(inline.clone().into_bytes())),
+            (None, Some(reference)) => {
+                Some(Sensitive::new(read_key(reference.name.clone(), reference.key.clone()).await?))
+            }
+            (None, None) => None,
+        },
+        None => None,
+    };
+    let credentials = match &proxy.spec.auth {
+        Some(auth) => {
+            let name = auth.secret_ref.name.clone();
+            let username = read_key(name.clone(), "username".into()).await?;
+            let password = read_key(name, "password".into()).await?;
+            Some(ProxyCredentials {
+                username: String::from_utf8_lossy(&username).into_owned(),
+                password: Sensitive::new(String::from_utf8_lossy(&password).into_owned()),
+            })
+        }
+        None => None,
+    };
+    Ok(CreateRequest {
+        name: egress_provider::instance_name(&uid, &facts.desired_hash),
+        zone: placement.zone,
+        machine_type: placement.machine_type,
+        image: placement.image,
+        cloud_init,
+        port: u16::try_from(proxy.spec.port).unwrap_or(3128),
+        credentials,
+        tags: Tags::gc_contract(&context.config.cluster_id, &uid, &facts.desired_hash),
+    })
+}
+
+/// Writes the status with server-side apply, only when it differs from what was read.
+async fn write_status(
+    proxy: &Proxy,
+    context: &Context,
+    before: &ProxyStatus,
+    after: &ProxyStatus,
+) -> Result<(), Error> {
+    if before == after {
+        return Ok(());
+    }
+    let api: Api<Proxy> = Api::namespaced(context.client.clone(), &proxy.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "status": after,
+    });
+    api.patch_status(&proxy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    debug!(phase = ?after.phase, "status written");
+    Ok(())
+}
+
+async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+    let uid = proxy.uid().unwrap_or_default();
+    let skip = annotations::skip_cleanup(proxy);
+    let name = provider_name(proxy).unwrap_or_default().to_owned();
+    let configured = proxy.spec.mode == ProxyMode::External || context.providers.is_configured(&name);
+    let mut remaining = BTreeSet::new();
+    if proxy.spec.mode == ProxyMode::Managed && configured && !skip {
+        let provider = context.providers.provider(&name).await?;
+        let status = proxy.status.clone().unwrap_or_default();
+        // Recorded instances, and any instance tagged with this Proxy's UID (a create whose result never reached
+        // the status before a crash). A recorded instance whose Get fails other than NotFound is still deleted.
+        for recorded in [&status.instance, &status.previous_instance].into_iter().flatten() {
+            match provider.get(&recorded.provider_id).await {
+                Err(error) if error.is_not_found() => {}
+                _ => {
+                    remaining.insert(recorded.provider_id.clone());
+                }
+            }
+        }
+        let tags = Tags::owned_by_cluster(&context.config.cluster_id).with(Tags::PROXY_UID, &uid);
+        for instance in provider.list_by_tag(&tags).await? {
+            remaining.insert(instance.provider_id);
+        }
+    }
+    let remaining: Vec<String> = remaining.into_iter().collect();
+    match decide::decide_cleanup(proxy.spec.mode, skip, configured, &remaining) {
+        CleanupDecision::Release { event } => {
+            if let Some(event) = event {
+                context.publish(proxy, &event).await;
+            }
+            context.metrics.phase(&uid, None);
+            info!("cleanup finished; releasing the finalizer");
+            Ok(Action::await_change())
+        }
+        CleanupDecision::ProviderMissing => {
+            let error = Error::ProviderMissing(name);
+            context
+                .publish(proxy, &EventSpec { warning: true, reason: "ProviderMissing", note: error.to_string() })
+                .await;
+            Err(error)
+        }
+        CleanupDecision::Delete { provider_ids } => {
+            let provider = context.providers.provider(provider_name(proxy).unwrap_or_default()).await?;
+            for provider_id in &provider_ids {
+                provider.delete(provider_id).await?;
+            }
+            let before = proxy.status.clone().unwrap_or_default();
+            if before.phase != Some(ProxyPhase::Deleting) {
+                let after = ProxyStatus { phase: Some(ProxyPhase::Deleting), ..before.clone() };
+                write_status(proxy, context, &before, &after).await?;
+                context.metrics.phase(&uid, Some(ProxyPhase::Deleting));
+            }
+            debug!(instances = provider_ids.len(), "deleting instances; waiting until they are gone");
+            Ok(Action::requeue(decide::DELETING_REQUEUE))
+        }
+    }
+}
+
+/// The instance names a Proxy owns: its current, previous and desired instances (the orphan collector keeps these).
+pub(crate) fn recorded_names(proxy: &Proxy) -> Vec<String> {
+    let status = proxy.status.clone().unwrap_or_default();
+    let uid = proxy.uid().unwrap_or_default();
+    let mut names: Vec<String> = [&status.instance, &status.previous_instance]
+        .into_iter()
+        .flatten()
+        .map(|instance| instance.name.clone())
+        .collect();
+    names.push(egress_provider::instance_name(&uid, &proxy.desired_spec_hash()));
+    names
+}
+
+/// The age of an instance from its recorded creation time.
+pub(crate) fn age(created_at: Option<SystemTime>, first_seen: SystemTime, now: SystemTime) -> Duration {
+    now.duration_since(created_at.unwrap_or(first_seen)).unwrap_or_default()
+}

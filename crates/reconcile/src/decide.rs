@@ -1,0 +1,502 @@
+//! The pure heart of the reconciler: from what was observed to what to do and what the status should say.
+//!
+//! Nothing here touches a client, a clock or a provider; every input is in [`Facts`], so every row of the state
+//! machine is a table test. The controller observes, calls [`decide`], performs the one [`Action`], and writes the
+//! status only when it differs from what it read.
+
+use std::time::{Duration, SystemTime};
+
+use egress_api::proxy::{CONDITION_HEALTHY, CONDITION_PROVISIONED, CONDITION_READY};
+use egress_api::{
+    Endpoint, EndpointStatus, FailureStatus, HealthStatus, InstanceState, InstanceStatus, ProxyMode, ProxyPhase,
+    ProxyStatus,
+};
+
+use crate::health::Verdict;
+use crate::status::{ConditionSpec, merge_conditions, time};
+
+/// How soon to look again at an instance that is still being created.
+pub const PROVISIONING_REQUEUE: Duration = Duration::from_secs(5);
+/// How soon to look again after deleting an instance (deletion may be graceful and take a while).
+pub const DELETING_REQUEUE: Duration = Duration::from_secs(2);
+/// The first quota backoff; it doubles per consecutive QuotaExceeded up to [`QUOTA_BACKOFF_MAX`].
+pub const QUOTA_BACKOFF_MIN: Duration = Duration::from_secs(60);
+/// The longest quota backoff.
+pub const QUOTA_BACKOFF_MAX: Duration = Duration::from_secs(15 * 60);
+
+/// What the provider said about the instance the status records as current, when its spec hash is the desired one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Observed {
+    /// The status records no current instance with the desired spec hash, so nothing was asked.
+    NotRecorded,
+    /// The provider has it.
+    Found {
+        /// Its state.
+        state: InstanceState,
+        /// Its address.
+        ip: Option<String>,
+        /// When it was created.
+        created_at: Option<SystemTime>,
+    },
+    /// The provider does not have it.
+    NotFound,
+}
+
+/// What the provider said about `status.previousInstance`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreviousObserved {
+    /// No previous instance is recorded.
+    None,
+    /// It still exists.
+    Present,
+    /// It is gone.
+    Gone,
+}
+
+/// Everything [`decide`] needs.
+#[derive(Clone, Debug)]
+pub struct Facts {
+    /// The Proxy's mode.
+    pub mode: ProxyMode,
+    /// `metadata.generation`.
+    pub generation: Option<i64>,
+    /// `spec.port`.
+    pub port: i32,
+    /// `spec.endpoint` (External).
+    pub spec_endpoint: Option<Endpoint>,
+    /// The status as read.
+    pub status: ProxyStatus,
+    /// The spec hash the instance should have (including the rotation token).
+    pub desired_hash: String,
+    /// The `retry` annotation's value.
+    pub retry_token: Option<String>,
+    /// `maxAge`, already jittered for this Proxy.
+    pub max_age: Option<Duration>,
+    /// How long a Running, settled Proxy waits before looking at its instance again (to notice preemption).
+    pub resync: Duration,
+    /// The current time.
+    pub now: SystemTime,
+    /// The observation of the current instance.
+    pub desired: Observed,
+    /// The observation of the previous instance.
+    pub previous: PreviousObserved,
+    /// The health verdict for the endpoint this decision is about: the running instance's address (Managed) or
+    /// `spec.endpoint` (External).
+    pub health: Option<Verdict>,
+}
+
+/// The one provider call a decision asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing to call.
+    Nothing,
+    /// Create the desired instance (idempotent by name) and record it as `status.instance`.
+    Create,
+    /// Delete this instance.
+    Delete {
+        /// The instance's provider ID.
+        provider_id: String,
+    },
+}
+
+/// When to reconcile again, absent a change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Requeue {
+    /// Only on a change to the object or a health transition.
+    AwaitChange,
+    /// After this long.
+    After(Duration),
+}
+
+/// An Event to publish on the Proxy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventSpec {
+    /// Warning (true) or Normal.
+    pub warning: bool,
+    /// CamelCase reason.
+    pub reason: &'static str,
+    /// For a human.
+    pub note: String,
+}
+
+impl EventSpec {
+    fn normal(reason: &'static str, note: impl Into<String>) -> Self {
+        Self { warning: false, reason, note: note.into() }
+    }
+    fn warning(reason: &'static str, note: impl Into<String>) -> Self {
+        Self { warning: true, reason, note: note.into() }
+    }
+}
+
+/// What to do.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The provider call.
+    pub action: Action,
+    /// The status to write (if it differs from the one read).
+    pub status: ProxyStatus,
+    /// Events to publish.
+    pub events: Vec<EventSpec>,
+    /// When to look again.
+    pub requeue: Requeue,
+}
+
+/// Decides one reconcile of a Proxy that is not being deleted.
+pub fn decide(facts: &Facts) -> Decision {
+    let mut decision = match facts.mode {
+        ProxyMode::External => decide_external(facts),
+        ProxyMode::Managed => decide_managed(facts),
+    };
+    finish(facts, &mut decision);
+    decision
+}
+
+fn decide_external(facts: &Facts) -> Decision {
+    let mut status = facts.status.clone();
+    status.instance = None;
+    status.previous_instance = None;
+    status.failure = None;
+    status.endpoint = facts.spec_endpoint.as_ref().map(EndpointStatus::from);
+    let mut events = Vec::new();
+    apply_health(facts, &mut status, &mut events);
+    status.phase = Some(match facts.health.as_ref().map(|verdict| verdict.healthy) {
+        Some(true) => ProxyPhase::Ready,
+        Some(false) => ProxyPhase::Unhealthy,
+        None => ProxyPhase::Running,
+    });
+    Decision { action: Action::Nothing, status, events, requeue: Requeue::AwaitChange }
+}
+
+fn decide_managed(facts: &Facts) -> Decision {
+    let mut status = facts.status.clone();
+    if let Some(failure) = &facts.status.failure {
+        let unchanged =
+            facts.status.observed_generation == facts.generation && failure.retry_token == facts.retry_token;
+        if unchanged {
+            // Latched: retrying the same thing fails the same way. Wait for a spec or `retry` change.
+            return Decision {
+                action: Action::Nothing,
+                status: facts.status.clone(),
+                events: Vec::new(),
+                requeue: Requeue::AwaitChange,
+            };
+        }
+        status.failure = None;
+    }
+    let mut events = Vec::new();
+    let replacing = |status: &ProxyStatus| status.previous_instance.is_some();
+
+    let current = status.instance.clone();
+    let Some(current) = current.filter(|current| current.spec_hash == facts.desired_hash) else {
+        // No instance with the desired spec: create it (the create is idempotent by name, so this also finds an
+        // instance created before a crash that never reached the status).
+        if let Some(stale) = status.instance.take() {
+            if status.previous_instance.is_some() {
+                // A replacement is already in flight and the spec changed again: the unfinished instance never
+                // served, so delete it now; the previous one keeps serving until the newest is ready.
+                status.phase = Some(ProxyPhase::Replacing);
+                return Decision {
+                    action: Action::Delete { provider_id: stale.provider_id },
+                    status,
+                    events,
+                    requeue: Requeue::After(Duration::ZERO),
+                };
+            }
+            events.push(EventSpec::normal(
+                "Replacing",
+                format!("the spec changed; creating a new instance before deleting {}", stale.name),
+            ));
+            status.previous_instance = Some(stale);
+        } else if !matches!(status.phase, Some(ProxyPhase::Provisioning | ProxyPhase::Replacing)) {
+            events.push(EventSpec::normal("Provisioning", "creating the instance"));
+        }
+        status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
+        return Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) };
+    };
+
+    match &facts.desired {
+        Observed::NotRecorded | Observed::NotFound => {
+            if current.state != InstanceState::Terminated {
+                events.push(EventSpec::warning(
+                    "InstanceLost",
+                    format!("instance {} disappeared from the provider; creating it again", current.name),
+                ));
+            }
+            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
+            Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) }
+        }
+        Observed::Found { state: InstanceState::Terminated | InstanceState::Stopped, .. } => {
+            if current.state != InstanceState::Terminated {
+                events.push(EventSpec::warning(
+                    "InstanceLost",
+                    format!(
+                        "instance {} stopped unexpectedly (preempted or failed); deleting and creating it again",
+                        current.name
+                    ),
+                ));
+            }
+            let instance = status.instance.as_mut().expect("the current instance is recorded");
+            instance.state = InstanceState::Terminated;
+            instance.ip = None;
+            if !replacing(&status) {
+                status.endpoint = None;
+            }
+            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
+            Decision {
+                action: Action::Delete { provider_id: current.provider_id.clone() },
+                status,
+                events,
+                requeue: Requeue::After(DELETING_REQUEUE),
+            }
+        }
+        Observed::Found { state, ip, .. } if *state != InstanceState::Running || ip.is_none() => {
+            let instance = status.instance.as_mut().expect("the current instance is recorded");
+            instance.state = InstanceState::Provisioning;
+            instance.ip = ip.clone();
+            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
+            Decision { action: Action::Nothing, status, events, requeue: Requeue::After(PROVISIONING_REQUEUE) }
+        }
+        Observed::Found { ip, created_at, .. } => {
+            let ip = ip.clone().unwrap_or_default();
+            let instance = status.instance.as_mut().expect("the current instance is recorded");
+            let first_run = instance.state != InstanceState::Running;
+            instance.state = InstanceState::Running;
+            instance.ip = Some(ip.clone());
+            if first_run {
+                events.push(EventSpec::normal("Provisioned", format!("instance {} runs at {ip}", current.name)));
+            }
+            let candidate = Endpoint { host: ip, port: facts.port };
+            let healthy = facts.health.as_ref().map(|verdict| verdict.healthy);
+            if let Some(previous) = status.previous_instance.clone() {
+                if healthy != Some(true) {
+                    // Make before break: the old instance serves until the new one is proven healthy.
+                    status.phase = Some(ProxyPhase::Replacing);
+                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(facts.resync) };
+                }
+                // The new instance is healthy: switch the endpoint in this one write.
+                status.endpoint = Some(EndpointStatus::from(&candidate));
+                apply_health(facts, &mut status, &mut events);
+                status.phase = Some(ProxyPhase::Ready);
+                return match facts.previous {
+                    PreviousObserved::Present => Decision {
+                        action: Action::Delete { provider_id: previous.provider_id },
+                        status,
+                        events,
+                        requeue: Requeue::After(DELETING_REQUEUE),
+                    },
+                    PreviousObserved::Gone | PreviousObserved::None => {
+                        status.previous_instance = None;
+                        events.push(EventSpec::normal(
+                            "Replaced",
+                            format!("instance {} replaced {}", current.name, previous.name),
+                        ));
+                        Decision { action: Action::Nothing, status, events, requeue: Requeue::After(facts.resync) }
+                    }
+                };
+            }
+            status.endpoint = Some(EndpointStatus::from(&candidate));
+            apply_health(facts, &mut status, &mut events);
+            status.phase = Some(match healthy {
+                Some(true) => ProxyPhase::Ready,
+                Some(false) => ProxyPhase::Unhealthy,
+                None => ProxyPhase::Running,
+            });
+            let mut requeue = facts.resync;
+            if let (Some(max_age), Some(created_at)) = (facts.max_age, created_at) {
+                let expires = *created_at + max_age;
+                match expires.duration_since(facts.now) {
+                    Ok(left) => requeue = requeue.min(left),
+                    Err(_) => {
+                        // Older than maxAge: count a rotation, which changes the desired spec hash; the next
+                        // reconcile creates the replacement. Recording it in status first survives a crash.
+                        status.max_age_rotations = Some(status.max_age_rotations.unwrap_or(0) + 1);
+                        events.push(EventSpec::normal(
+                            "Replacing",
+                            format!("instance {} reached maxAge; replacing it for a new address", current.name),
+                        ));
+                        requeue = Duration::ZERO;
+                    }
+                }
+            }
+            Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) }
+        }
+    }
+}
+
+/// Writes `status.health` and `status.egressIP` from the verdict, only when `healthy` flips (or first appears), so
+/// a steady proxy costs no status writes however often it is probed.
+fn apply_health(facts: &Facts, status: &mut ProxyStatus, events: &mut Vec<EventSpec>) {
+    let Some(verdict) = &facts.health else { return };
+    let flipped = status.health.as_ref().is_none_or(|health| health.healthy != verdict.healthy);
+    if flipped {
+        status.health = Some(HealthStatus {
+            healthy: verdict.healthy,
+            last_transition_time: Some(time(verdict.since)),
+            last_error: if verdict.healthy { None } else { verdict.last_error.clone() },
+        });
+        events.push(if verdict.healthy {
+            EventSpec::normal("Healthy", "probes through the proxy succeed")
+        } else {
+            EventSpec::warning(
+                "Unhealthy",
+                format!(
+                    "probes through the proxy fail: {}",
+                    verdict.last_error.as_deref().unwrap_or("no reason given")
+                ),
+            )
+        });
+    }
+    if verdict.egress_ip.is_some() && verdict.egress_ip != status.egress_ip {
+        status.egress_ip = verdict.egress_ip.clone();
+    }
+}
+
+/// The status after `Create` returned QuotaExceeded, and how long to wait before trying again.
+pub fn on_quota_exceeded(facts: &Facts, message: &str, consecutive: u32) -> (ProxyStatus, EventSpec, Duration) {
+    let mut status = facts.status.clone();
+    status.phase = Some(if status.previous_instance.is_some() { ProxyPhase::Replacing } else { ProxyPhase::Pending });
+    let mut decision = Decision { action: Action::Nothing, status, events: Vec::new(), requeue: Requeue::AwaitChange };
+    finish_with_reason(facts, &mut decision, Some(("QuotaExceeded", message)));
+    let backoff = quota_backoff(consecutive);
+    let event = EventSpec::warning(
+        "QuotaExceeded",
+        format!("the provider refused for lack of quota; retrying in {}s: {message}", backoff.as_secs()),
+    );
+    (decision.status, event, backoff)
+}
+
+/// 1 minute doubling per consecutive refusal, at most 15 minutes.
+pub fn quota_backoff(consecutive: u32) -> Duration {
+    let factor = 1_u32.checked_shl(consecutive.saturating_sub(1)).unwrap_or(u32::MAX);
+    QUOTA_BACKOFF_MIN.saturating_mul(factor).min(QUOTA_BACKOFF_MAX)
+}
+
+/// The status after a provider call failed permanently: latched until the spec or the `retry` annotation changes.
+pub fn on_permanent_failure(facts: &Facts, message: &str) -> (ProxyStatus, EventSpec) {
+    let mut status = facts.status.clone();
+    status.phase = Some(ProxyPhase::Failed);
+    status.failure = Some(FailureStatus {
+        reason: "ProvisioningFailed".into(),
+        message: message.to_owned(),
+        since: time(facts.now),
+        retry_token: facts.retry_token.clone(),
+    });
+    let mut decision = Decision { action: Action::Nothing, status, events: Vec::new(), requeue: Requeue::AwaitChange };
+    finish(facts, &mut decision);
+    let event = EventSpec::warning(
+        "ProvisioningFailed",
+        format!("{message}; fix the spec or change the crawl.example.com/retry annotation to try again"),
+    );
+    (decision.status, event)
+}
+
+/// What cleanup of a deleted Proxy should do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CleanupDecision {
+    /// Remove the finalizer now.
+    Release {
+        /// An Event to publish first.
+        event: Option<EventSpec>,
+    },
+    /// The provider is not configured: nothing can be deleted; warn and retry.
+    ProviderMissing,
+    /// Delete these instances, then look again.
+    Delete {
+        /// The provider IDs still present.
+        provider_ids: Vec<String>,
+    },
+}
+
+/// Decides cleanup from the Proxy's mode, annotations, and the instances that still exist for it.
+pub fn decide_cleanup(
+    mode: ProxyMode,
+    skip_cleanup: bool,
+    provider_configured: bool,
+    remaining: &[String],
+) -> CleanupDecision {
+    if mode == ProxyMode::External {
+        return CleanupDecision::Release { event: None };
+    }
+    if skip_cleanup {
+        return CleanupDecision::Release {
+            event: Some(EventSpec::warning(
+                "CleanupSkipped",
+                "crawl.example.com/skip-cleanup is set: releasing the Proxy without deleting its instances",
+            )),
+        };
+    }
+    if !provider_configured {
+        return CleanupDecision::ProviderMissing;
+    }
+    if remaining.is_empty() {
+        CleanupDecision::Release { event: None }
+    } else {
+        CleanupDecision::Delete { provider_ids: remaining.to_vec() }
+    }
+}
+
+/// Sets `observedGeneration` and the conditions from the decided status.
+fn finish(facts: &Facts, decision: &mut Decision) {
+    finish_with_reason(facts, decision, None);
+}
+
+fn finish_with_reason(facts: &Facts, decision: &mut Decision, override_reason: Option<(&'static str, &str)>) {
+    let status = &mut decision.status;
+    status.observed_generation = facts.generation;
+    let phase = status.phase.unwrap_or(ProxyPhase::Pending);
+    let phase_name = format!("{phase:?}");
+    let running = status.instance.as_ref().is_some_and(|instance| instance.state == InstanceState::Running);
+    let (provisioned, provisioned_reason, provisioned_message) = match (facts.mode, override_reason) {
+        (ProxyMode::External, _) => ("True", "External".to_owned(), "the proxy exists outside the operator".to_owned()),
+        (_, Some((reason, message))) => ("False", reason.to_owned(), message.to_owned()),
+        (_, None) if running => ("True", "InstanceRunning".to_owned(), instance_message(status.instance.as_ref())),
+        (_, None) if phase == ProxyPhase::Failed => (
+            "False",
+            "ProvisioningFailed".to_owned(),
+            status.failure.as_ref().map(|failure| failure.message.clone()).unwrap_or_default(),
+        ),
+        (_, None) => ("False", phase_name.clone(), "the instance is not running yet".to_owned()),
+    };
+    let (healthy, healthy_reason, healthy_message) = match &status.health {
+        Some(health) if health.healthy => ("True", "ProbesSucceed", String::new()),
+        Some(health) => ("False", "ProbesFail", health.last_error.clone().unwrap_or_default()),
+        None => ("Unknown", "NotProbedYet", "no health verdict yet".to_owned()),
+    };
+    let serving = status.endpoint.is_some() && status.health.as_ref().is_some_and(|health| health.healthy);
+    let ready = serving && matches!(phase, ProxyPhase::Ready | ProxyPhase::Replacing);
+    let (ready_reason, ready_message) = match override_reason {
+        Some((reason, message)) => (reason.to_owned(), message.to_owned()),
+        None if ready => (phase_name.clone(), "the proxy is healthy and handed out".to_owned()),
+        None => (phase_name.clone(), format!("phase {phase_name}")),
+    };
+    let desired = [
+        ConditionSpec {
+            type_: CONDITION_READY,
+            status: if ready { "True" } else { "False" },
+            reason: ready_reason,
+            message: ready_message,
+        },
+        ConditionSpec {
+            type_: CONDITION_PROVISIONED,
+            status: provisioned,
+            reason: provisioned_reason,
+            message: provisioned_message,
+        },
+        ConditionSpec {
+            type_: CONDITION_HEALTHY,
+            status: healthy,
+            reason: healthy_reason.to_owned(),
+            message: healthy_message,
+        },
+    ];
+    status.conditions = merge_conditions(&facts.status.conditions, &desired, facts.generation, facts.now);
+}
+
+fn instance_message(instance: Option<&InstanceStatus>) -> String {
+    instance
+        .map(|instance| format!("instance {} runs at {}", instance.name, instance.ip.as_deref().unwrap_or("?")))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,354 @@
+//! One case per row of the state machine (the design's Managed table, External mode, cleanup, quota, latch).
+
+use super::*;
+
+const HASH: &str = "1111111111111111";
+const OLD_HASH: &str = "0000000000000000";
+
+fn at(seconds: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
+}
+
+fn instance(name: &str, hash: &str, state: InstanceState, ip: Option<&str>) -> InstanceStatus {
+    InstanceStatus {
+        name: name.into(),
+        provider_id: format!("scripted/{name}"),
+        state,
+        ip: ip.map(Into::into),
+        spec_hash: hash.into(),
+        created_at: Some(time(at(1_000))),
+    }
+}
+
+fn verdict(healthy: bool) -> Option<Verdict> {
+    Some(Verdict {
+        healthy,
+        since: at(1_500),
+        last_error: (!healthy).then(|| "connect refused".into()),
+        egress_ip: None,
+    })
+}
+
+fn facts() -> Facts {
+    Facts {
+        mode: ProxyMode::Managed,
+        generation: Some(1),
+        port: 3128,
+        spec_endpoint: None,
+        status: ProxyStatus::default(),
+        desired_hash: HASH.into(),
+        retry_token: None,
+        max_age: None,
+        resync: Duration::from_secs(60),
+        now: at(2_000),
+        desired: Observed::NotRecorded,
+        previous: PreviousObserved::None,
+        health: None,
+    }
+}
+
+fn with_current(state: InstanceState, ip: Option<&str>) -> Facts {
+    let mut facts = facts();
+    facts.status.instance = Some(instance("px-new", HASH, state, ip));
+    facts.desired = Observed::Found { state, ip: ip.map(Into::into), created_at: Some(at(1_000)) };
+    facts
+}
+
+fn reasons(decision: &Decision) -> Vec<&'static str> {
+    decision.events.iter().map(|event| event.reason).collect()
+}
+
+fn condition<'a>(
+    status: &'a ProxyStatus,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    status.conditions.iter().find(|condition| condition.type_ == type_).expect("condition present")
+}
+
+// Row: no current instance → Create desired; phase Provisioning.
+#[test]
+fn no_instance_creates_one() {
+    let decision = decide(&facts());
+    assert_eq!(decision.action, Action::Create);
+    assert_eq!(decision.status.phase, Some(ProxyPhase::Provisioning));
+    assert_eq!(reasons(&decision), ["Provisioning"]);
+    assert_eq!(decision.status.observed_generation, Some(1));
+    assert_eq!(condition(&decision.status, "Ready").status, "False");
+}
+
+// Row: current instance's spec hash ≠ desired → Create desired, current becomes previousInstance; phase Replacing.
+#[test]
+fn spec_change_starts_a_replacement() {
+    let mut facts = facts();
+    facts.status.instance = Some(instance("px-old", OLD_HASH, InstanceState::Running, Some("10.0.0.1")));
+    facts.status.endpoint = Some(EndpointStatus::from(&Endpoint { host: "10.0.0.1".into(), port: 3128 }));
+    let decision = decide(&facts);
+    assert_eq!(decision.action, Action::Create);
+    assert_eq!(decision.status.phase, Some(ProxyPhase::Replacing));
+    assert_eq!(decision.status.previous_instance.as_ref().map(|i| i.name.as_str()), Some("px-old"));
+    assert_eq!(decision.status.instance, None);
+    assert_eq!(
+        decision.status.endpoint.as_ref().map(|e| e.address.as_str()),
+        Some("10.0.0.1:3128"),
+        "the old endpoint keeps serving"
+    );
+    assert_eq!(reasons(&decision), ["Replacing"]);
+}
+
+// A second spec change while a replacement is in flight deletes the unfinished instance, keeping the previous one.
+#[test]
+fn second_spec_change_abandons_the_unfinished_instance() {
+    let mut facts = facts();
+    facts.status.previous_instance =
+        Some(instance("px-old", "aaaaaaaaaaaaaaaa", InstanceState::Running, Some("10.0.0.1")));
+    facts.status.instance = Some(instance("px-mid", OLD_HASH, InstanceState::Provisioning, None));
+    let decision = decide(&facts);
+    assert_eq!(decision.action, Action::Delete { provider_id: "scripted/px-mid".into() });
+    assert_eq!(decision.status.instance, None);
+    assert_eq!(decision.status.previous_instance.as_ref().map(|i| i.name.as_str()), Some("px-old"));
+}
+
+// Row: desired instance Provisioning → requeue in a few seconds.
+#[test]
+fn provisioning_instance_is_polled() {
+    let decision = decide(&with_current(InstanceState::Provisioning, None));
+    assert_eq!(decision.action, Action::Nothing);
+    assert_eq!(decision.requeue, Requeue::After(PROVISIONING_REQUEUE));
+    assert_eq!(decision.status.phase, Some(ProxyPhase::Provisioning));
+    assert_eq!(decision.status.endpoint, None);
+}
+
+// Row: desired instance Running with IP → publish endpoint; Running until healthy, then Ready.
+#[test]
+fn running_instance_is_published_and_follows_health() {
+    let cases = [
+        (None, ProxyPhase::Running, "False"),
+        (verdict(true), ProxyPhase::Ready, "True"),
+        (verdict(false), ProxyPhase::Unhealthy, "False"),
+    ];
+    for (health, phase, ready) in cases {
+        let mut facts = with_current(InstanceState::Running, Some("10.0.0.2"));
+        facts.health = health.clone();
+        let decision = decide(&facts);
+        assert_eq!(decision.action, Action::Nothing);
+        assert_eq!(decision.status.phase, Some(phase), "{health:?}");
+        assert_eq!(decision.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("10.0.0.2:3128"));
+        assert_eq!(condition(&decision.status, "Ready").status, ready, "{health:?}");
+        assert_eq!(condition(&decision.status, "Provisioned").status, "True");
+        assert_eq!(decision.requeue, Requeue::After(Duration::from_secs(60)), "resync to notice preemption");
+    }
+}
+
+#[test]
+fn first_run_emits_provisioned_once() {
+    let mut facts = facts();
+    facts.status.instance = Some(instance("px-new", HASH, InstanceState::Provisioning, None));
+    facts.desired = Observed::Found { state: InstanceState::Running, ip: Some("10.0.0.2".into()), created_at: None };
+    assert_eq!(reasons(&decide(&facts)), ["Provisioned"]);
+    assert!(reasons(&decide(&with_current(InstanceState::Running, Some("10.0.0.2")))).is_empty());
+}
+
+// Health status is written only when `healthy` flips, with an Event each time.
+#[test]
+fn health_is_written_only_on_a_flip() {
+    let mut facts = with_current(InstanceState::Running, Some("10.0.0.2"));
+    facts.health = verdict(true);
+    let first = decide(&facts);
+    assert_eq!(reasons(&first), ["Healthy"]);
+    assert_eq!(first.status.health.as_ref().map(|h| h.healthy), Some(true));
+
+    let mut steady = facts.clone();
+    steady.status = first.status.clone();
+    let again = decide(&steady);
+    assert_eq!(again.status, first.status, "a steady verdict changes nothing");
+    assert!(again.events.is_empty());
+
+    steady.health = verdict(false);
+    let flipped = decide(&steady);
+    assert_eq!(reasons(&flipped), ["Unhealthy"]);
+    assert_eq!(flipped.status.health.as_ref().and_then(|h| h.last_error.as_deref()), Some("connect refused"));
+    assert_eq!(flipped.status.phase, Some(ProxyPhase::Unhealthy));
+}
+
+// Row: desired instance Terminated/Stopped unexpectedly → Delete it, then create again; Event InstanceLost.
+#[test]
+fn terminated_instance_is_deleted_and_reported_lost_once() {
+    for state in [InstanceState::Terminated, InstanceState::Stopped] {
+        let mut facts = with_current(InstanceState::Running, Some("10.0.0.2"));
+        facts.desired = Observed::Found { state, ip: None, created_at: None };
+        let decision = decide(&facts);
+        assert_eq!(decision.action, Action::Delete { provider_id: "scripted/px-new".into() });
+        assert_eq!(reasons(&decision), ["InstanceLost"]);
+        assert_eq!(decision.status.instance.as_ref().map(|i| i.state), Some(InstanceState::Terminated));
+        assert_eq!(decision.status.endpoint, None, "a lost instance's address is not published");
+
+        let mut again = facts.clone();
+        again.status = decision.status.clone();
+        assert!(decide(&again).events.is_empty(), "no second InstanceLost while the deletion completes");
+    }
+}
+
+// Row: desired instance NotFound after it was recorded → create again; Event InstanceLost.
+#[test]
+fn vanished_instance_is_recreated() {
+    let mut lost = with_current(InstanceState::Running, Some("10.0.0.2"));
+    lost.desired = Observed::NotFound;
+    let decision = decide(&lost);
+    assert_eq!(decision.action, Action::Create);
+    assert_eq!(reasons(&decision), ["InstanceLost"]);
+
+    // After the operator itself deleted a terminated instance, its absence is expected: no Event.
+    let mut deleted = facts();
+    deleted.status.instance = Some(instance("px-new", HASH, InstanceState::Terminated, None));
+    deleted.desired = Observed::NotFound;
+    let decision = decide(&deleted);
+    assert_eq!(decision.action, Action::Create);
+    assert!(decision.events.is_empty());
+}
+
+fn replacing(health: Option<Verdict>, previous: PreviousObserved) -> Facts {
+    let mut facts = with_current(InstanceState::Running, Some("10.0.0.9"));
+    facts.status.previous_instance = Some(instance("px-old", OLD_HASH, InstanceState::Running, Some("10.0.0.1")));
+    facts.status.endpoint = Some(EndpointStatus::from(&Endpoint { host: "10.0.0.1".into(), port: 3128 }));
+    facts.status.phase = Some(ProxyPhase::Replacing);
+    facts.health = health;
+    facts.previous = previous;
+    facts
+}
+
+// Row: new instance Ready and previousInstance set → Delete previous; clear it once NotFound.
+#[test]
+fn replacement_switches_the_endpoint_only_when_the_new_instance_is_healthy() {
+    let waiting = decide(&replacing(None, PreviousObserved::Present));
+    assert_eq!(waiting.action, Action::Nothing);
+    assert_eq!(waiting.status.phase, Some(ProxyPhase::Replacing));
+    assert_eq!(waiting.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("10.0.0.1:3128"));
+
+    let switching = decide(&replacing(verdict(true), PreviousObserved::Present));
+    assert_eq!(switching.action, Action::Delete { provider_id: "scripted/px-old".into() });
+    assert_eq!(switching.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("10.0.0.9:3128"));
+    assert_eq!(switching.status.phase, Some(ProxyPhase::Ready));
+    assert!(switching.status.previous_instance.is_some(), "kept until it is gone");
+
+    let done = decide(&replacing(verdict(true), PreviousObserved::Gone));
+    assert_eq!(done.action, Action::Nothing);
+    assert_eq!(done.status.previous_instance, None);
+    assert!(reasons(&done).contains(&"Replaced"));
+}
+
+// Row: maxAge set and instance older → start a replacement.
+#[test]
+fn max_age_triggers_a_rotation() {
+    let mut old = with_current(InstanceState::Running, Some("10.0.0.2"));
+    old.max_age = Some(Duration::from_secs(500)); // created at 1000, now 2000
+    let decision = decide(&old);
+    assert_eq!(decision.status.max_age_rotations, Some(1));
+    assert_eq!(reasons(&decision), ["Replacing"]);
+    assert_eq!(decision.requeue, Requeue::After(Duration::ZERO));
+
+    let mut young = with_current(InstanceState::Running, Some("10.0.0.2"));
+    young.max_age = Some(Duration::from_secs(1_030));
+    let decision = decide(&young);
+    assert_eq!(decision.status.max_age_rotations, None);
+    assert_eq!(decision.requeue, Requeue::After(Duration::from_secs(30)), "wake up when it expires");
+}
+
+// Row: Create → QuotaExceeded: phase Pending, condition reason QuotaExceeded, quota backoff 1 min doubling to 15.
+#[test]
+fn quota_exceeded_backs_off() {
+    let (status, event, backoff) = on_quota_exceeded(&facts(), "exceeded quota: pods=0", 1);
+    assert_eq!(status.phase, Some(ProxyPhase::Pending));
+    assert_eq!(condition(&status, "Ready").reason, "QuotaExceeded");
+    assert_eq!(condition(&status, "Provisioned").reason, "QuotaExceeded");
+    assert_eq!(event.reason, "QuotaExceeded");
+    assert_eq!(backoff, Duration::from_secs(60));
+    let backoffs: Vec<u64> = (1..=6).map(|n| quota_backoff(n).as_secs()).collect();
+    assert_eq!(backoffs, [60, 120, 240, 480, 900, 900]);
+}
+
+// Row: any call → Permanent: latch Failed with status.failure and an Event.
+#[test]
+fn permanent_failure_latches() {
+    let mut facts = facts();
+    facts.retry_token = Some("1".into());
+    let (status, event) = on_permanent_failure(&facts, "unknown machine type \"huge\"");
+    assert_eq!(status.phase, Some(ProxyPhase::Failed));
+    let failure = status.failure.clone().expect("failure recorded");
+    assert_eq!(failure.retry_token.as_deref(), Some("1"));
+    assert_eq!(event.reason, "ProvisioningFailed");
+    assert_eq!(condition(&status, "Provisioned").reason, "ProvisioningFailed");
+}
+
+// Row: failure latched and generation / retry token unchanged → nothing; a change clears it.
+#[test]
+fn latched_failure_waits_for_a_change() {
+    let mut latched = facts();
+    latched.retry_token = Some("1".into());
+    latched.status = on_permanent_failure(&latched, "broken").0;
+    let decision = decide(&latched);
+    assert_eq!(decision.action, Action::Nothing);
+    assert_eq!(decision.requeue, Requeue::AwaitChange);
+    assert_eq!(decision.status, latched.status);
+
+    let mut retried = latched.clone();
+    retried.retry_token = Some("2".into());
+    let decision = decide(&retried);
+    assert_eq!(decision.action, Action::Create);
+    assert_eq!(decision.status.failure, None);
+
+    let mut edited = latched.clone();
+    edited.generation = Some(2);
+    assert_eq!(decide(&edited).action, Action::Create);
+}
+
+// External mode: no instance; the endpoint is the spec's; the phase follows health.
+#[test]
+fn external_follows_health() {
+    let cases =
+        [(None, ProxyPhase::Running), (verdict(true), ProxyPhase::Ready), (verdict(false), ProxyPhase::Unhealthy)];
+    for (health, phase) in cases {
+        let mut facts = facts();
+        facts.mode = ProxyMode::External;
+        facts.spec_endpoint = Some(Endpoint { host: "proxy.example".into(), port: 8080 });
+        facts.health = health;
+        let decision = decide(&facts);
+        assert_eq!(decision.action, Action::Nothing);
+        assert_eq!(decision.status.phase, Some(phase));
+        assert_eq!(decision.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("proxy.example:8080"));
+        assert_eq!(decision.status.instance, None);
+        assert_eq!(condition(&decision.status, "Provisioned").reason, "External");
+    }
+}
+
+// Rows: object being deleted (skip-cleanup; instances left; none left; provider no longer configured).
+#[test]
+fn cleanup_rows() {
+    let ids = vec!["scripted/px-a".to_owned()];
+    assert!(matches!(
+        decide_cleanup(ProxyMode::Managed, true, true, &ids),
+        CleanupDecision::Release { event: Some(EventSpec { reason: "CleanupSkipped", .. }) }
+    ));
+    assert_eq!(
+        decide_cleanup(ProxyMode::Managed, false, true, &ids),
+        CleanupDecision::Delete { provider_ids: ids.clone() }
+    );
+    assert_eq!(decide_cleanup(ProxyMode::Managed, false, true, &[]), CleanupDecision::Release { event: None });
+    assert_eq!(decide_cleanup(ProxyMode::Managed, false, false, &ids), CleanupDecision::ProviderMissing);
+    assert!(matches!(
+        decide_cleanup(ProxyMode::Managed, true, false, &ids),
+        CleanupDecision::Release { event: Some(_) }
+    ));
+    assert_eq!(decide_cleanup(ProxyMode::External, false, false, &[]), CleanupDecision::Release { event: None });
+}
+
+// Conditions keep their transition time while their status holds.
+#[test]
+fn conditions_keep_transition_times() {
+    let facts = with_current(InstanceState::Running, Some("10.0.0.2"));
+    let first = decide(&facts);
+    let mut later = facts.clone();
+    later.status = first.status.clone();
+    later.now = at(9_000);
+    let second = decide(&later);
+    assert_eq!(second.status, first.status, "nothing changed, so nothing to write");
+}

@@ -1,0 +1,165 @@
+//! The orphan collector: deletes provider instances that carry this cluster's tags but that no Proxy owns.
+//!
+//! An instance is an orphan when no Proxy has its `proxy-uid`, or when that Proxy's current, previous and desired
+//! instances are all other instances. Orphans younger than the grace period are left alone, because a create may
+//! not have reached the Proxy's status yet; an instance whose Proxy cannot be read is never touched.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use egress_api::Proxy;
+use egress_provider::Tags;
+use kube::api::{Api, ListParams};
+use kube::core::DeserializeGuard;
+use kube::{Client, ResourceExt};
+use tokio::sync::Mutex;
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::controller::{age, recorded_names};
+use crate::decide::EventSpec;
+use crate::metrics::ReconcileMetrics;
+use crate::providers::Providers;
+
+/// One instance the collector deleted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Collected {
+    /// The provider it lived on.
+    pub provider: String,
+    /// Its provider ID.
+    pub provider_id: String,
+    /// Why it was an orphan: `proxy-gone`, `superseded` or `untagged`.
+    pub reason: &'static str,
+}
+
+/// The orphan collector.
+pub struct OrphanCollector {
+    client: Client,
+    providers: Arc<dyn Providers>,
+    cluster_id: String,
+    grace: Duration,
+    metrics: ReconcileMetrics,
+    /// When each instance without a creation time was first seen, so the grace period still applies to it.
+    first_seen: Mutex<HashMap<String, SystemTime>>,
+}
+
+impl OrphanCollector {
+    /// A collector for instances tagged with `cluster_id`, sparing those younger than `grace`.
+    pub fn new(
+        client: Client,
+        providers: Arc<dyn Providers>,
+        cluster_id: impl Into<String>,
+        grace: Duration,
+        metrics: ReconcileMetrics,
+    ) -> Self {
+        Self { client, providers, cluster_id: cluster_id.into(), grace, metrics, first_seen: Mutex::default() }
+    }
+
+    /// One pass over every provider. A provider that fails is logged and skipped; the others are still collected.
+    pub async fn collect_once(&self) -> Result<Vec<Collected>, kube::Error> {
+        let proxies: Api<DeserializeGuard<Proxy>> = Api::all(self.client.clone());
+        let list = proxies.list(&ListParams::default()).await?;
+        let mut owners: HashMap<String, Option<Proxy>> = HashMap::new();
+        for object in list.items {
+            let uid = object.uid().unwrap_or_default();
+            owners.insert(uid, object.0.ok());
+        }
+        let now = SystemTime::now();
+        let mut collected = Vec::new();
+        let mut seen = HashSet::new();
+        for provider_name in self.providers.names() {
+            let provider = match self.providers.provider(&provider_name).await {
+                Ok(provider) => provider,
+                Err(error) => {
+                    warn!(provider = %provider_name, error = %error.chain(), "orphan collection skipped a provider");
+                    continue;
+                }
+            };
+            let instances = match provider.list_by_tag(&Tags::owned_by_cluster(&self.cluster_id)).await {
+                Ok(instances) => instances,
+                Err(error) => {
+                    warn!(provider = %provider_name, error = %error.chain(), "orphan collection could not list instances");
+                    continue;
+                }
+            };
+            for instance in instances {
+                seen.insert(instance.provider_id.clone());
+                let reason = match instance.tags.get(Tags::PROXY_UID) {
+                    None => "untagged",
+                    Some(uid) => match owners.get(uid) {
+                        None => "proxy-gone",
+                        // The Proxy exists but cannot be read: never delete what it may own.
+                        Some(None) => continue,
+                        Some(Some(proxy)) if recorded_names(proxy).contains(&instance.name) => continue,
+                        Some(Some(_)) => "superseded",
+                    },
+                };
+                let first_seen = *self.first_seen.lock().await.entry(instance.provider_id.clone()).or_insert(now);
+                let age = age(instance.created_at, first_seen, now);
+                if age < self.grace {
+                    continue;
+                }
+                if let Err(error) = provider.delete(&instance.provider_id).await {
+                    warn!(provider = %provider_name, instance = %instance.provider_id, error = %error.chain(), "deleting an orphan failed");
+                    continue;
+                }
+                info!(provider = %provider_name, instance = %instance.provider_id, reason, age_secs = age.as_secs(), "deleted an orphaned instance");
+                self.metrics.orphan_deleted(&provider_name, reason);
+                if let Some(Some(proxy)) = instance.tags.get(Tags::PROXY_UID).and_then(|uid| owners.get(uid)) {
+                    self.publish(proxy, &instance.provider_id).await;
+                }
+                collected.push(Collected {
+                    provider: provider_name.clone(),
+                    provider_id: instance.provider_id,
+                    reason,
+                });
+            }
+        }
+        self.first_seen.lock().await.retain(|provider_id, _| seen.contains(provider_id));
+        Ok(collected)
+    }
+
+    async fn publish(&self, proxy: &Proxy, provider_id: &str) {
+        use kube::Resource;
+        use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+        let recorder =
+            Recorder::new(self.client.clone(), Reporter { controller: "egress-operator".into(), instance: None });
+        let spec = EventSpec {
+            warning: false,
+            reason: "OrphanDeleted",
+            note: format!("deleted {provider_id}, which the Proxy no longer uses"),
+        };
+        let event = Event {
+            type_: EventType::Normal,
+            reason: spec.reason.into(),
+            note: Some(spec.note),
+            action: "CollectOrphans".into(),
+            secondary: None,
+        };
+        if let Err(error) = recorder.publish(&event, &proxy.object_ref(&())).await {
+            warn!(%error, "publishing an OrphanDeleted Event failed");
+        }
+    }
+
+    /// Collects every `interval` until `shutdown` resolves.
+    pub async fn run(self, interval: Duration, shutdown: impl Future<Output = ()>) {
+        let rounds = async {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                match self.collect_once().await {
+                    Ok(collected) if !collected.is_empty() => {
+                        info!(deleted = collected.len(), "orphan collection finished")
+                    }
+                    Ok(_) => {}
+                    Err(error) => warn!(%error, "orphan collection could not list Proxies"),
+                }
+            }
+        };
+        tokio::select! {
+            () = rounds.instrument(info_span!("orphan_collector")) => {}
+            () = shutdown => {}
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! The Proxy state machine: turns each `Proxy` into exactly one live provider instance, replaces it without
+//! downtime when its spec changes, never leaks or duplicates an instance when killed at any point, and cleans up on
+//! delete. Plus the orphan collector, which deletes instances no Proxy owns any more.
+//!
+//! The shape is observe → decide → act. [`observe`](controller) reads the provider and the object, [`decide`] is a
+//! pure function from those facts to an action and a new status (table-tested without any server), and the
+//! controller performs the action, writes the status only when it changed, and publishes Events. kube's
+//! `Controller` drives it; `error_policy` alone decides error backoff, per object, reset on success.
+
+mod controller;
+pub mod decide;
+mod error;
+pub mod gc;
+mod health;
+mod metrics;
+mod providers;
+mod status;
+
+pub use controller::{Context, ControllerConfig, run};
+pub use error::Error;
+pub use health::{HealthBoard, HealthKey, Verdict};
+pub use metrics::ReconcileMetrics;
+pub use providers::{Providers, StaticProviders};
