@@ -84,7 +84,7 @@ fn is_current(dir: &Path) -> bool {
 }
 
 /// Starts a control plane with the CRDs installed and keeps it up until Ctrl-C.
-pub fn up(copy_kubeconfig_to: Option<PathBuf>, with_sample: bool) -> Result<()> {
+pub fn up(copy_kubeconfig_to: Option<PathBuf>, with_sample: bool, with_controller: bool) -> Result<()> {
     ensure_built()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -96,8 +96,10 @@ pub fn up(copy_kubeconfig_to: Option<PathBuf>, with_sample: bool) -> Result<()> 
             }
             None => plane.kubeconfig_path().to_path_buf(),
         };
+        // Kept alive until Ctrl-C: dropping them stops the controller and every Squid.
+        let _running = if with_controller { Some(start_controller(&plane).await?) } else { None };
         if with_sample {
-            create_sample(&plane).await?;
+            create_sample(&plane, with_controller).await?;
         }
         println!("control plane {} ready in {:.1?}", plane.server_url(), plane.startup_duration());
         println!("kubeconfig: {}", kubeconfig.display());
@@ -110,21 +112,69 @@ pub fn up(copy_kubeconfig_to: Option<PathBuf>, with_sample: bool) -> Result<()> 
     })
 }
 
-/// Creates an External Proxy `example` in the `default` namespace, so `kubectl get px` and `kubectl describe px`
-/// have something to show on a fresh control plane.
-async fn create_sample(plane: &egress_testenv::ControlPlane) -> Result<()> {
+/// Creates an External Proxy `example` in the `default` namespace (and, with the controller, a Managed Proxy
+/// `managed-example` on the `pods` provider), so `kubectl get px` and `kubectl describe px` have something to show.
+async fn create_sample(plane: &egress_testenv::ControlPlane, managed: bool) -> Result<()> {
     use egress_api::{Endpoint, Proxy, ProxyMode, ProxySpec};
+    let proxies: kube::Api<Proxy> = kube::Api::namespaced(plane.client().await?, "default");
     let spec = ProxySpec {
         endpoint: Some(Endpoint { host: "127.0.0.1".into(), port: 3128 }),
         ..ProxySpec::new(ProxyMode::External)
     };
-    let proxies: kube::Api<Proxy> = kube::Api::namespaced(plane.client().await?, "default");
     proxies
         .create(&kube::api::PostParams::default(), &Proxy::new("example", spec))
         .await
         .context("creating the sample Proxy")?;
     println!("created the sample External Proxy default/example (127.0.0.1:3128)");
+    if managed {
+        let spec = ProxySpec { provider: Some("pods".into()), ..ProxySpec::new(ProxyMode::Managed) };
+        proxies
+            .create(&kube::api::PostParams::default(), &Proxy::new("managed-example", spec))
+            .await
+            .context("creating the sample Managed Proxy")?;
+        println!("created the sample Managed Proxy default/managed-example (provider pods)");
+    }
     Ok(())
+}
+
+/// What `--controller` keeps running.
+struct RunningController {
+    _agent: egress_testenv::NodeAgent,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RunningController {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Runs the reconciler with a kubernetes provider `pods` (pods in `default`) and the local node agent, so Managed
+/// Proxies really run as Squid processes on this machine.
+async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<RunningController> {
+    use std::sync::Arc;
+    let client = plane.client().await?;
+    let agent = egress_testenv::NodeAgent::start(client.clone(), &["default"]).await?;
+    let config = egress_provider::config::ProvidersConfig::parse(
+        "providers:\n  - { name: pods, type: kubernetes, kubernetes: { namespace: default } }\n",
+        "built-in",
+    )?;
+    let egress_provider::config::ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else {
+        anyhow::bail!("the built-in providers config has no kubernetes block");
+    };
+    let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings));
+    let providers =
+        egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn egress_provider::Provider>);
+    let context = Arc::new(egress_reconcile::Context::new(
+        client,
+        Arc::new(providers),
+        egress_reconcile::HealthBoard::new(),
+        egress_reconcile::ControllerConfig::new("envtest"),
+        egress_reconcile::ReconcileMetrics::default(),
+    ));
+    let task = tokio::spawn(egress_reconcile::run(context, futures::stream::pending(), futures::future::pending()));
+    println!("reconciler running with provider `pods` (Squid processes on 127.1.x.y via the local node agent)");
+    Ok(RunningController { _agent: agent, task })
 }
 
 #[cfg(test)]

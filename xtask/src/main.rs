@@ -37,9 +37,13 @@ enum Command {
         /// With --up: also write the kubeconfig to this path.
         #[arg(long, requires = "up")]
         kubeconfig: Option<PathBuf>,
-        /// With --up: do not create the sample External Proxy `default/example`.
+        /// With --up: do not create the sample Proxies.
         #[arg(long, requires = "up")]
         no_sample: bool,
+        /// With --up: also run the reconciler with a kubernetes provider `pods` and the local node agent (needs
+        /// Squid), so Managed Proxies run for real.
+        #[arg(long, requires = "up")]
+        controller: bool,
     },
     /// Install what is missing, then run formatting, lints, the CRD drift check and every test.
     Test {
@@ -54,7 +58,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Crdgen { check } => crdgen::run(check),
         Command::Envtest { up: false, .. } => envtest::ensure_built().map(|dir| println!("{}", dir.display())),
-        Command::Envtest { up: true, kubeconfig, no_sample } => envtest::up(kubeconfig, !no_sample),
+        Command::Envtest { up: true, kubeconfig, no_sample, controller } => {
+            envtest::up(kubeconfig, !no_sample, controller)
+        }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
     };
     match result {

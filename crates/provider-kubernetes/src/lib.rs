@@ -85,16 +85,20 @@ fn parse_provider_id(provider_id: &str) -> Result<(&str, &str), ProviderError> {
 /// 404 → `NotFound`; 403 whose message says a quota was exceeded → `QuotaExceeded`; 400, 403 and 422 →
 /// `Permanent`; 429, 5xx and everything that is not an API answer (transport, TLS, timeouts) → `Transient`.
 pub fn classify(context: &str, error: kube::Error) -> ProviderError {
-    let class = match &error {
-        kube::Error::Api(status) => match status.code {
-            404 => ErrorClass::NotFound,
-            403 if status.message.contains("exceeded quota") => ErrorClass::QuotaExceeded,
-            400 | 403 | 422 => ErrorClass::Permanent,
-            _ => ErrorClass::Transient,
-        },
-        _ => ErrorClass::Transient,
-    };
-    ProviderError::new(class, context.to_owned()).with_source(error)
+    match &error {
+        // The API's own answer says everything (code, reason, message); it is kept as the message rather than as a
+        // source, whose Display would repeat it with a debug dump of the status.
+        kube::Error::Api(status) => {
+            let class = match status.code {
+                404 => ErrorClass::NotFound,
+                403 if status.message.contains("exceeded quota") => ErrorClass::QuotaExceeded,
+                400 | 403 | 422 => ErrorClass::Permanent,
+                _ => ErrorClass::Transient,
+            };
+            ProviderError::new(class, format!("{context}: {} {}: {}", status.code, status.reason, status.message))
+        }
+        _ => ProviderError::transient(context.to_owned()).with_source(error),
+    }
 }
 
 fn is_conflict(error: &kube::Error) -> bool {
@@ -150,8 +154,10 @@ impl Provider for KubernetesProvider {
             }
             // On create, 404 means the namespace does not exist: retrying the same request cannot help.
             Err(kube::Error::Api(status)) if status.code == 404 => {
-                return Err(ProviderError::permanent(format!("namespace {namespace:?} does not exist"))
-                    .with_source(kube::Error::Api(status)));
+                return Err(ProviderError::permanent(format!(
+                    "namespace {namespace:?} does not exist: {}",
+                    status.message
+                )));
             }
             Err(error) => return Err(classify("creating the pod", error)),
         };

@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use egress_api::annotations::{self, FINALIZER};
 use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
@@ -50,12 +50,14 @@ pub struct ControllerConfig {
     pub resync: Duration,
     /// How many Proxies are reconciled at once.
     pub concurrency: u16,
+    /// Watch only this namespace; `None` watches all.
+    pub namespace: Option<String>,
 }
 
 impl ControllerConfig {
-    /// Defaults for `cluster_id`: resync every minute, 16 concurrent reconciles.
+    /// Defaults for `cluster_id`: resync every minute, 16 concurrent reconciles, all namespaces.
     pub fn new(cluster_id: impl Into<String>) -> Self {
-        Self { cluster_id: cluster_id.into(), resync: Duration::from_secs(60), concurrency: 16 }
+        Self { cluster_id: cluster_id.into(), resync: Duration::from_secs(60), concurrency: 16, namespace: None }
     }
 }
 
@@ -68,7 +70,14 @@ pub struct Context {
     recorder: Recorder,
     metrics: ReconcileMetrics,
     failures: Mutex<HashMap<String, u32>>,
-    quota_refusals: Mutex<HashMap<String, u32>>,
+    quota_refusals: Mutex<HashMap<String, QuotaRefusal>>,
+}
+
+/// Consecutive QuotaExceeded answers for one Proxy, and when the next create may be tried.
+#[derive(Clone, Copy)]
+struct QuotaRefusal {
+    consecutive: u32,
+    retry_at: Instant,
 }
 
 impl Context {
@@ -136,7 +145,10 @@ pub async fn run(
     health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let api: Api<DeserializeGuard<Proxy>> = Api::all(context.client.clone());
+    let api: Api<DeserializeGuard<Proxy>> = match &context.config.namespace {
+        Some(namespace) => Api::namespaced(context.client.clone(), namespace),
+        None => Api::all(context.client.clone()),
+    };
     let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
     let concurrency = context.config.concurrency;
     Controller::new(api, watcher::Config::default())
@@ -310,21 +322,27 @@ async fn apply(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
     match (&action, &provider) {
         (decide::Action::Nothing, _) | (_, None) => {}
         (decide::Action::Create, Some(provider)) => {
+            // Any change (our own status write among them) triggers a reconcile; the quota backoff still holds.
+            let refusal = context.quota_refusals.lock().expect("quota refusals").get(&uid).copied();
+            if let Some(wait) = refusal.and_then(|refusal| refusal.retry_at.checked_duration_since(Instant::now())) {
+                debug!(wait_secs = wait.as_secs(), "create deferred by the quota backoff");
+                return Ok(Action::requeue(wait));
+            }
             let request = create_request(proxy, context, &facts).await?;
             match provider.create(&request).await {
                 Ok(instance) => {
                     status.instance = Some(instance_status(&instance, &facts.desired_hash));
-                    context.quota_refusals.lock().expect("quota counts").remove(&uid);
+                    context.quota_refusals.lock().expect("quota refusals").remove(&uid);
                     requeue = Requeue::After(Duration::from_secs(1));
                 }
                 Err(error) if error.class() == ErrorClass::QuotaExceeded => {
-                    let consecutive = {
-                        let mut counts = context.quota_refusals.lock().expect("quota counts");
-                        let count = counts.entry(uid.clone()).or_default();
-                        *count = count.saturating_add(1);
-                        *count
-                    };
+                    let consecutive = refusal.map_or(1, |refusal| refusal.consecutive.saturating_add(1));
                     let (status, event, backoff) = decide::on_quota_exceeded(&facts, &error.chain(), consecutive);
+                    context
+                        .quota_refusals
+                        .lock()
+                        .expect("quota refusals")
+                        .insert(uid.clone(), QuotaRefusal { consecutive, retry_at: Instant::now() + backoff });
                     write_status(proxy, context, &facts.status, &status).await?;
                     context.publish(proxy, &event).await;
                     info!(backoff_secs = backoff.as_secs(), "provider quota exceeded; backing off");
@@ -363,16 +381,15 @@ async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &Provider
     Ok(Action::await_change())
 }
 
+/// The status record of a freshly created instance. It is recorded as Provisioning whatever `create` returned: the
+/// next reconcile's `get` observes the real state, and that transition is what publishes the address and the
+/// `Provisioned` Event, in one place.
 fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
-    let state = match observed(instance) {
-        Observed::Found { state, .. } => state,
-        _ => egress_api::InstanceState::Provisioning,
-    };
     InstanceStatus {
         name: instance.name.clone(),
         provider_id: instance.provider_id.clone(),
-        state,
-        ip: instance.ip.map(|ip| ip.to_string()),
+        state: egress_api::InstanceState::Provisioning,
+        ip: None,
         spec_hash: spec_hash.to_owned(),
         created_at: instance.created_at.map(time),
     }

@@ -42,6 +42,7 @@ pub struct OrphanCollector {
     metrics: ReconcileMetrics,
     /// When each instance without a creation time was first seen, so the grace period still applies to it.
     first_seen: Mutex<HashMap<String, SystemTime>>,
+    namespace: Option<String>,
 }
 
 impl OrphanCollector {
@@ -53,12 +54,30 @@ impl OrphanCollector {
         grace: Duration,
         metrics: ReconcileMetrics,
     ) -> Self {
-        Self { client, providers, cluster_id: cluster_id.into(), grace, metrics, first_seen: Mutex::default() }
+        Self {
+            client,
+            providers,
+            cluster_id: cluster_id.into(),
+            grace,
+            metrics,
+            first_seen: Mutex::default(),
+            namespace: None,
+        }
+    }
+
+    /// Considers only the Proxies of one namespace as owners (for a cluster ID used by one namespace alone, as in
+    /// tests). Every instance of the cluster ID whose owner is not there counts as an orphan.
+    pub fn within_namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
     }
 
     /// One pass over every provider. A provider that fails is logged and skipped; the others are still collected.
     pub async fn collect_once(&self) -> Result<Vec<Collected>, kube::Error> {
-        let proxies: Api<DeserializeGuard<Proxy>> = Api::all(self.client.clone());
+        let proxies: Api<DeserializeGuard<Proxy>> = match &self.namespace {
+            Some(namespace) => Api::namespaced(self.client.clone(), namespace),
+            None => Api::all(self.client.clone()),
+        };
         let list = proxies.list(&ListParams::default()).await?;
         let mut owners: HashMap<String, Option<Proxy>> = HashMap::new();
         for object in list.items {

@@ -75,6 +75,14 @@ impl ReconcileMetrics {
         metrics
     }
 
+    /// How many reconciles have finished, whatever their result.
+    pub fn reconciles_total(&self) -> u64 {
+        ["ok", "error", "cancelled"]
+            .into_iter()
+            .map(|result| self.reconciles.get_or_create(&ResultLabels { result }).get())
+            .sum()
+    }
+
     /// Starts timing one reconcile; the guard records it when dropped (also when the reconcile is cancelled).
     pub(crate) fn start(&self) -> ReconcileTimer {
         ReconcileTimer { metrics: self.clone(), started: Instant::now(), result: "cancelled" }

@@ -14,8 +14,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, Config};
@@ -131,6 +132,7 @@ impl ControlPlane {
             startup: Duration::ZERO,
         };
         plane.wait_ready().await?;
+        plane.create_default_service_account().await?;
         plane.install_crds(crds).await?;
         plane.startup = started.elapsed();
         Ok(plane)
@@ -192,6 +194,20 @@ impl ControlPlane {
                     self.apiserver_log_tail(40)
                 );
             }
+        }
+    }
+
+    /// Creates `default/default`, which the controller-manager would: pods in `default` need it to pass admission.
+    async fn create_default_service_account(&self) -> Result<()> {
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client().await?, "default");
+        let account = ServiceAccount {
+            metadata: ObjectMeta { name: Some("default".into()), ..ObjectMeta::default() },
+            ..ServiceAccount::default()
+        };
+        match accounts.create(&PostParams::default(), &account).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(()),
+            Err(error) => Err(error).context("creating the default ServiceAccount in namespace default"),
         }
     }
 

@@ -1,0 +1,389 @@
+//! The reconciler against the real test control plane, with the scriptable provider (and once with the kubernetes
+//! provider and the local node agent).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use egress_api::annotations::{RETRY, ROTATE, SKIP_CLEANUP};
+use egress_api::{Proxy, ProxyPhase};
+use egress_provider::{ErrorClass, Provider, Tags, instance_name};
+use egress_reconcile::gc::OrphanCollector;
+use egress_testenv::eventually;
+use futures::StreamExt;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::await_condition;
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+use support::{Behavior, Harness, Op, managed};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn wait_for(api: &Api<Proxy>, name: &str, what: &str, check: impl Fn(&Proxy) -> bool) -> Proxy {
+    let condition = |object: Option<&Proxy>| object.is_some_and(&check);
+    tokio::time::timeout(WAIT, await_condition(api.clone(), name, condition))
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {name}: {what}"))
+        .expect("watch")
+        .expect("the object exists")
+}
+
+/// Deletes the Proxy and waits until the apiserver no longer has it (the finalizer was released).
+async fn delete_and_wait_gone(api: &Api<Proxy>, name: &str) {
+    let uid = api.get(name).await.expect("the Proxy exists").uid().expect("uid");
+    api.delete(name, &DeleteParams::default()).await.expect("delete");
+    tokio::time::timeout(WAIT, await_condition(api.clone(), name, kube::runtime::wait::conditions::is_deleted(&uid)))
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {name} to be deleted"))
+        .expect("watch");
+}
+
+fn phase(proxy: &Proxy) -> Option<ProxyPhase> {
+    proxy.status.as_ref().and_then(|status| status.phase)
+}
+
+fn address(proxy: &Proxy) -> Option<String> {
+    proxy.status.as_ref().and_then(|status| status.endpoint.as_ref()).map(|endpoint| endpoint.address.clone())
+}
+
+fn instance_of(proxy: &Proxy) -> Option<String> {
+    proxy.status.as_ref().and_then(|status| status.instance.as_ref()).map(|instance| instance.name.clone())
+}
+
+async fn create(harness: &Harness, name: &str, zone: &str) -> Proxy {
+    harness.proxies().create(&PostParams::default(), &Proxy::new(name, managed(zone))).await.expect("create Proxy")
+}
+
+/// Creates a Proxy and takes it to Ready by feeding a healthy verdict for its endpoint.
+async fn ready(harness: &Harness, name: &str, zone: &str) -> Proxy {
+    create(harness, name, zone).await;
+    let running =
+        wait_for(&harness.proxies(), name, "Running with an endpoint", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    harness.feed_health(name, &address(&running).expect("endpoint"), true);
+    wait_for(&harness.proxies(), name, "Ready", |p| phase(p) == Some(ProxyPhase::Ready)).await
+}
+
+/// Waits until an Event with `reason` was published about the Proxy `name`.
+async fn await_event(harness: &Harness, name: &str, reason: &str) {
+    eventually(&format!("an Event {reason} about {name}"), WAIT, || async {
+        harness.event_reasons(name).await.iter().any(|event| event == reason).then_some(())
+    })
+    .await;
+}
+
+/// Changes a label `times` times, each time waiting until the controller has finished another reconcile.
+async fn touch_and_await_reconciles(harness: &Harness, name: &str, times: usize) {
+    for round in 0..times {
+        let before = harness.metrics.reconciles_total();
+        let patch = json!({ "metadata": { "labels": { "touched": round.to_string() } } });
+        harness.proxies().patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.expect("label");
+        eventually("a reconcile after the change", WAIT, || async {
+            (harness.metrics.reconciles_total() > before).then_some(())
+        })
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn managed_proxy_becomes_ready() {
+    let harness = Harness::new("rc-ready").await;
+    let proxy = ready(&harness, "p", "zone-a").await;
+    let status = proxy.status.clone().expect("status");
+    let instance = status.instance.expect("instance recorded");
+    assert_eq!(instance.name, instance_name(&proxy.uid().expect("uid"), &proxy.desired_spec_hash()));
+    assert_eq!(harness.provider.live(), std::slice::from_ref(&instance.name));
+    let tags = harness.provider.tags(&instance.name).expect("tags");
+    assert_eq!(tags.get(Tags::CLUSTER), Some(harness.cluster_id.as_str()));
+    assert_eq!(tags.get(Tags::PROXY_UID), proxy.uid().as_deref());
+    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").expect("Ready condition");
+    assert_eq!(ready.status, "True");
+    assert!(proxy.finalizers().contains(&egress_api::annotations::FINALIZER.to_owned()));
+    // Events follow the status write that they describe.
+    for reason in ["Provisioning", "Provisioned", "Healthy"] {
+        await_event(&harness, "p", reason).await;
+    }
+}
+
+#[tokio::test]
+async fn placement_change_replaces_make_before_break() {
+    let harness = Harness::new("rc-replace").await;
+    let before = ready(&harness, "p", "zone-a").await;
+    let old_instance = instance_of(&before).expect("instance");
+    let old_address = address(&before).expect("endpoint");
+
+    // Record every status the apiserver stores from here on.
+    let seen: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
+    let recorder = seen.clone();
+    let config = watcher::Config::default().fields("metadata.name=p");
+    let watch = tokio::spawn(watcher(harness.proxies(), config).applied_objects().for_each(move |object| {
+        if let Ok(proxy) = object {
+            recorder.lock().unwrap().push(address(&proxy));
+        }
+        async {}
+    }));
+
+    harness
+        .proxies()
+        .patch("p", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "placement": { "zone": "zone-b" } } })))
+        .await
+        .expect("patch");
+    let replacing = wait_for(&harness.proxies(), "p", "a new running instance beside the old", |p| {
+        phase(p) == Some(ProxyPhase::Replacing)
+            && instance_of(p).is_some_and(|name| name != old_instance)
+            && p.status.as_ref().and_then(|s| s.instance.as_ref()).is_some_and(|i| i.ip.is_some())
+    })
+    .await;
+    let new_instance = instance_of(&replacing).expect("new instance");
+    // The new instance runs but is not proven healthy: both live, the old endpoint still published.
+    eventually("both instances to be live", WAIT, || async {
+        let live = harness.provider.live();
+        (live.contains(&old_instance) && live.contains(&new_instance)).then_some(())
+    })
+    .await;
+    let still = harness.proxies().get("p").await.expect("get");
+    assert_eq!(address(&still).as_deref(), Some(old_address.as_str()));
+    assert!(
+        harness.provider.live().contains(&old_instance),
+        "the old instance is not deleted before the new one is Ready"
+    );
+
+    let new_address = replacing
+        .status
+        .as_ref()
+        .and_then(|status| status.instance.as_ref()?.ip.clone())
+        .map(|ip| format!("{ip}:3128"))
+        .expect("the new instance has an address");
+    harness.feed_health("p", &new_address, true);
+    let done = wait_for(&harness.proxies(), "p", "the replacement to finish", |p| {
+        phase(p) == Some(ProxyPhase::Ready) && p.status.as_ref().is_some_and(|s| s.previous_instance.is_none())
+    })
+    .await;
+    assert_eq!(address(&done).as_deref(), Some(new_address.as_str()));
+    eventually("the old instance to be deleted", WAIT, || async {
+        (harness.provider.live() == [new_instance.clone()]).then_some(())
+    })
+    .await;
+    watch.abort();
+
+    // Every stored status had one of the two endpoints: the switch happened in one write, never through "none".
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter().all(|endpoint| endpoint.as_deref() == Some(old_address.as_str())
+            || endpoint.as_deref() == Some(new_address.as_str())),
+        "{seen:?}"
+    );
+    await_event(&harness, "p", "Replaced").await;
+}
+
+#[tokio::test]
+async fn deletion_waits_until_every_instance_is_gone() {
+    let harness = Harness::new("rc-delete").await;
+    ready(&harness, "p", "zone-a").await;
+    harness.provider.next(Op::Delete, Behavior::Fail(ErrorClass::Transient));
+    harness.provider.next(Op::Delete, Behavior::Fail(ErrorClass::Transient));
+    let uid = harness.proxies().get("p").await.expect("get").uid().expect("uid");
+    harness.proxies().delete("p", &DeleteParams::default()).await.expect("delete");
+    eventually("two failed delete attempts", WAIT, || async {
+        (harness.provider.calls(Op::Delete) >= 2).then_some(())
+    })
+    .await;
+    let held = harness.proxies().get_opt("p").await.expect("get");
+    assert!(
+        held.is_some_and(|p| p.metadata.deletion_timestamp.is_some()),
+        "the finalizer holds the Proxy while its instance lives"
+    );
+    assert_eq!(harness.provider.live().len(), 1);
+    tokio::time::timeout(
+        WAIT,
+        await_condition(harness.proxies(), "p", kube::runtime::wait::conditions::is_deleted(&uid)),
+    )
+    .await
+    .expect("the Proxy goes once its instance is gone")
+    .expect("watch");
+    assert!(harness.provider.live().is_empty(), "the finalizer was released only after the instance was gone");
+}
+
+#[tokio::test]
+async fn skip_cleanup_releases_without_deleting() {
+    let harness = Harness::new("rc-skip").await;
+    ready(&harness, "p", "zone-a").await;
+    harness
+        .proxies()
+        .patch(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "annotations": { SKIP_CLEANUP: "true" } } })),
+        )
+        .await
+        .expect("annotate");
+    delete_and_wait_gone(&harness.proxies(), "p").await;
+    assert_eq!(harness.provider.live().len(), 1, "the instance is left alone");
+    assert_eq!(harness.provider.calls(Op::Delete), 0);
+    await_event(&harness, "p", "CleanupSkipped").await;
+}
+
+#[tokio::test]
+async fn permanent_failure_latches_until_retry() {
+    let harness = Harness::new("rc-latch").await;
+    harness.provider.always(Op::Create, Behavior::Fail(ErrorClass::Permanent));
+    create(&harness, "p", "zone-a").await;
+    let failed = wait_for(&harness.proxies(), "p", "Failed", |p| phase(p) == Some(ProxyPhase::Failed)).await;
+    let failure = failed.status.as_ref().and_then(|s| s.failure.clone()).expect("status.failure");
+    assert!(failure.message.contains("scripted Create failure"), "{}", failure.message);
+    assert_eq!(harness.provider.calls(Op::Create), 1);
+
+    // Unrelated changes and health triggers reconcile the object again, and none of them retries the create.
+    touch_and_await_reconciles(&harness, "p", 3).await;
+    harness.feed_health("p", "10.0.0.1:3128", true);
+    touch_and_await_reconciles(&harness, "p", 1).await;
+    assert_eq!(harness.provider.calls(Op::Create), 1, "no create call while latched");
+
+    harness.provider.always(Op::Create, Behavior::Succeed);
+    harness
+        .proxies()
+        .patch("p", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "annotations": { RETRY: "1" } } })))
+        .await
+        .expect("retry");
+    wait_for(&harness.proxies(), "p", "Running after the retry", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    await_event(&harness, "p", "ProvisioningFailed").await;
+}
+
+#[tokio::test]
+async fn quota_exceeded_backs_off_without_a_hot_loop() {
+    let harness = Harness::new("rc-quota").await;
+    harness.provider.always(Op::Create, Behavior::Fail(ErrorClass::QuotaExceeded));
+    create(&harness, "p", "zone-a").await;
+    let pending =
+        wait_for(&harness.proxies(), "p", "Pending for quota", |p| phase(p) == Some(ProxyPhase::Pending)).await;
+    let ready = pending
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready").cloned())
+        .expect("Ready condition");
+    assert_eq!(ready.reason, "QuotaExceeded");
+    // Changes keep triggering reconciles (the status write itself is one); none of them may call create again.
+    touch_and_await_reconciles(&harness, "p", 3).await;
+    assert_eq!(harness.provider.calls(Op::Create), 1, "the next attempt waits for the quota backoff (a minute)");
+    await_event(&harness, "p", "QuotaExceeded").await;
+}
+
+#[tokio::test]
+async fn an_instance_removed_behind_the_back_is_recreated() {
+    let harness = Harness::new("rc-lost").await;
+    let proxy = ready(&harness, "p", "zone-a").await;
+    let name = instance_of(&proxy).expect("instance");
+    let creates = harness.provider.calls(Op::Create);
+    harness.provider.remove(&name);
+    eventually("the instance to be recreated", WAIT, || async {
+        (harness.provider.calls(Op::Create) > creates && harness.provider.live() == [name.clone()]).then_some(())
+    })
+    .await;
+    await_event(&harness, "p", "InstanceLost").await;
+}
+
+#[tokio::test]
+async fn orphan_collector_deletes_old_orphans_and_spares_young_ones() {
+    let harness = Harness::new("rc-gc").await;
+    let proxy = ready(&harness, "p", "zone-a").await;
+    let uid = proxy.uid().expect("uid");
+    let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    let cluster = harness.cluster_id.clone();
+    harness.provider.insert("px-orphanold00000000", Tags::gc_contract(&cluster, "no-such-proxy-uid", "h"), hour_ago);
+    harness.provider.insert(
+        "px-orphanyoung000000",
+        Tags::gc_contract(&cluster, "no-such-proxy-uid", "h"),
+        SystemTime::now(),
+    );
+    harness.provider.insert("px-superseded0000000", Tags::gc_contract(&cluster, &uid, "oldhash"), hour_ago);
+    harness.provider.insert("px-othercluster00000", Tags::gc_contract("another-cluster", "x", "h"), hour_ago);
+
+    let providers =
+        egress_reconcile::StaticProviders::new().with("scripted", harness.provider.clone() as Arc<dyn Provider>);
+    let collector = OrphanCollector::new(
+        harness.ns.client(),
+        Arc::new(providers),
+        &cluster,
+        Duration::from_secs(600),
+        harness.metrics.clone(),
+    )
+    .within_namespace(harness.ns.name());
+    let collected = collector.collect_once().await.expect("collect");
+    let mut reasons: BTreeMap<String, &str> = collected.iter().map(|c| (c.provider_id.clone(), c.reason)).collect();
+    assert_eq!(reasons.remove("scripted/px-orphanold00000000"), Some("proxy-gone"));
+    assert_eq!(reasons.remove("scripted/px-superseded0000000"), Some("superseded"));
+    assert!(reasons.is_empty(), "nothing else collected: {reasons:?}");
+    let live = harness.provider.live();
+    assert!(live.contains(&"px-orphanyoung000000".to_owned()), "a young orphan is left alone");
+    assert!(live.contains(&"px-othercluster00000".to_owned()), "another cluster's instance is never touched");
+    assert!(live.contains(&instance_of(&proxy).expect("instance")), "the Proxy's own instance stays");
+}
+
+#[tokio::test]
+async fn rotate_annotation_replaces_the_instance() {
+    let harness = Harness::new("rc-rotate").await;
+    let before = ready(&harness, "p", "zone-a").await;
+    let old = instance_of(&before).expect("instance");
+    harness
+        .proxies()
+        .patch("p", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "annotations": { ROTATE: "1" } } })))
+        .await
+        .expect("rotate");
+    let rotated = wait_for(&harness.proxies(), "p", "a new instance", |p| {
+        instance_of(p).is_some_and(|name| name != old)
+            && p.status.as_ref().and_then(|s| s.instance.as_ref()).is_some_and(|i| i.ip.is_some())
+    })
+    .await;
+    let ip = rotated.status.as_ref().and_then(|s| s.instance.as_ref()).and_then(|i| i.ip.clone()).expect("ip");
+    harness.feed_health("p", &format!("{ip}:3128"), true);
+    eventually("only the new instance to remain", WAIT, || async {
+        let live = harness.provider.live();
+        (live.len() == 1 && live[0] != old).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
+    let ns = egress_testenv::namespace("rc-k8s").await;
+    let _agent = egress_testenv::NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+    let text =
+        format!("providers:\n  - name: pods\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n", ns.name());
+    let config = egress_provider::config::ProvidersConfig::parse(&text, "test").expect("config");
+    let egress_provider::config::ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else {
+        unreachable!()
+    };
+    let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(ns.client(), settings));
+    let providers = egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn Provider>);
+    let mut config = egress_reconcile::ControllerConfig::new(ns.name());
+    config.namespace = Some(ns.name().to_owned());
+    let context = Arc::new(egress_reconcile::Context::new(
+        ns.client(),
+        Arc::new(providers),
+        egress_reconcile::HealthBoard::new(),
+        config,
+        egress_reconcile::ReconcileMetrics::default(),
+    ));
+    let controller =
+        tokio::spawn(egress_reconcile::run(context, futures::stream::pending(), futures::future::pending()));
+
+    let spec = egress_api::ProxySpec {
+        provider: Some("pods".into()),
+        ..egress_api::ProxySpec::new(egress_api::ProxyMode::Managed)
+    };
+    let proxies: Api<Proxy> = ns.api();
+    proxies.create(&PostParams::default(), &Proxy::new("web", spec)).await.expect("create");
+    let running = wait_for(&proxies, "web", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    let instance = running.status.as_ref().and_then(|s| s.instance.clone()).expect("instance");
+    let pod: k8s_openapi::api::core::v1::Pod = ns.api().get(&instance.name).await.expect("the pod exists");
+    let pod_ip = pod.status.and_then(|s| s.pod_ip).expect("pod IP");
+    assert_eq!(address(&running), Some(format!("{pod_ip}:3128")));
+    assert!(pod_ip.starts_with("127.1."), "{pod_ip}");
+
+    delete_and_wait_gone(&proxies, "web").await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = ns.api();
+    assert!(pods.get_opt(&instance.name).await.expect("get").is_none(), "the pod is deleted with the Proxy");
+    controller.abort();
+}

@@ -1,0 +1,318 @@
+//! Test support for the reconciler: a scriptable in-memory provider and a harness that runs the controller against
+//! the test control plane.
+//!
+//! The provider is the one test double in these tests: it stands for a backend whose every call can be told to
+//! fail with a chosen class, to take a while, or to succeed, and it counts calls and live instances, which a real
+//! backend cannot do on demand.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use egress_api::{Proxy, ProxyMode, ProxySpec};
+use egress_provider::{CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags};
+use egress_reconcile::{Context, ControllerConfig, HealthBoard, HealthKey, ReconcileMetrics, StaticProviders, Verdict};
+use egress_testenv::TestNamespace;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// A provider operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    Create,
+    Get,
+    Delete,
+    List,
+}
+
+/// What the next call of an operation does.
+#[derive(Clone, Copy, Debug)]
+pub enum Behavior {
+    Succeed,
+    Fail(ErrorClass),
+    Delay(Duration),
+}
+
+#[derive(Clone, Debug)]
+struct Stored {
+    provider_id: String,
+    state: InstanceState,
+    ip: Option<IpAddr>,
+    created_at: SystemTime,
+    tags: Tags,
+}
+
+#[derive(Default)]
+struct State {
+    instances: BTreeMap<String, Stored>,
+    /// Behaviors used once each, before the standing one.
+    queued: HashMap<Op, VecDeque<Behavior>>,
+    standing: HashMap<Op, Behavior>,
+    calls: HashMap<Op, usize>,
+    next_ip: u32,
+}
+
+/// The scriptable in-memory provider. Instances run (with an address) as soon as they are created.
+#[derive(Default)]
+pub struct ScriptedProvider {
+    state: Mutex<State>,
+}
+
+impl ScriptedProvider {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Every call of `op` behaves like this until changed.
+    pub fn always(&self, op: Op, behavior: Behavior) {
+        self.state.lock().unwrap().standing.insert(op, behavior);
+    }
+
+    /// The next call of `op` behaves like this, then the standing behavior applies again.
+    pub fn next(&self, op: Op, behavior: Behavior) {
+        self.state.lock().unwrap().queued.entry(op).or_default().push_back(behavior);
+    }
+
+    pub fn calls(&self, op: Op) -> usize {
+        self.state.lock().unwrap().calls.get(&op).copied().unwrap_or(0)
+    }
+
+    /// Names of the instances that exist.
+    pub fn live(&self) -> Vec<String> {
+        self.state.lock().unwrap().instances.keys().cloned().collect()
+    }
+
+    /// Removes an instance behind the operator's back.
+    pub fn remove(&self, name: &str) {
+        self.state.lock().unwrap().instances.remove(name);
+    }
+
+    /// Changes an instance's state behind the operator's back (preemption).
+    pub fn set_state(&self, name: &str, state: InstanceState) {
+        if let Some(stored) = self.state.lock().unwrap().instances.get_mut(name) {
+            stored.state = state;
+        }
+    }
+
+    /// Adds an instance directly, as a crashed operator or another tool would have left it.
+    pub fn insert(&self, name: &str, tags: Tags, created_at: SystemTime) {
+        let mut state = self.state.lock().unwrap();
+        let ip = Self::allocate(&mut state);
+        state.instances.insert(
+            name.to_owned(),
+            Stored {
+                provider_id: format!("scripted/{name}"),
+                state: InstanceState::Running,
+                ip: Some(ip),
+                created_at,
+                tags,
+            },
+        );
+    }
+
+    /// The tags of a live instance.
+    pub fn tags(&self, name: &str) -> Option<Tags> {
+        self.state.lock().unwrap().instances.get(name).map(|stored| stored.tags.clone())
+    }
+
+    fn allocate(state: &mut State) -> IpAddr {
+        state.next_ip += 1;
+        IpAddr::V4(Ipv4Addr::new(10, 200, (state.next_ip >> 8) as u8, (state.next_ip & 0xff) as u8))
+    }
+
+    async fn enter(&self, op: Op) -> Result<(), ProviderError> {
+        let behavior = {
+            let mut state = self.state.lock().unwrap();
+            *state.calls.entry(op).or_default() += 1;
+            let queued = state.queued.get_mut(&op).and_then(VecDeque::pop_front);
+            queued.or_else(|| state.standing.get(&op).copied()).unwrap_or(Behavior::Succeed)
+        };
+        match behavior {
+            Behavior::Succeed => Ok(()),
+            Behavior::Fail(class) => Err(ProviderError::new(class, format!("scripted {op:?} failure ({class})"))),
+            Behavior::Delay(delay) => {
+                tokio::time::sleep(delay).await;
+                Ok(())
+            }
+        }
+    }
+
+    fn instance(name: &str, stored: &Stored) -> Instance {
+        Instance::new(name, &stored.provider_id, stored.state, stored.ip, Some(stored.created_at), stored.tags.clone())
+    }
+}
+
+#[async_trait]
+impl Provider for ScriptedProvider {
+    async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
+        self.enter(Op::Create).await?;
+        let mut state = self.state.lock().unwrap();
+        if let Some(existing) = state.instances.get(&request.name) {
+            return Ok(Self::instance(&request.name, existing));
+        }
+        let ip = Self::allocate(&mut state);
+        let stored = Stored {
+            provider_id: format!("scripted/{}", request.name),
+            state: InstanceState::Running,
+            ip: Some(ip),
+            created_at: SystemTime::now(),
+            tags: request.tags.clone(),
+        };
+        let instance = Self::instance(&request.name, &stored);
+        state.instances.insert(request.name.clone(), stored);
+        Ok(instance)
+    }
+
+    async fn get(&self, provider_id: &str) -> Result<Instance, ProviderError> {
+        self.enter(Op::Get).await?;
+        let name = provider_id.strip_prefix("scripted/").unwrap_or(provider_id);
+        let state = self.state.lock().unwrap();
+        state
+            .instances
+            .get(name)
+            .map(|stored| Self::instance(name, stored))
+            .ok_or_else(|| ProviderError::not_found(format!("no instance {provider_id}")))
+    }
+
+    async fn delete(&self, provider_id: &str) -> Result<(), ProviderError> {
+        self.enter(Op::Delete).await?;
+        let name = provider_id.strip_prefix("scripted/").unwrap_or(provider_id);
+        self.state.lock().unwrap().instances.remove(name);
+        Ok(())
+    }
+
+    async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError> {
+        self.enter(Op::List).await?;
+        let state = self.state.lock().unwrap();
+        Ok(state
+            .instances
+            .iter()
+            .filter(|(_, stored)| stored.tags.contains_all(tags))
+            .map(|(name, stored)| Self::instance(name, stored))
+            .collect())
+    }
+}
+
+/// The controller running against one test namespace with one scripted provider called `scripted`.
+pub struct Harness {
+    pub ns: TestNamespace,
+    pub provider: Arc<ScriptedProvider>,
+    pub health: HealthBoard,
+    pub cluster_id: String,
+    triggers: mpsc::UnboundedSender<(String, String)>,
+    receiver: Option<mpsc::UnboundedReceiver<(String, String)>>,
+    controller: Option<JoinHandle<()>>,
+    pub metrics: ReconcileMetrics,
+}
+
+impl Harness {
+    pub async fn new(prefix: &str) -> Self {
+        let ns = egress_testenv::namespace(prefix).await;
+        let (triggers, receiver) = mpsc::unbounded_channel();
+        let cluster_id = ns.name().to_owned();
+        let mut harness = Self {
+            ns,
+            provider: ScriptedProvider::new(),
+            health: HealthBoard::new(),
+            cluster_id,
+            triggers,
+            receiver: Some(receiver),
+            controller: None,
+            metrics: ReconcileMetrics::default(),
+        };
+        harness.start();
+        harness
+    }
+
+    pub fn config(&self) -> ControllerConfig {
+        let mut config = ControllerConfig::new(&self.cluster_id);
+        config.namespace = Some(self.ns.name().to_owned());
+        config.resync = Duration::from_secs(1);
+        config
+    }
+
+    pub fn context(&self) -> Arc<Context> {
+        let providers = StaticProviders::new().with("scripted", self.provider.clone() as Arc<dyn Provider>);
+        Arc::new(Context::new(
+            self.ns.client(),
+            Arc::new(providers),
+            self.health.clone(),
+            self.config(),
+            self.metrics.clone(),
+        ))
+    }
+
+    /// Starts (or restarts) the controller with a fresh context, as a restarted operator would have.
+    pub fn start(&mut self) {
+        let context = self.context();
+        let receiver = self.receiver.take().unwrap_or_else(|| {
+            let (triggers, receiver) = mpsc::unbounded_channel();
+            self.triggers = triggers;
+            receiver
+        });
+        let stream = futures::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        self.controller = Some(tokio::spawn(egress_reconcile::run(context, stream, futures::future::pending())));
+    }
+
+    /// Kills the controller mid-flight, as SIGKILL would.
+    pub async fn crash(&mut self) {
+        if let Some(handle) = self.controller.take() {
+            handle.abort();
+            let _ = handle.await;
+        }
+    }
+
+    pub fn proxies(&self) -> Api<Proxy> {
+        self.ns.api()
+    }
+
+    /// Records a verdict for a Proxy's endpoint and triggers its reconcile, as the health engine does.
+    pub fn feed_health(&self, name: &str, address: &str, healthy: bool) {
+        let key =
+            HealthKey { namespace: self.ns.name().to_owned(), name: name.to_owned(), address: address.to_owned() };
+        let verdict = Verdict {
+            healthy,
+            since: SystemTime::now(),
+            last_error: (!healthy).then(|| "connect refused".into()),
+            egress_ip: None,
+        };
+        self.health.set(key, verdict);
+        let _ = self.triggers.send((self.ns.name().to_owned(), name.to_owned()));
+    }
+
+    /// Reasons of the Events published about a Proxy.
+    pub async fn event_reasons(&self, name: &str) -> Vec<String> {
+        let events: Api<Event> = self.ns.api();
+        let list = events.list(&ListParams::default()).await.expect("list Events");
+        list.items
+            .into_iter()
+            .filter(|event| event.regarding.as_ref().and_then(|regarding| regarding.name.as_deref()) == Some(name))
+            .filter_map(|event| event.reason)
+            .collect()
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(handle) = self.controller.take() {
+            handle.abort();
+        }
+    }
+}
+
+/// A Managed spec on the scripted provider.
+pub fn managed(zone: &str) -> ProxySpec {
+    ProxySpec {
+        provider: Some("scripted".into()),
+        placement: Some(egress_api::Placement { zone: Some(zone.into()), machine_type: None, image: None }),
+        ..ProxySpec::new(ProxyMode::Managed)
+    }
+}
