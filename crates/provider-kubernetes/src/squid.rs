@@ -78,6 +78,8 @@ pub fn render_config(instance: &str, port: u16, with_auth: bool) -> String {
 pub fn password_line(instance: &str, credentials: &ProxyCredentials) -> String {
     let salt =
         Sha256::new().chain_update(b"egress-operator password salt\0").chain_update(instance.as_bytes()).finalize();
+    // 12 salt bytes become 16 crypt characters, the most glibc's SHA-crypt reads; a longer salt would be hashed
+    // here in full but truncated by Squid's helper, and no password would ever match.
     let hash = ShaCrypt::SHA512
         .hash_password_with_salt(credentials.password.expose().as_bytes(), &salt[..12])
         .expect("SHA-512 crypt accepts any password and a 12-byte salt");

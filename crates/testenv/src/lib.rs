@@ -19,6 +19,7 @@ pub mod control_plane;
 pub mod node_agent;
 pub mod origin;
 pub mod pki;
+pub mod squid;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -31,6 +32,7 @@ use tokio::sync::OnceCell;
 pub use control_plane::ControlPlane;
 pub use node_agent::NodeAgent;
 pub use origin::{LocalOrigin, get_through_proxy};
+pub use squid::{Squid, SquidOptions};
 
 static SHARED: OnceCell<ControlPlane> = OnceCell::const_new();
 

@@ -11,13 +11,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::io::{BufRead, BufReader, Read};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,6 +26,8 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
+use crate::squid::{START_TIMEOUT, Wrapped, next_loopback_address, read_tail, squid_binary, wait_accepting};
+
 /// The node every agent binds pods to.
 pub const NODE_NAME: &str = "egress-local";
 
@@ -39,32 +37,16 @@ pub const POD_SELECTOR: &str = "app.kubernetes.io/name=egress-proxy";
 /// How often the agent re-examines its pods: level-triggered, so a ConfigMap that appears after its pod is noticed.
 const RESYNC: Duration = Duration::from_millis(200);
 
-/// How long Squid may take to accept connections before the pod is reported Failed.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Pod addresses handed out in this process, `127.1.0.1` upwards, never reused (so a stale probe of a deleted pod
-/// cannot reach a new one).
-static NEXT_ADDRESS: AtomicU32 = AtomicU32::new(1);
-
-fn next_address() -> Ipv4Addr {
-    let n = NEXT_ADDRESS.fetch_add(1, Ordering::SeqCst);
-    Ipv4Addr::new(127, 1, (n >> 8) as u8, (n & 0xff) as u8)
-}
-
 /// One Squid started for a pod.
 struct Running {
     ip: Ipv4Addr,
-    squid_pid: u32,
-    wrapper: Child,
-    /// Closing this tells the wrapper to stop Squid.
-    stop: Option<ChildStdin>,
+    process: Wrapped,
     dir: PathBuf,
 }
 
 impl Running {
-    fn stop(mut self) {
-        drop(self.stop.take());
-        let _ = self.wrapper.wait();
+    fn stop(self) {
+        self.process.stop();
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
@@ -127,14 +109,14 @@ impl NodeAgent {
 
     /// The process ID of a running pod's Squid.
     pub fn squid_pid(&self, namespace: &str, name: &str) -> Option<u32> {
-        self.state.lock().expect("agent state").running.get(&key(namespace, name)).map(|running| running.squid_pid)
+        self.state.lock().expect("agent state").running.get(&key(namespace, name)).map(|running| running.process.pid)
     }
 
     /// Kills a pod's Squid with SIGKILL, as a crash would, leaving the pod's status alone. Returns whether there was
     /// a process to kill.
     pub fn kill_squid(&self, namespace: &str, name: &str) -> bool {
-        let Some(pid) = self.squid_pid(namespace, name) else { return false };
-        Command::new("kill").args(["-KILL", &pid.to_string()]).status().is_ok_and(|status| status.success())
+        let state = self.state.lock().expect("agent state");
+        state.running.get(&key(namespace, name)).is_some_and(|running| running.process.kill())
     }
 }
 
@@ -151,15 +133,6 @@ impl Drop for NodeAgent {
 
 fn key(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
-}
-
-fn squid_binary() -> Result<PathBuf> {
-    for candidate in ["/usr/sbin/squid", "/usr/bin/squid"] {
-        if Path::new(candidate).is_file() {
-            return Ok(PathBuf::from(candidate));
-        }
-    }
-    bail!("squid is not installed: run `cargo xtask test` as root (it installs it) or `apt-get install squid`")
 }
 
 async fn register_node(client: &Client) -> Result<()> {
@@ -326,7 +299,7 @@ async fn prepare(client: &Client, pod: &Pod, namespace: &str, name: &str) -> Res
     }
     // Longest mount path first, so /etc/squid-egress-auth is not rewritten as /etc/squid-egress + "-auth".
     rewrites.sort_by_key(|(from, _)| std::cmp::Reverse(from.len()));
-    let ip = next_address();
+    let ip = next_loopback_address();
     for (_, target) in &rewrites {
         let conf = Path::new(target).join("squid.conf");
         if conf.is_file() {
@@ -418,53 +391,20 @@ fn shell_quote(text: &str) -> String {
 async fn start(api: Api<Pod>, state: Arc<Mutex<State>>, prepared: Prepared) {
     let Prepared { namespace, name, uid, ip, port, dir, script } = prepared;
     let log = dir.join("output.log");
-    // The wrapper starts the pod's command in the background, says its PID, and kills it when its stdin closes.
-    let wrapper_script = format!(
-        "trap '' INT HUP; ( exec {script} ) >>'{log}' 2>&1 & pid=$!; echo $pid; cat >/dev/null; kill -TERM $pid 2>/dev/null; \
-         for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 $pid 2>/dev/null || exit 0; sleep 0.2; done; kill -KILL $pid 2>/dev/null",
-        log = log.display()
-    );
-    let spawned = Command::new("sh")
-        .arg("-c")
-        .arg(&wrapper_script)
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn();
-    let mut wrapper = match spawned {
-        Ok(child) => child,
-        Err(error) => return report_failed(&api, &name, &format!("starting sh: {error}")).await,
+    let process = match Wrapped::spawn(&script, &log) {
+        Ok(process) => process,
+        Err(error) => return report_failed(&api, &name, &format!("{error:#}")).await,
     };
-    let stop_pipe = wrapper.stdin.take();
-    let mut first_line = String::new();
-    if let Some(stdout) = wrapper.stdout.take() {
-        let _ = BufReader::new(stdout).read_line(&mut first_line);
-    }
-    let Ok(squid_pid) = first_line.trim().parse::<u32>() else {
-        return report_failed(&api, &name, "the wrapper did not report Squid's PID").await;
-    };
+    let address = SocketAddr::new(IpAddr::V4(ip), port);
+    let waited = wait_accepting(address, &process, START_TIMEOUT).await;
     state
         .lock()
         .expect("agent state")
         .running
-        .insert(key(&namespace, &name), Running { ip, squid_pid, wrapper, stop: stop_pipe, dir: dir.clone() });
-
-    let address = SocketAddr::new(IpAddr::V4(ip), port);
-    let deadline = tokio::time::Instant::now() + START_TIMEOUT;
-    let mut poll = tokio::time::interval(Duration::from_millis(50));
-    loop {
-        poll.tick().await;
-        if tokio::net::TcpStream::connect(address).await.is_ok() {
-            break;
-        }
-        let exited = !Path::new(&format!("/proc/{squid_pid}")).exists();
-        if exited || tokio::time::Instant::now() > deadline {
-            let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
-            let why = if exited { "Squid exited" } else { "Squid did not accept connections in time" };
-            return report_failed(&api, &name, &format!("{why}; its output ends with:\n{output}")).await;
-        }
+        .insert(key(&namespace, &name), Running { ip, process, dir: dir.clone() });
+    if let Err(why) = waited {
+        let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
+        return report_failed(&api, &name, &format!("{why}; its output ends with:\n{output}")).await;
     }
     let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
     let status = json!({ "status": {
@@ -494,15 +434,6 @@ async fn report_failed(api: &Api<Pod>, name: &str, message: &str) {
     if let Err(error) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await {
         eprintln!("egress-testenv node agent: reporting {name} Failed ({message}) failed too: {error}");
     }
-}
-
-fn read_tail(path: &Path) -> String {
-    let mut text = String::new();
-    if let Ok(mut file) = fs::File::open(path) {
-        let _ = file.read_to_string(&mut text);
-    }
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(20)..].join("\n") + "\n"
 }
 
 /// Lists the provider's pods in a namespace (a convenience for tests that check what exists).

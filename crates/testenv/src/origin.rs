@@ -1,47 +1,96 @@
 //! A local HTTP origin for requests sent through proxies, and a minimal proxy client.
 //!
 //! The origin answers every request with `200 ok` (or, at `/ip`, the caller's address as a bare IP, as IP-echo
-//! services do) and counts what it served, so a test can assert that probes stopped. The client speaks just enough
+//! services do) and counts what it served, so a test can assert that probes stopped; it can be told to fail the
+//! next requests with 503, and can serve HTTPS with a certificate from a [`TestCa`]. The client speaks just enough
 //! HTTP/1.1 to send an absolute-form GET through a forward proxy and read the status code.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use base64::Engine;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+
+use crate::pki::TestCa;
 
 /// A running origin; dropping it stops it.
 pub struct LocalOrigin {
     address: SocketAddr,
     requests: Arc<AtomicU64>,
+    failures: Arc<AtomicU64>,
+    https: bool,
     task: JoinHandle<()>,
 }
 
 impl LocalOrigin {
-    /// Starts an origin on a free port of 127.0.0.1.
+    /// Starts a plain HTTP origin on a free port of 127.0.0.1.
     pub async fn start() -> Result<Self> {
+        Self::serve(None).await
+    }
+
+    /// Starts an HTTPS origin for `localhost` and 127.0.0.1, with a certificate issued by `ca`.
+    pub async fn start_tls(ca: &TestCa) -> Result<Self> {
+        let issued = ca.server_cert(&["localhost"], &[IpAddr::V4(Ipv4Addr::LOCALHOST)])?;
+        let certs = CertificateDer::pem_slice_iter(issued.cert.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes())?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+        Self::serve(Some(TlsAcceptor::from(Arc::new(config)))).await
+    }
+
+    async fn serve(tls: Option<TlsAcceptor>) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the local origin")?;
         let address = listener.local_addr()?;
         let requests = Arc::new(AtomicU64::new(0));
-        let counter = requests.clone();
+        let failures = Arc::new(AtomicU64::new(0));
+        let (counter, failing) = (requests.clone(), failures.clone());
+        let https = tls.is_some();
         let task = tokio::spawn(async move {
             while let Ok((stream, peer)) = listener.accept().await {
-                let counter = counter.clone();
+                let (counter, failing, tls) = (counter.clone(), failing.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let _ = serve(stream, peer, &counter).await;
+                    let _ = match tls {
+                        Some(tls) => match tls.accept(stream).await {
+                            Ok(stream) => answer(stream, peer, &counter, &failing).await,
+                            Err(error) => Err(error.into()),
+                        },
+                        None => answer(stream, peer, &counter, &failing).await,
+                    };
                 });
             }
         });
-        Ok(Self { address, requests, task })
+        Ok(Self { address, requests, failures, https, task })
     }
 
-    /// `http://127.0.0.1:<port>/`.
+    /// `http://127.0.0.1:<port>/`, or for an HTTPS origin `https://localhost:<port>/` (the name its certificate
+    /// carries).
     pub fn url(&self) -> String {
-        format!("http://{}/", self.address)
+        if self.https {
+            format!("https://localhost:{}/", self.address.port())
+        } else {
+            format!("http://{}/", self.address)
+        }
+    }
+
+    /// The IP-echo URL: the body is the caller's address.
+    pub fn ip_url(&self) -> String {
+        format!("{}ip", self.url())
+    }
+
+    /// Answers the next `count` requests with 503.
+    pub fn fail_next(&self, count: u64) {
+        self.failures.store(count, Ordering::SeqCst);
     }
 
     /// Where it listens.
@@ -61,13 +110,20 @@ impl Drop for LocalOrigin {
     }
 }
 
-async fn serve(mut stream: TcpStream, peer: SocketAddr, counter: &AtomicU64) -> Result<()> {
+async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    peer: SocketAddr,
+    counter: &AtomicU64,
+    failing: &AtomicU64,
+) -> Result<()> {
     let head = read_head(&mut stream).await?;
     counter.fetch_add(1, Ordering::SeqCst);
+    let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
     let path = head.split_whitespace().nth(1).unwrap_or("/");
     let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
+    let status = if fail { "503 Service Unavailable" } else { "200 OK" };
     let response = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(response.as_bytes()).await?;
@@ -75,7 +131,7 @@ async fn serve(mut stream: TcpStream, peer: SocketAddr, counter: &AtomicU64) -> 
     Ok(())
 }
 
-async fn read_head(stream: &mut TcpStream) -> Result<String> {
+async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> Result<String> {
     let mut buffer = Vec::with_capacity(1024);
     let mut chunk = [0_u8; 1024];
     while !buffer.windows(4).any(|window| window == b"\r\n\r\n") {
@@ -96,10 +152,8 @@ pub async fn get_through_proxy(proxy: SocketAddr, url: &str, credentials: Option
         let host = url.split("://").nth(1).and_then(|rest| rest.split('/').next()).unwrap_or_default();
         let mut request = format!("GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
         if let Some((user, password)) = credentials {
-            request.push_str(&format!(
-                "Proxy-Authorization: Basic {}\r\n",
-                base64(format!("{user}:{password}").as_bytes())
-            ));
+            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            request.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
         }
         request.push_str("\r\n");
         stream.write_all(request.as_bytes()).await?;
@@ -110,42 +164,4 @@ pub async fn get_through_proxy(proxy: SocketAddr, url: &str, credentials: Option
         status.parse::<u16>().with_context(|| format!("{status:?} is not a status code"))
     };
     tokio::time::timeout(Duration::from_secs(20), exchange).await.context("the request through the proxy timed out")?
-}
-
-/// Standard base64 with padding, for the Proxy-Authorization header.
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0_u32, |n, (index, byte)| n | (u32::from(*byte) << (16 - 8 * index)));
-        for index in 0..4 {
-            if index <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> (18 - 6 * index)) & 0x3f) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_matches_the_rfc_examples() {
-        let cases = [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ];
-        for (input, expected) in cases {
-            assert_eq!(base64(input.as_bytes()), expected, "{input:?}");
-        }
-    }
 }

@@ -1,0 +1,20 @@
+//! The health engine: checks every proxy by tunnelling a real request through it, with hysteresis, and reports
+//! only verdict transitions.
+//!
+//! Knows nothing of Kubernetes. It is given [`Target`]s (an identifier, the proxy endpoint, optional credentials,
+//! the probe URL, interval, timeout and thresholds) and emits [`Transition`]s on a bounded channel; the current
+//! verdict of every target is readable at any time. The operator feeds it from its Proxy store and turns each
+//! transition into one reconcile, so a Proxy's status is written once per transition, never per probe.
+
+mod engine;
+mod metrics;
+mod probe;
+mod thresholds;
+
+pub use engine::{CurrentVerdict, EngineConfig, HealthEngine, Target, Transition};
+pub use metrics::HealthMetrics;
+pub use probe::{
+    Credentials, FailureReason, InvalidProbeUrl, ProbeSuccess, ProbeUrl, TlsSetupError, USER_AGENT, probe,
+    tls_connector,
+};
+pub use thresholds::{Counters, Verdict};

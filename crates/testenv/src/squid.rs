@@ -1,0 +1,212 @@
+//! Real Squid processes for tests: the wrapper that guarantees they die with the test process, and a standalone
+//! Squid with the options health tests need (credentials, CONNECT denied).
+
+use std::fs;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use sha_crypt::{PasswordHasher, ShaCrypt};
+
+/// How long Squid may take to accept connections.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Loopback addresses handed out in this process, `127.1.0.1` upwards, never reused (so a stale probe of a stopped
+/// proxy cannot reach a new one).
+static NEXT_ADDRESS: AtomicU32 = AtomicU32::new(1);
+
+/// A loopback address of its own for one proxy.
+pub fn next_loopback_address() -> Ipv4Addr {
+    let n = NEXT_ADDRESS.fetch_add(1, Ordering::SeqCst);
+    Ipv4Addr::new(127, 1, (n >> 8) as u8, (n & 0xff) as u8)
+}
+
+/// The Squid binary, or an error naming how to install it.
+pub fn squid_binary() -> Result<PathBuf> {
+    for candidate in ["/usr/sbin/squid", "/usr/bin/squid"] {
+        if Path::new(candidate).is_file() {
+            return Ok(PathBuf::from(candidate));
+        }
+    }
+    bail!("squid is not installed: run `cargo xtask test` as root (it installs it) or `apt-get install squid`")
+}
+
+/// A command running under a `sh` wrapper that kills it when a pipe from this process closes: on [`Wrapped::stop`],
+/// on drop, or when this process dies in any way.
+pub(crate) struct Wrapped {
+    /// The wrapped command's process ID.
+    pub pid: u32,
+    wrapper: Child,
+    stop: Option<ChildStdin>,
+}
+
+impl Wrapped {
+    /// Runs `script` (a shell command line) with its output appended to `log`.
+    pub(crate) fn spawn(script: &str, log: &Path) -> Result<Self> {
+        let wrapper_script = format!(
+            "trap '' INT HUP; ( exec {script} ) >>'{log}' 2>&1 & pid=$!; echo $pid; cat >/dev/null; kill -TERM $pid 2>/dev/null; \
+             for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 $pid 2>/dev/null || exit 0; sleep 0.2; done; kill -KILL $pid 2>/dev/null",
+            log = log.display()
+        );
+        let mut wrapper = Command::new("sh")
+            .arg("-c")
+            .arg(&wrapper_script)
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("starting sh")?;
+        let stop = wrapper.stdin.take();
+        let mut first_line = String::new();
+        if let Some(stdout) = wrapper.stdout.take() {
+            let _ = BufReader::new(stdout).read_line(&mut first_line);
+        }
+        let pid = first_line.trim().parse::<u32>().context("the wrapper did not report the process ID")?;
+        Ok(Self { pid, wrapper, stop })
+    }
+
+    /// Whether the wrapped process still runs.
+    pub(crate) fn alive(&self) -> bool {
+        Path::new(&format!("/proc/{}", self.pid)).exists()
+    }
+
+    /// Kills the wrapped process with SIGKILL, as a crash would.
+    pub(crate) fn kill(&self) -> bool {
+        Command::new("kill").args(["-KILL", &self.pid.to_string()]).status().is_ok_and(|status| status.success())
+    }
+
+    /// Stops the wrapped process (SIGTERM, then SIGKILL after two seconds) and waits for the wrapper.
+    pub(crate) fn stop(mut self) {
+        drop(self.stop.take());
+        let _ = self.wrapper.wait();
+    }
+}
+
+impl Drop for Wrapped {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        let _ = self.wrapper.wait();
+    }
+}
+
+/// Waits until `address` accepts TCP connections; fails early if the process `wrapped` exits.
+pub(crate) async fn wait_accepting(address: SocketAddr, wrapped: &Wrapped, timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut poll = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        poll.tick().await;
+        if tokio::net::TcpStream::connect(address).await.is_ok() {
+            return Ok(());
+        }
+        if !wrapped.alive() {
+            return Err("Squid exited".into());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err("Squid did not accept connections in time".into());
+        }
+    }
+}
+
+/// The last lines of a log file.
+pub(crate) fn read_tail(path: &Path) -> String {
+    let mut text = String::new();
+    if let Ok(mut file) = fs::File::open(path) {
+        let _ = file.read_to_string(&mut text);
+    }
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n") + "\n"
+}
+
+/// Options of a standalone test Squid.
+#[derive(Clone, Debug, Default)]
+pub struct SquidOptions {
+    /// Require these basic credentials.
+    pub credentials: Option<(String, String)>,
+    /// Refuse every CONNECT (403), to test the CONNECT-status failure.
+    pub deny_connect: bool,
+}
+
+/// A standalone Squid on its own loopback address. Dropping it stops it and removes its files.
+pub struct Squid {
+    address: SocketAddr,
+    process: Option<Wrapped>,
+    dir: PathBuf,
+}
+
+impl Squid {
+    /// Starts Squid on a fresh `127.1.x.y:3128` and waits until it accepts connections.
+    pub async fn start(options: SquidOptions) -> Result<Self> {
+        let binary = squid_binary()?;
+        let ip = next_loopback_address();
+        let address = SocketAddr::new(IpAddr::V4(ip), 3128);
+        let dir = tempfile::Builder::new().prefix("egress-squid-").tempdir()?.keep();
+        // Squid drops privileges to the `proxy` user, which writes its runtime files here.
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777))?;
+        let runtime = dir.display();
+        let mut conf = format!(
+            "http_port {address}\nvisible_hostname egress-test-squid\nacl clients src 127.0.0.0/8\n\
+             access_log stdio:{runtime}/access.log\ncache_log {runtime}/cache.log\npid_filename {runtime}/squid.pid\n\
+             coredump_dir {runtime}\nnetdb_filename none\npinger_enable off\ncache deny all\nshutdown_lifetime 1 seconds\n"
+        );
+        if options.deny_connect {
+            conf.push_str("http_access deny CONNECT\n");
+        }
+        if let Some((user, password)) = &options.credentials {
+            // At most 12 salt bytes: they become 16 crypt characters, the most glibc's SHA-crypt reads.
+            let hash = ShaCrypt::SHA512
+                .hash_password_with_salt(password.as_bytes(), b"egress-salt1")
+                .map_err(|error| anyhow::anyhow!("hashing the test password: {error}"))?;
+            let passwd = dir.join("passwd");
+            fs::write(&passwd, format!("{user}:{hash}\n"))?;
+            fs::set_permissions(&passwd, fs::Permissions::from_mode(0o644))?;
+            conf.push_str(&format!(
+                "auth_param basic program /usr/lib/squid/basic_ncsa_auth {}\nauth_param basic children 2 startup=1 idle=1\n\
+                 acl authenticated proxy_auth REQUIRED\nhttp_access deny !clients\nhttp_access allow authenticated\n",
+                passwd.display()
+            ));
+        } else {
+            conf.push_str("http_access allow clients\n");
+        }
+        conf.push_str("http_access deny all\n");
+        let conf_path = dir.join("squid.conf");
+        fs::write(&conf_path, conf)?;
+        fs::set_permissions(&conf_path, fs::Permissions::from_mode(0o644))?;
+        let log = dir.join("output.log");
+        let process = Wrapped::spawn(&format!("'{}' -N -f '{}'", binary.display(), conf_path.display()), &log)?;
+        if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
+            let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
+            bail!("{why}; its output ends with:\n{output}");
+        }
+        Ok(Self { address, process: Some(process), dir })
+    }
+
+    /// Where it listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Kills Squid with SIGKILL, as a crash would, and waits until it is gone.
+    pub fn kill(&mut self) {
+        if let Some(process) = self.process.take() {
+            process.kill();
+            process.stop();
+        }
+    }
+}
+
+impl Drop for Squid {
+    fn drop(&mut self) {
+        if let Some(process) = self.process.take() {
+            process.stop();
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
