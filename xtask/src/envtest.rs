@@ -140,17 +140,20 @@ async fn create_sample(plane: &egress_testenv::ControlPlane, managed: bool) -> R
 /// What `--controller` keeps running.
 struct RunningController {
     _agent: egress_testenv::NodeAgent,
-    task: tokio::task::JoinHandle<()>,
+    _origin: egress_testenv::LocalOrigin,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for RunningController {
     fn drop(&mut self) {
-        self.task.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 }
 
-/// Runs the reconciler with a kubernetes provider `pods` (pods in `default`) and the local node agent, so Managed
-/// Proxies really run as Squid processes on this machine.
+/// Runs the reconciler with a kubernetes provider `pods` (pods in `default`), the local node agent, and the health
+/// engine probing a local origin, so Managed Proxies really run as Squid processes and become Ready.
 async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<RunningController> {
     use std::sync::Arc;
     let client = plane.client().await?;
@@ -165,16 +168,42 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings));
     let providers =
         egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn egress_provider::Provider>);
+    let board = egress_reconcile::HealthBoard::new();
     let context = Arc::new(egress_reconcile::Context::new(
-        client,
+        client.clone(),
         Arc::new(providers),
-        egress_reconcile::HealthBoard::new(),
+        board.clone(),
         egress_reconcile::ControllerConfig::new("envtest"),
         egress_reconcile::ReconcileMetrics::default(),
     ));
-    let task = tokio::spawn(egress_reconcile::run(context, futures::stream::pending(), futures::future::pending()));
+    let (triggers, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let trigger_stream =
+        futures::stream::unfold(
+            receiver,
+            |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
+        );
+    let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
+    let origin = egress_testenv::LocalOrigin::start().await?;
+    let tls = egress_health::tls_connector(b"")?;
+    let (engine, transitions) = egress_health::HealthEngine::start(
+        egress_health::EngineConfig::default(),
+        tls,
+        egress_health::HealthMetrics::default(),
+    );
+    let feed_config =
+        egress_reconcile::health_feed::HealthFeedConfig { default_probe_url: origin.ip_url(), namespace: None };
+    let feed = tokio::spawn(egress_reconcile::health_feed::run_health_feed(
+        client,
+        feed_config,
+        Arc::new(engine),
+        transitions,
+        board,
+        triggers,
+        futures::future::pending(),
+    ));
     println!("reconciler running with provider `pods` (Squid processes on 127.1.x.y via the local node agent)");
-    Ok(RunningController { _agent: agent, task })
+    println!("health engine probing {} through every proxy", origin.ip_url());
+    Ok(RunningController { _agent: agent, _origin: origin, tasks: vec![controller, feed] })
 }
 
 #[cfg(test)]

@@ -110,7 +110,9 @@ async fn run(targets: usize, ca_pem: &[u8], ticks: u64) -> Duration {
     let cpu = cpu_time(ticks) - start_cpu;
     drop(engine);
     let per_probe = cpu / u32::try_from(probes).expect("probe count fits");
-    println!("targets {targets:>5}: {probes} probes, CPU {cpu:>8.2?}, CPU per probe {per_probe:>8.2?} (interval {interval:?})");
+    println!(
+        "targets {targets:>5}: {probes} probes, CPU {cpu:>8.2?}, CPU per probe {per_probe:>8.2?} (interval {interval:?})"
+    );
     per_probe
 }
 
@@ -118,7 +120,8 @@ async fn run(targets: usize, ca_pem: &[u8], ticks: u64) -> Duration {
 async fn main() {
     let ca = TestCa::new("bench-ca").expect("CA");
     let issued = ca.server_cert(&["localhost"], &[IpAddr::V4(Ipv4Addr::LOCALHOST)]).expect("server certificate");
-    let certs = CertificateDer::pem_slice_iter(issued.cert.as_bytes()).collect::<Result<Vec<_>, _>>().expect("certificate");
+    let certs =
+        CertificateDer::pem_slice_iter(issued.cert.as_bytes()).collect::<Result<Vec<_>, _>>().expect("certificate");
     let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes()).expect("key");
     let server = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
@@ -132,7 +135,9 @@ async fn main() {
         tokio::spawn(responder(address, acceptor.clone()));
     }
     let ticks = ticks_per_second();
-    println!("health engine benchmark: CONNECT + TLS + GET probes through {RESPONDERS} loopback responders, {PROBES_PER_SECOND} probes/s");
+    println!(
+        "health engine benchmark: CONNECT + TLS + GET probes through {RESPONDERS} loopback responders, {PROBES_PER_SECOND} probes/s"
+    );
     let small = run(200, ca.cert_pem().as_bytes(), ticks).await;
     let large = run(5_000, ca.cert_pem().as_bytes(), ticks).await;
     let ratio = large.as_secs_f64() / small.as_secs_f64();

@@ -12,6 +12,7 @@ pub mod decide;
 mod error;
 pub mod gc;
 mod health;
+pub mod health_feed;
 mod metrics;
 mod providers;
 mod status;

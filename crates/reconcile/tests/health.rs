@@ -1,0 +1,114 @@
+//! The health engine wired into the reconciler: a Managed Proxy on the kubernetes provider, run by the node agent as
+//! a real Squid, becomes Ready through real probes, costs no status write while it stays healthy, and turns
+//! Unhealthy when its Squid dies.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_health::{EngineConfig, HealthEngine, HealthMetrics, tls_connector};
+use egress_provider::Provider;
+use egress_provider::config::{ProviderSettings, ProvidersConfig};
+use egress_provider_kubernetes::KubernetesProvider;
+use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
+use egress_reconcile::{Context, ControllerConfig, HealthBoard, ReconcileMetrics, StaticProviders};
+use egress_testenv::{LocalOrigin, NodeAgent, eventually};
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use kube::runtime::wait::await_condition;
+use tokio::sync::mpsc;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn phase(proxy: &Proxy) -> Option<ProxyPhase> {
+    proxy.status.as_ref().and_then(|status| status.phase)
+}
+
+#[tokio::test]
+async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
+    let ns = egress_testenv::namespace("rc-health").await;
+    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+    let origin = LocalOrigin::start().await.expect("origin");
+
+    let text =
+        format!("providers:\n  - name: pods\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n", ns.name());
+    let config = ProvidersConfig::parse(&text, "test").expect("config");
+    let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
+    let provider = Arc::new(KubernetesProvider::new(ns.client(), settings)) as Arc<dyn Provider>;
+    let board = HealthBoard::new();
+    let mut controller_config = ControllerConfig::new(ns.name());
+    controller_config.namespace = Some(ns.name().to_owned());
+    let context = Arc::new(Context::new(
+        ns.client(),
+        Arc::new(StaticProviders::new().with("pods", provider)),
+        board.clone(),
+        controller_config,
+        ReconcileMetrics::default(),
+    ));
+    let (triggers, trigger_receiver) = mpsc::unbounded_channel();
+    let trigger_stream = futures::stream::unfold(trigger_receiver, |mut receiver| async move {
+        receiver.recv().await.map(|item| (item, receiver))
+    });
+    let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
+
+    let metrics = HealthMetrics::default();
+    let (engine, transitions) =
+        HealthEngine::start(EngineConfig::default(), tls_connector(b"").expect("TLS"), metrics.clone());
+    let feed_config = HealthFeedConfig { default_probe_url: origin.url(), namespace: Some(ns.name().to_owned()) };
+    let feed = tokio::spawn(run_health_feed(
+        ns.client(),
+        feed_config,
+        Arc::new(engine),
+        transitions,
+        board,
+        triggers,
+        futures::future::pending(),
+    ));
+
+    let spec = ProxySpec {
+        provider: Some("pods".into()),
+        health_check: HealthCheck {
+            interval_seconds: 5,
+            timeout_seconds: 2,
+            healthy_threshold: 1,
+            unhealthy_threshold: 2,
+            probe_url: None,
+        },
+        ..ProxySpec::new(ProxyMode::Managed)
+    };
+    let proxies: Api<Proxy> = ns.api();
+    proxies.create(&PostParams::default(), &Proxy::new("web", spec)).await.expect("create");
+    let wait_phase = |wanted: ProxyPhase| {
+        let proxies = proxies.clone();
+        async move {
+            let condition = move |object: Option<&Proxy>| object.and_then(phase) == Some(wanted);
+            tokio::time::timeout(WAIT, await_condition(proxies, "web", condition))
+                .await
+                .unwrap_or_else(|_| panic!("timed out waiting for phase {wanted:?}"))
+                .expect("watch")
+                .expect("the Proxy exists")
+        }
+    };
+    let ready = wait_phase(ProxyPhase::Ready).await;
+    assert_eq!(ready.status.as_ref().and_then(|s| s.health.as_ref()).map(|h| h.healthy), Some(true));
+    assert!(origin.requests() >= 1, "the verdict came from a real request through Squid");
+
+    // Healthy for ten probe intervals: not a single write to the object.
+    let version = ready.resource_version();
+    let probes = metrics.probes_total();
+    eventually("ten more probes", WAIT, || async { (metrics.probes_total() >= probes + 10).then_some(()) }).await;
+    let later = proxies.get("web").await.expect("get");
+    assert_eq!(later.resource_version(), version, "a steady healthy proxy costs no status write");
+    assert_eq!(phase(&later), Some(ProxyPhase::Ready));
+
+    assert!(
+        agent.kill_squid(ns.name(), &later.status.as_ref().and_then(|s| s.instance.as_ref()).expect("instance").name)
+    );
+    let unhealthy = wait_phase(ProxyPhase::Unhealthy).await;
+    let health = unhealthy.status.as_ref().and_then(|s| s.health.clone()).expect("health");
+    assert!(!health.healthy);
+    assert!(health.last_error.as_deref().is_some_and(|error| error.contains("refused")), "{health:?}");
+
+    feed.abort();
+    controller.abort();
+}
