@@ -1,0 +1,203 @@
+//! The lease store: which proxy a crawler gets for a target site, for how long, and which proxies are cooling down
+//! for which sites.
+//!
+//! No Kubernetes and no HTTP: proxies are known only as [`ProxyInfo`] (`id`, `healthy`, `max_leases`, labels). A
+//! lease goes to the least-loaded eligible proxy (ties to the least recently leased) — healthy, matching the
+//! selector, below its cap, not cooling down for the target — found through an ordered index, not a scan. Leases
+//! expire unless renewed; a `banned` report cools that proxy down for that target only, for a time that doubles with
+//! each ban in a row. Leases on a proxy that turns unhealthy or disappears are revoked.
+
+mod selector;
+mod store;
+mod target;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+pub use selector::{InvalidSelector, Selector};
+pub use store::{InMemoryLeaseStore, InvariantViolation};
+pub use target::{InvalidTarget, TargetMode, normalize};
+
+/// A proxy as the store knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyInfo {
+    /// A stable identifier (the operator uses `namespace/name`).
+    pub id: String,
+    /// Whether it may be handed out.
+    pub healthy: bool,
+    /// At most this many leases at once; 0 never leases it.
+    pub max_leases: u32,
+    /// Labels selectors match against.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// What a crawler asks for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// The site the proxy is for: a host, an IP address or a URL.
+    pub target: String,
+    /// Only proxies matching this selector.
+    pub selector: Selector,
+    /// How long the lease lasts before it expires unless renewed; default and maximum come from the config.
+    pub ttl: Option<Duration>,
+    /// A specific proxy.
+    pub proxy: Option<String>,
+    /// A sticky-session key: the same (session, target) gets the same proxy while it stays eligible.
+    pub session: Option<String>,
+}
+
+/// A granted lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Its identifier, used to renew, release and report.
+    pub id: String,
+    /// The leased proxy.
+    pub proxy: String,
+    /// The normalised target.
+    pub target: String,
+    /// When it expires unless renewed.
+    pub expires_at: SystemTime,
+}
+
+/// What a crawler reports about a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The target served the request: the ban streak for (proxy, target) resets.
+    Ok,
+    /// The target blocked the proxy: (proxy, target) cools down.
+    Banned,
+    /// The request failed for another reason (counted, no cooldown).
+    Failed,
+}
+
+/// A live cooldown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cooldown {
+    /// The proxy.
+    pub proxy: String,
+    /// The normalised target.
+    pub target: String,
+    /// When it ends.
+    pub until: SystemTime,
+    /// How many bans in a row led to it.
+    pub streak: u32,
+}
+
+/// A proxy in a listing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyLoad {
+    /// The proxy.
+    pub id: String,
+    /// Active leases.
+    pub active_leases: u32,
+    /// Its cap.
+    pub max_leases: u32,
+    /// When its cooldown for the asked target ends, if it is cooling down for it.
+    pub cooling_down_until: Option<SystemTime>,
+}
+
+/// Why a request to the store failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// The target cannot be normalised.
+    #[error(transparent)]
+    InvalidTarget(#[from] InvalidTarget),
+    /// No healthy proxy matches the request.
+    #[error("no healthy proxy matches the request")]
+    NoneHealthy,
+    /// Every matching healthy proxy is at its lease cap.
+    #[error("every matching proxy is at its lease cap")]
+    AllAtCapacity {
+        /// When the first lease on them expires, as a hint for retrying.
+        retry_at: Option<SystemTime>,
+    },
+    /// Every matching healthy proxy with room is cooling down for this target.
+    #[error("every matching proxy is cooling down for this target")]
+    AllCoolingDown {
+        /// When the first of those cooldowns ends.
+        until: SystemTime,
+    },
+    /// The named proxy is cooling down for this target.
+    #[error("proxy {proxy:?} is cooling down for this target")]
+    ProxyCoolingDown {
+        /// The proxy.
+        proxy: String,
+        /// When its cooldown ends.
+        until: SystemTime,
+    },
+    /// The named proxy is at its lease cap (or drained, or unhealthy).
+    #[error("proxy {proxy:?} cannot take a lease now: {why}")]
+    ProxyUnavailable {
+        /// The proxy.
+        proxy: String,
+        /// Why: at capacity, drained, unhealthy, not matching the selector.
+        why: &'static str,
+    },
+    /// No proxy has that identifier.
+    #[error("no proxy {0:?}")]
+    UnknownProxy(String),
+    /// No live lease has that identifier (never existed, released or expired).
+    #[error("no lease {0:?} (it may have expired or been released)")]
+    UnknownLease(String),
+    /// The lease was revoked because its proxy turned unhealthy or disappeared.
+    #[error("lease {0:?} was revoked: its proxy is no longer available")]
+    Revoked(String),
+}
+
+/// Settings of a store.
+#[derive(Clone, Debug)]
+pub struct LeaseConfig {
+    /// TTL when a request gives none.
+    pub default_ttl: Duration,
+    /// The longest TTL a request may ask for.
+    pub max_ttl: Duration,
+    /// The cooldown after the first ban in a row; it doubles for each further one.
+    pub cooldown_base: Duration,
+    /// The longest cooldown.
+    pub cooldown_cap: Duration,
+    /// How targets are compared.
+    pub target_mode: TargetMode,
+    /// The most cooldown entries kept; the ones closest to being forgotten go first beyond it.
+    pub max_cooldowns: usize,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            default_ttl: Duration::from_secs(300),
+            max_ttl: Duration::from_secs(3600),
+            cooldown_base: Duration::from_secs(600),
+            cooldown_cap: Duration::from_secs(86_400),
+            target_mode: TargetMode::RegistrableDomain,
+            max_cooldowns: 1_000_000,
+        }
+    }
+}
+
+/// A store of leases. Every method takes the current time, so behaviour over time is testable without waiting.
+pub trait LeaseStore: Send + Sync {
+    /// Adds or updates a proxy. A proxy that turns unhealthy has its leases revoked.
+    fn upsert_proxy(&self, proxy: ProxyInfo);
+    /// Removes a proxy and revokes its leases.
+    fn remove_proxy(&self, id: &str);
+    /// Grants a lease.
+    fn lease(&self, request: &LeaseRequest, now: SystemTime) -> Result<Lease, LeaseError>;
+    /// Extends a lease by `ttl` (or the default) from now.
+    fn renew(&self, id: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Lease, LeaseError>;
+    /// Ends a lease, freeing its slot.
+    fn release(&self, id: &str, now: SystemTime) -> Result<(), LeaseError>;
+    /// Records what happened with a lease; returns the cooldown's end for a ban. With `release`, also ends it.
+    fn report(
+        &self,
+        id: &str,
+        outcome: Outcome,
+        release: bool,
+        now: SystemTime,
+    ) -> Result<Option<SystemTime>, LeaseError>;
+    /// Releases every lease that has expired; returns how many.
+    fn expire(&self, now: SystemTime) -> usize;
+    /// Live cooldowns, for one target (normalised here) or all.
+    fn cooldowns(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;
+    /// The load of every known proxy, with its cooldown for `target` when one is given.
+    fn loads(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<ProxyLoad>, LeaseError>;
+}

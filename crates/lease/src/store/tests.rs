@@ -1,0 +1,316 @@
+//! The lease store's rules, one test each, and the invariants under random (and concurrent) operations.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use super::*;
+use crate::{Selector, TargetMode};
+
+fn t(seconds: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + seconds)
+}
+
+fn proxy(id: &str, max: u32) -> ProxyInfo {
+    ProxyInfo { id: id.into(), healthy: true, max_leases: max, labels: BTreeMap::new() }
+}
+
+fn labelled(id: &str, region: &str) -> ProxyInfo {
+    ProxyInfo { labels: [("region".to_owned(), region.to_owned())].into(), ..proxy(id, 5) }
+}
+
+fn request(target: &str) -> LeaseRequest {
+    LeaseRequest { target: target.into(), ..LeaseRequest::default() }
+}
+
+fn store_with(proxies: &[ProxyInfo]) -> InMemoryLeaseStore {
+    let store = InMemoryLeaseStore::new(LeaseConfig::default());
+    for proxy in proxies {
+        store.upsert_proxy(proxy.clone());
+    }
+    store
+}
+
+#[test]
+fn least_loaded_wins_and_ties_go_to_the_least_recently_leased() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5), proxy("c", 5)]);
+    let first: Vec<String> = (0..3).map(|_| store.lease(&request("example.com"), t(0)).expect("lease").proxy).collect();
+    let mut sorted = first.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["a", "b", "c"], "one each before any proxy gets a second");
+    // All have one lease now; the least recently leased (the first one chosen) is next.
+    assert_eq!(store.lease(&request("example.com"), t(0)).expect("lease").proxy, first[0]);
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn caps_and_drained_proxies_are_respected() {
+    let store = store_with(&[proxy("a", 1), proxy("drained", 0)]);
+    let lease = store.lease(&request("example.com"), t(0)).expect("lease");
+    assert_eq!(lease.proxy, "a");
+    let refused = store.lease(&request("example.com"), t(0)).expect_err("full");
+    assert_eq!(refused, LeaseError::AllAtCapacity { retry_at: Some(lease.expires_at) });
+    store.release(&lease.id, t(1)).expect("release");
+    assert_eq!(store.lease(&request("example.com"), t(1)).expect("lease again").proxy, "a");
+    let named = LeaseRequest { proxy: Some("drained".into()), ..request("example.com") };
+    assert!(matches!(
+        store.lease(&named, t(1)),
+        Err(LeaseError::ProxyUnavailable { why: "it is drained (maxLeases 0)", .. })
+    ));
+}
+
+#[test]
+fn selectors_and_named_proxies() {
+    let store = store_with(&[labelled("eu-1", "eu"), labelled("us-1", "us")]);
+    let eu = LeaseRequest { selector: Selector::parse("region=eu").expect("selector"), ..request("example.com") };
+    for _ in 0..3 {
+        assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, "eu-1");
+    }
+    let named = LeaseRequest { proxy: Some("us-1".into()), ..request("example.com") };
+    assert_eq!(store.lease(&named, t(0)).expect("lease").proxy, "us-1");
+    let missing = LeaseRequest { proxy: Some("nope".into()), ..request("example.com") };
+    assert_eq!(store.lease(&missing, t(0)), Err(LeaseError::UnknownProxy("nope".into())));
+    let none = LeaseRequest { selector: Selector::parse("region=ap").expect("selector"), ..request("example.com") };
+    assert_eq!(store.lease(&none, t(0)), Err(LeaseError::NoneHealthy));
+}
+
+#[test]
+fn sticky_sessions_keep_their_proxy_while_it_is_eligible() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let session = LeaseRequest { session: Some("crawl-42".into()), ..request("shop.example.com") };
+    let first = store.lease(&session, t(0)).expect("lease").proxy;
+    for _ in 0..3 {
+        assert_eq!(store.lease(&session, t(0)).expect("lease").proxy, first, "same session, same target");
+    }
+    store.upsert_proxy(ProxyInfo { healthy: false, ..proxy(&first, 5) });
+    let moved = store.lease(&session, t(1)).expect("lease").proxy;
+    assert_ne!(moved, first, "an unhealthy proxy is not sticky");
+}
+
+#[test]
+fn ttl_renew_and_expiry() {
+    let store = store_with(&[proxy("a", 1)]);
+    let lease = store
+        .lease(&LeaseRequest { ttl: Some(Duration::from_secs(60)), ..request("example.com") }, t(0))
+        .expect("lease");
+    assert_eq!(lease.expires_at, t(60));
+    let renewed = store.renew(&lease.id, Some(Duration::from_secs(120)), t(50)).expect("renew");
+    assert_eq!(renewed.expires_at, t(170));
+    assert_eq!(store.expire(t(169)), 0);
+    assert_eq!(store.expire(t(170)), 1);
+    assert_eq!(store.renew(&lease.id, None, t(171)), Err(LeaseError::UnknownLease(lease.id.clone())));
+    assert_eq!(store.release(&lease.id, t(171)), Err(LeaseError::UnknownLease(lease.id.clone())), "freed once only");
+    // TTLs are clamped to the maximum.
+    let long = store
+        .lease(&LeaseRequest { ttl: Some(Duration::from_secs(99_999)), ..request("example.com") }, t(200))
+        .expect("lease");
+    assert_eq!(long.expires_at, t(200 + 3600));
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("www.shop.example.co.uk") };
+    let lease = store.lease(&on_a, t(0)).expect("lease");
+    assert_eq!(lease.target, "example.co.uk");
+    assert_eq!(store.report(&lease.id, Outcome::Banned, true, t(0)), Ok(Some(t(600))));
+    // The same site (any subdomain) avoids "a"; another site does not.
+    for _ in 0..4 {
+        assert_eq!(store.lease(&request("img.shop.example.co.uk"), t(1)).expect("lease").proxy, "b");
+    }
+    assert!(matches!(
+        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.co.uk") }, t(1)),
+        Err(LeaseError::ProxyCoolingDown { .. })
+    ));
+    assert_eq!(
+        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("other.org") }, t(1)).expect("other site").proxy,
+        "a"
+    );
+
+    // A second ban in a row doubles the cooldown; a third doubles again; the cap holds.
+    let again = store.lease(&on_a, t(600)).expect("after the cooldown");
+    assert_eq!(store.report(&again.id, Outcome::Banned, true, t(600)), Ok(Some(t(600 + 1200))));
+    let third = store.lease(&on_a, t(1800)).expect("after the second cooldown");
+    assert_eq!(store.report(&third.id, Outcome::Banned, true, t(1800)), Ok(Some(t(1800 + 2400))));
+    // An ok report resets the streak.
+    let fourth = store.lease(&on_a, t(4200)).expect("after the third cooldown");
+    store.report(&fourth.id, Outcome::Ok, false, t(4200)).expect("ok");
+    assert_eq!(store.report(&fourth.id, Outcome::Banned, true, t(4200)), Ok(Some(t(4200 + 600))));
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn cooldown_cap_and_memory_bound() {
+    let config = LeaseConfig {
+        cooldown_base: Duration::from_secs(100),
+        cooldown_cap: Duration::from_secs(250),
+        ..LeaseConfig::default()
+    };
+    let store = InMemoryLeaseStore::new(config);
+    store.upsert_proxy(proxy("a", 5));
+    let mut now = t(0);
+    let mut cooldowns = Vec::new();
+    for _ in 0..4 {
+        let lease = store.lease(&request("example.com"), now).expect("lease");
+        let until = store.report(&lease.id, Outcome::Banned, true, now).expect("report").expect("until");
+        cooldowns.push(until.duration_since(now).expect("future").as_secs());
+        now = until;
+    }
+    assert_eq!(cooldowns, [100, 200, 250, 250]);
+    assert_eq!(store.sizes().1, 1);
+    store.expire(now + Duration::from_secs(10_000));
+    assert_eq!(store.sizes(), (0, 0, 0, 0), "nothing outlives its usefulness");
+}
+
+#[test]
+fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let on_a = store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(0)).expect("lease");
+    let on_b = store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("example.com") }, t(0)).expect("lease");
+    store.upsert_proxy(ProxyInfo { healthy: false, ..proxy("a", 5) });
+    store.remove_proxy("b");
+    assert_eq!(store.renew(&on_a.id, None, t(1)), Err(LeaseError::Revoked(on_a.id.clone())));
+    assert_eq!(store.renew(&on_b.id, None, t(1)), Err(LeaseError::Revoked(on_b.id.clone())));
+    // A ban reported on a revoked lease still counts.
+    assert!(store.report(&on_a.id, Outcome::Banned, false, t(1)).expect("report").is_some());
+    store.release(&on_a.id, t(1)).expect("releasing a revoked lease is accepted");
+    store.check_invariants().expect("invariants");
+    assert_eq!(store.lease(&request("example.com"), t(2)), Err(LeaseError::NoneHealthy));
+}
+
+#[test]
+fn refusal_reasons() {
+    let store = store_with(&[proxy("a", 1)]);
+    let lease = store.lease(&request("example.com"), t(0)).expect("lease");
+    store.report(&lease.id, Outcome::Banned, true, t(0)).expect("ban");
+    assert_eq!(store.lease(&request("example.com"), t(1)), Err(LeaseError::AllCoolingDown { until: t(600) }));
+    assert!(matches!(store.lease(&request("not a host"), t(1)), Err(LeaseError::InvalidTarget(_))));
+}
+
+#[test]
+fn exact_host_mode_separates_subdomains() {
+    let store = InMemoryLeaseStore::new(LeaseConfig { target_mode: TargetMode::ExactHost, ..LeaseConfig::default() });
+    store.upsert_proxy(proxy("a", 5));
+    let lease = store.lease(&request("www.example.com"), t(0)).expect("lease");
+    store.report(&lease.id, Outcome::Banned, true, t(0)).expect("ban");
+    assert!(store.lease(&request("img.example.com"), t(1)).is_ok());
+}
+
+/// xorshift64*, for reproducible random operation sequences.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// One random operation. With `alone` (no other thread touches the store), also checks from outside that the
+/// leased proxy was not cooling down for the target; `check_invariants` checks the same from inside in every case.
+fn random_step(
+    store: &InMemoryLeaseStore,
+    rng: &mut Rng,
+    leases: &mut Vec<String>,
+    now: SystemTime,
+    seed: u64,
+    alone: bool,
+) {
+    let targets = ["a.example.com", "b.example.org", "c.example.net"];
+    let proxy_id = format!("p{}", rng.below(8));
+    match rng.below(8) {
+        0 | 1 => {
+            let target = targets[rng.below(3) as usize];
+            let mut request = request(target);
+            if rng.below(4) == 0 {
+                request.proxy = Some(proxy_id);
+            }
+            if rng.below(4) == 0 {
+                request.session = Some(format!("s{}", rng.below(3)));
+            }
+            request.ttl = Some(Duration::from_secs(1 + rng.below(30)));
+            if let Ok(lease) = store.lease(&request, now) {
+                if !alone {
+                    leases.push(lease.id);
+                    return;
+                }
+                let loads = store.loads(Some(target), now).expect("loads");
+                let load = loads.iter().find(|load| load.id == lease.proxy).expect("the leased proxy is known");
+                assert!(
+                    load.cooling_down_until.is_none(),
+                    "seed {seed}: leased {} while cooling down for {target}",
+                    lease.proxy
+                );
+                leases.push(lease.id);
+            }
+        }
+        2 if !leases.is_empty() => {
+            let id = leases.swap_remove(rng.below(leases.len() as u64) as usize);
+            let _ = store.release(&id, now);
+        }
+        3 if !leases.is_empty() => {
+            let id = &leases[rng.below(leases.len() as u64) as usize];
+            let _ = store.renew(id, Some(Duration::from_secs(1 + rng.below(30))), now);
+        }
+        4 if !leases.is_empty() => {
+            let id = leases[rng.below(leases.len() as u64) as usize].clone();
+            let outcome = [Outcome::Ok, Outcome::Banned, Outcome::Failed][rng.below(3) as usize];
+            let _ = store.report(&id, outcome, rng.below(2) == 0, now);
+        }
+        5 => {
+            store.upsert_proxy(ProxyInfo { healthy: rng.below(3) != 0, ..proxy(&proxy_id, 1 + rng.below(4) as u32) });
+        }
+        6 if rng.below(4) == 0 => store.remove_proxy(&proxy_id),
+        _ => {
+            store.expire(now);
+        }
+    }
+}
+
+#[test]
+fn invariants_hold_under_random_operations() {
+    for seed in 1..=20_u64 {
+        let store =
+            InMemoryLeaseStore::new(LeaseConfig { cooldown_base: Duration::from_secs(5), ..LeaseConfig::default() });
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut leases = Vec::new();
+        for step in 0..2_000_u64 {
+            random_step(&store, &mut rng, &mut leases, t(step / 10), seed, true);
+            if let Err(violation) = store.check_invariants() {
+                panic!("seed {seed}, step {step}: {violation}");
+            }
+        }
+    }
+}
+
+#[test]
+fn invariants_hold_under_concurrent_operations() {
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig {
+        cooldown_base: Duration::from_secs(5),
+        ..LeaseConfig::default()
+    }));
+    for index in 0..8 {
+        store.upsert_proxy(proxy(&format!("p{index}"), 2));
+    }
+    let threads: Vec<_> = (1..=4_u64)
+        .map(|seed| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+                let mut leases = Vec::new();
+                for step in 0..3_000_u64 {
+                    random_step(&store, &mut rng, &mut leases, t(step / 10), seed, false);
+                    if let Err(violation) = store.check_invariants() {
+                        panic!("thread {seed}, step {step}: {violation}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("no thread saw a violation");
+    }
+}
