@@ -23,7 +23,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Write the CRD YAML under crds/ from the Rust types, or check that it is current.
+    /// Write the generated files (CRD YAML under crds/, docs/discovery-openapi.json), or check that they are current.
     Crdgen {
         /// Do not write: exit non-zero and name each stale file when crds/ differs from the Rust types.
         #[arg(long)]

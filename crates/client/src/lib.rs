@@ -1,0 +1,399 @@
+//! A small async client for the egress-operator discovery API.
+//!
+//! ```no_run
+//! # async fn crawl() -> Result<(), egress_client::ClientError> {
+//! use egress_client::{DiscoveryClient, LeaseOptions, Outcome};
+//! let client = DiscoveryClient::new("http://egress-discovery.egress-system:8090", Some("lease-token".into()))?;
+//! let lease = client.lease(LeaseOptions::for_target("shop.example.com")).await?;
+//! // Use lease.proxy_url() as the HTTP client's proxy (for reqwest: reqwest::Proxy::all(lease.proxy_url())).
+//! lease.report(Outcome::Banned, Some(403)).await?;
+//! lease.release().await?; // or drop it: the guard releases in the background
+//! # Ok(()) }
+//! ```
+//!
+//! Errors are typed: no eligible proxy is [`ClientError::Unavailable`] with the server's reason and `Retry-After`,
+//! a named proxy that is cooling down or full is [`ClientError::Conflict`], a revoked lease is
+//! [`ClientError::Gone`].
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::{Method, Request, StatusCode, Uri, header};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// What went wrong with a call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    /// The base URL is not an `http://` URL.
+    #[error("invalid discovery URL {0:?}: it must be http://host:port")]
+    InvalidUrl(String),
+    /// 503: no proxy can be leased now (or the server is not serving).
+    #[error("no proxy available ({reason}): {detail}")]
+    Unavailable {
+        /// `none-healthy`, `all-at-capacity`, `all-cooling-down`, `not-serving`.
+        reason: String,
+        /// The server's explanation.
+        detail: String,
+        /// When to try again.
+        retry_after: Option<Duration>,
+    },
+    /// 409: the named proxy is cooling down for the target, full, drained or unhealthy.
+    #[error("the proxy cannot be leased ({reason}): {detail}")]
+    Conflict {
+        /// `proxy-cooling-down` or `proxy-unavailable`.
+        reason: String,
+        /// The server's explanation.
+        detail: String,
+        /// When to try again, for a cooldown.
+        retry_after: Option<Duration>,
+    },
+    /// 404: no such lease or proxy.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// 410: the lease was revoked.
+    #[error("the lease was revoked: {0}")]
+    Gone(String),
+    /// 401: missing or unknown token.
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    /// 403: the token's scope is too small.
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// 400: the request was invalid.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// Any other status.
+    #[error("unexpected status {status}: {detail}")]
+    Status {
+        /// The status code.
+        status: u16,
+        /// The body's detail, or the body.
+        detail: String,
+    },
+    /// The request did not complete.
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// The answer was not what the API promises.
+    #[error("unexpected response: {0}")]
+    Decode(String),
+}
+
+/// What happened with a leased proxy, for [`LeaseGuard::report`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The site served the request.
+    Ok,
+    /// The site blocked the proxy: it cools down for that site.
+    Banned,
+    /// The request failed otherwise.
+    Failed,
+}
+
+/// What to lease.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseOptions {
+    target: String,
+    selector: Option<String>,
+    ttl: Option<Duration>,
+    proxy: Option<String>,
+    session: Option<String>,
+}
+
+impl LeaseOptions {
+    /// A lease for the site `target` (a host name or URL).
+    pub fn for_target(target: impl Into<String>) -> Self {
+        Self { target: target.into(), ..Self::default() }
+    }
+    /// Only proxies matching this label selector.
+    pub fn selector(mut self, selector: impl Into<String>) -> Self {
+        self.selector = Some(selector.into());
+        self
+    }
+    /// How long the lease lasts unless renewed (whole seconds, 1 to 3600).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+    /// A specific proxy, `namespace/name`.
+    pub fn proxy(mut self, proxy: impl Into<String>) -> Self {
+        self.proxy = Some(proxy.into());
+        self
+    }
+    /// A sticky-session key.
+    pub fn session(mut self, session: impl Into<String>) -> Self {
+        self.session = Some(session.into());
+        self
+    }
+}
+
+/// A proxy as the API lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyInfo {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Host.
+    pub host: String,
+    /// Port.
+    pub port: u16,
+    /// Proxy URL (with credentials for lease-scope tokens).
+    pub url: String,
+    /// Active leases.
+    pub active_leases: u32,
+    /// Lease cap.
+    pub max_leases: u32,
+    /// When its cooldown for the asked target ends.
+    pub cooling_down_until: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeasedProxy {
+    namespace: String,
+    name: String,
+    url: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeaseBody {
+    id: String,
+    proxy: LeasedProxy,
+    target: String,
+    expires_at: String,
+}
+
+struct Inner {
+    base: String,
+    token: Option<String>,
+    http: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// A client; cloning shares its connection pool.
+#[derive(Clone)]
+pub struct DiscoveryClient(Arc<Inner>);
+
+fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
+}
+
+impl DiscoveryClient {
+    /// A client for the API at `base_url` (`http://host:port`), sending `token` as the bearer token.
+    pub fn new(base_url: &str, token: Option<String>) -> Result<Self, ClientError> {
+        let base = base_url.trim_end_matches('/').to_owned();
+        let uri: Uri = base.parse().map_err(|_| ClientError::InvalidUrl(base_url.to_owned()))?;
+        if uri.scheme_str() != Some("http") || uri.host().is_none() {
+            return Err(ClientError::InvalidUrl(base_url.to_owned()));
+        }
+        let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build_http();
+        Ok(Self(Arc::new(Inner { base, token, http })))
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Result<(StatusCode, Bytes), ClientError> {
+        let mut request = Request::builder().method(method).uri(format!("{}{path}", self.0.base));
+        if let Some(token) = &self.0.token {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let body = match body {
+            Some(body) => {
+                request = request.header(header::CONTENT_TYPE, "application/json");
+                Full::new(Bytes::from(body.to_string()))
+            }
+            None => Full::new(Bytes::new()),
+        };
+        let request = request.body(body).map_err(|error| ClientError::Transport(error.to_string()))?;
+        let response = self.0.http.request(request).await.map_err(|error| ClientError::Transport(error.to_string()))?;
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let bytes =
+            response.into_body().collect().await.map_err(|error| ClientError::Transport(error.to_string()))?.to_bytes();
+        if status.is_success() {
+            return Ok((status, bytes));
+        }
+        let problem: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let detail =
+            problem["detail"].as_str().map_or_else(|| String::from_utf8_lossy(&bytes).into_owned(), str::to_owned);
+        let reason = problem["reason"].as_str().unwrap_or_default().to_owned();
+        Err(match status {
+            StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
+            StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },
+            StatusCode::NOT_FOUND => ClientError::NotFound(detail),
+            StatusCode::GONE => ClientError::Gone(detail),
+            StatusCode::UNAUTHORIZED => ClientError::Unauthorized(detail),
+            StatusCode::FORBIDDEN => ClientError::Forbidden(detail),
+            StatusCode::BAD_REQUEST => ClientError::BadRequest(detail),
+            other => ClientError::Status { status: other.as_u16(), detail },
+        })
+    }
+
+    /// Healthy proxies, optionally filtered by a label selector, with their cooldown for `target`.
+    pub async fn proxies(&self, selector: Option<&str>, target: Option<&str>) -> Result<Vec<ProxyInfo>, ClientError> {
+        let mut query = Vec::new();
+        if let Some(selector) = selector {
+            query.push(format!("selector={}", encode(selector)));
+        }
+        if let Some(target) = target {
+            query.push(format!("target={}", encode(target)));
+        }
+        let path = if query.is_empty() { "/v1/proxies".to_owned() } else { format!("/v1/proxies?{}", query.join("&")) };
+        let (_, body) = self.call(Method::GET, &path, None).await?;
+        #[derive(Deserialize)]
+        struct List {
+            proxies: Vec<ProxyInfo>,
+        }
+        serde_json::from_slice::<List>(&body)
+            .map(|list| list.proxies)
+            .map_err(|error| ClientError::Decode(error.to_string()))
+    }
+
+    /// Leases a proxy.
+    pub async fn lease(&self, options: LeaseOptions) -> Result<LeaseGuard, ClientError> {
+        let mut body = json!({ "target": options.target });
+        if let Some(selector) = options.selector {
+            body["selector"] = json!(selector);
+        }
+        if let Some(ttl) = options.ttl {
+            body["ttlSeconds"] = json!(ttl.as_secs());
+        }
+        if let Some(proxy) = options.proxy {
+            body["proxy"] = json!(proxy);
+        }
+        if let Some(session) = options.session {
+            body["session"] = json!(session);
+        }
+        let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
+        let lease: LeaseBody =
+            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        Ok(LeaseGuard { client: self.clone(), lease, released: AtomicBool::new(false) })
+    }
+}
+
+/// A held lease. Dropping it releases it in the background (on a tokio runtime); [`LeaseGuard::release`] does it
+/// now and reports the result.
+pub struct LeaseGuard {
+    client: DiscoveryClient,
+    lease: LeaseBody,
+    released: AtomicBool,
+}
+
+impl LeaseGuard {
+    /// The lease's identifier.
+    pub fn id(&self) -> &str {
+        &self.lease.id
+    }
+
+    /// The leased proxy as `namespace/name`.
+    pub fn proxy(&self) -> String {
+        format!("{}/{}", self.lease.proxy.namespace, self.lease.proxy.name)
+    }
+
+    /// The proxy URL, `http://[user:password@]host:port`, usable as any HTTP client's proxy (for reqwest:
+    /// `reqwest::Proxy::all(guard.proxy_url())`).
+    pub fn proxy_url(&self) -> &str {
+        &self.lease.proxy.url
+    }
+
+    /// The normalised target.
+    pub fn target(&self) -> &str {
+        &self.lease.target
+    }
+
+    /// When the lease expires unless renewed (RFC 3339).
+    pub fn expires_at(&self) -> &str {
+        &self.lease.expires_at
+    }
+
+    /// Extends the lease.
+    pub async fn renew(&mut self, ttl: Option<Duration>) -> Result<(), ClientError> {
+        let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
+        let (_, bytes) =
+            self.client.call(Method::POST, &format!("/v1/leases/{}/renew", encode(&self.lease.id)), Some(body)).await?;
+        let renewed: Value = serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        if let Some(expires_at) = renewed["expiresAt"].as_str() {
+            self.lease.expires_at = expires_at.to_owned();
+        }
+        Ok(())
+    }
+
+    /// Reports what happened; for a ban, returns when the proxy's cooldown for this site ends.
+    pub async fn report(&self, outcome: Outcome, status_code: Option<u16>) -> Result<Option<String>, ClientError> {
+        let outcome = match outcome {
+            Outcome::Ok => "ok",
+            Outcome::Banned => "banned",
+            Outcome::Failed => "failed",
+        };
+        let mut body = json!({ "outcome": outcome });
+        if let Some(code) = status_code {
+            body["statusCode"] = json!(code);
+        }
+        let (_, bytes) = self
+            .client
+            .call(Method::POST, &format!("/v1/leases/{}/report", encode(&self.lease.id)), Some(body))
+            .await?;
+        let result: Value = serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        Ok(result["cooldownUntil"].as_str().map(str::to_owned))
+    }
+
+    /// Releases the lease now.
+    pub async fn release(self) -> Result<(), ClientError> {
+        self.released.store(true, Ordering::SeqCst);
+        self.client.call(Method::DELETE, &format!("/v1/leases/{}", encode(&self.lease.id)), None).await.map(|_| ())
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Without a runtime there is nothing to send with; the lease then expires by its TTL.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let client = self.client.clone();
+            let path = format!("/v1/leases/{}", encode(&self.lease.id));
+            runtime.spawn(async move {
+                let _ = client.call(Method::DELETE, &path, None).await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_http_urls_are_accepted() {
+        assert!(DiscoveryClient::new("http://127.0.0.1:8090", None).is_ok());
+        for bad in ["https://x:1", "127.0.0.1:8090", "not a url", ""] {
+            assert!(matches!(DiscoveryClient::new(bad, None), Err(ClientError::InvalidUrl(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn query_values_are_encoded() {
+        assert_eq!(encode("region=eu,tier!=x"), "region%3Deu%2Ctier%21%3Dx");
+    }
+}

@@ -1,0 +1,152 @@
+//! The client against a real discovery server over a socket.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, TokenFile, router, serve};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+
+struct View(RwLock<Vec<ProxyRecord>>);
+
+impl ProxyView for View {
+    fn synced(&self) -> bool {
+        true
+    }
+    fn proxies(&self) -> Vec<ProxyRecord> {
+        self.0.read().unwrap().clone()
+    }
+}
+
+fn record(name: &str, max_leases: u32) -> ProxyRecord {
+    ProxyRecord {
+        namespace: "crawl".into(),
+        name: name.into(),
+        host: "127.0.0.1".into(),
+        port: 3128,
+        egress_ip: None,
+        labels: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+        zone: None,
+        provider: None,
+        max_leases,
+        healthy: true,
+        credentials: Some(("crawler".into(), "secret".into())),
+    }
+}
+
+struct Fixture {
+    url: String,
+    state: Arc<Discovery>,
+    view: Arc<View>,
+    _tokens: tempfile::NamedTempFile,
+}
+
+async fn start(records: Vec<ProxyRecord>) -> Fixture {
+    let tokens = tempfile::NamedTempFile::new().expect("token file");
+    std::fs::write(tokens.path(), "read read-token-0123456789\nlease lease-token-0123456789\n").expect("tokens");
+    let view = Arc::new(View(RwLock::new(records)));
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
+    let state = Arc::new(Discovery::new(view.clone(), store, auth, DiscoveryMetrics::default()));
+    state.sync();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
+    Fixture { url, state, view, _tokens: tokens }
+}
+
+fn lease_client(fixture: &Fixture) -> DiscoveryClient {
+    DiscoveryClient::new(&fixture.url, Some("lease-token-0123456789".into())).expect("client")
+}
+
+async fn active(client: &DiscoveryClient) -> u32 {
+    client.proxies(None, None).await.expect("list").iter().map(|proxy| proxy.active_leases).sum()
+}
+
+#[tokio::test]
+async fn lease_report_renew_and_release() {
+    let fixture = start(vec![record("a", 2), record("b", 2)]).await;
+    let client = lease_client(&fixture);
+    let mut lease = client
+        .lease(LeaseOptions::for_target("www.shop.example.com").ttl(Duration::from_secs(60)))
+        .await
+        .expect("lease");
+    assert_eq!(lease.target(), "example.com");
+    assert_eq!(lease.proxy_url(), "http://crawler:secret@127.0.0.1:3128");
+    let before = lease.expires_at().to_owned();
+    lease.renew(Some(Duration::from_secs(600))).await.expect("renew");
+    assert_ne!(lease.expires_at(), before);
+    let until = lease.report(Outcome::Banned, Some(403)).await.expect("report");
+    assert!(until.is_some(), "a ban returns the cooldown's end");
+    let banned = lease.proxy();
+    lease.release().await.expect("release");
+    assert_eq!(active(&client).await, 0);
+
+    let next = client.lease(LeaseOptions::for_target("example.com")).await.expect("lease");
+    assert_ne!(next.proxy(), banned, "the banned proxy is skipped for that site");
+    let listed = client.proxies(Some("region=eu"), Some("example.com")).await.expect("list");
+    let cooling = listed.iter().find(|proxy| format!("{}/{}", proxy.namespace, proxy.name) == banned).expect("listed");
+    assert!(cooling.cooling_down_until.is_some());
+}
+
+#[tokio::test]
+async fn dropping_the_guard_releases_the_lease() {
+    let fixture = start(vec![record("a", 1)]).await;
+    let client = lease_client(&fixture);
+    {
+        let _lease = client.lease(LeaseOptions::for_target("example.com")).await.expect("lease");
+        assert_eq!(active(&client).await, 1);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut poll = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        poll.tick().await;
+        if active(&client).await == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the dropped lease was never released");
+    }
+}
+
+#[tokio::test]
+async fn errors_are_typed() {
+    let fixture = start(vec![record("a", 1)]).await;
+    let client = lease_client(&fixture);
+    let held = client.lease(LeaseOptions::for_target("example.com")).await.expect("lease");
+    match client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await {
+        Err(ClientError::Conflict { reason, .. }) => assert_eq!(reason, "proxy-unavailable"),
+        other => panic!("expected a conflict, got {:?}", other.map(|lease| lease.id().to_owned())),
+    }
+    match client.lease(LeaseOptions::for_target("example.com")).await {
+        Err(ClientError::Unavailable { reason, retry_after, .. }) => {
+            assert_eq!(reason, "all-at-capacity");
+            assert!(retry_after.is_some());
+        }
+        other => panic!("expected unavailable, got {:?}", other.map(|lease| lease.id().to_owned())),
+    }
+    assert!(matches!(
+        client.lease(LeaseOptions::for_target("example.com").proxy("crawl/nope")).await.err(),
+        Some(ClientError::NotFound(_))
+    ));
+    assert!(matches!(
+        client.lease(LeaseOptions::for_target("not a host")).await.err(),
+        Some(ClientError::BadRequest(_))
+    ));
+
+    // Revocation: the proxy turns unhealthy.
+    fixture.view.0.write().unwrap()[0].healthy = false;
+    fixture.state.sync();
+    let mut held = held;
+    assert!(matches!(held.renew(None).await, Err(ClientError::Gone(_))));
+
+    let anonymous = DiscoveryClient::new(&fixture.url, None).expect("client");
+    assert!(matches!(anonymous.proxies(None, None).await, Err(ClientError::Unauthorized(_))));
+    let reader = DiscoveryClient::new(&fixture.url, Some("read-token-0123456789".into())).expect("client");
+    assert!(matches!(
+        reader.lease(LeaseOptions::for_target("example.com")).await.err(),
+        Some(ClientError::Forbidden(_))
+    ));
+    let listed = reader.proxies(None, None).await.expect("a read token lists");
+    assert!(listed.is_empty(), "unhealthy proxies are not listed");
+}

@@ -1,0 +1,464 @@
+//! The routes, their request and response bodies, and the mapping of every failure to a problem document.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Selector};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::auth::{Auth, Scope};
+use crate::problem::Problem;
+use crate::{Discovery, ProxyRecord};
+
+/// The largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
+
+/// The longest lease a request may ask for, in seconds.
+const MAX_TTL_SECONDS: u64 = 3600;
+
+type Shared = State<Arc<Discovery>>;
+
+pub fn routes(state: Arc<Discovery>) -> Router {
+    Router::new()
+        .route("/v1/proxies", get(list_proxies))
+        .route("/v1/leases", post(create_lease))
+        .route("/v1/leases/{id}", axum::routing::delete(release_lease))
+        .route("/v1/leases/{id}/renew", post(renew_lease))
+        .route("/v1/leases/{id}/report", post(report_lease))
+        .route("/v1/cooldowns", get(list_cooldowns))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/openapi.json", get(|| async { Json(crate::openapi::document()) }))
+        .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "Method not allowed",
+                "this route does not take that method; see /openapi.json",
+            )
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .with_state(state)
+}
+
+/// Records each request's route, status and latency.
+async fn observe(State(state): Shared, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
+    let started = Instant::now();
+    let response = next.run(request).await;
+    state.metrics.request(&route, response.status().as_u16(), started.elapsed());
+    response
+}
+
+async fn readyz(State(state): Shared) -> Response {
+    if let Some(reason) = state.gate.refusal() {
+        return Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-serving", "Not serving", reason)
+            .with_reason("not-serving")
+            .into_response();
+    }
+    if !state.ready() {
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-synced",
+            "Not ready",
+            "the proxy store has not synced yet",
+        )
+        .with_reason("not-synced")
+        .into_response();
+    }
+    "ok".into_response()
+}
+
+/// Checks the bearer token and the gate; returns the caller's scope.
+fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Scope, Problem> {
+    let scope = match &state.auth {
+        Auth::Disabled => Scope::Lease,
+        Auth::Tokens(tokens) => {
+            let value = headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok());
+            let Some(token) = value.and_then(|value| value.strip_prefix("Bearer ")) else {
+                return Err(Problem::unauthorized("send `Authorization: Bearer <token>`"));
+            };
+            tokens.scope_of(token.trim()).ok_or_else(|| Problem::unauthorized("the token is not known"))?
+        }
+    };
+    if scope < needed {
+        return Err(Problem::forbidden("this route needs a token with the lease scope"));
+    }
+    if let Some(reason) = state.gate.refusal() {
+        return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-serving", "Not serving", reason)
+            .with_reason("not-serving")
+            .with_retry_after(Duration::from_secs(5)));
+    }
+    Ok(scope)
+}
+
+/// Parses a JSON body strictly; an empty body reads as `{}` when `empty_ok`.
+fn parse_body<T: DeserializeOwned>(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    empty_ok: bool,
+) -> Result<T, Problem> {
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too-large",
+                "The request body is too large",
+                format!("at most {MAX_BODY_BYTES} bytes"),
+            )
+        } else {
+            Problem::bad_request(format!("the request body could not be read: {rejection}"))
+        }
+    })?;
+    if let Some(kind) = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok())
+        && !kind.starts_with("application/json")
+        && !body.is_empty()
+    {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "The body must be JSON",
+            format!("Content-Type {kind:?} is not application/json"),
+        ));
+    }
+    let text: &[u8] = if body.is_empty() && empty_ok { b"{}" } else { &body };
+    serde_json::from_slice(text).map_err(|error| Problem::bad_request(format!("invalid JSON body: {error}")))
+}
+
+fn parse_query(
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+    allowed: &[&str],
+) -> Result<BTreeMap<String, String>, Problem> {
+    let Query(query) = query.map_err(|rejection| Problem::bad_request(format!("invalid query: {rejection}")))?;
+    if let Some(unknown) = query.keys().find(|key| !allowed.contains(&key.as_str())) {
+        return Err(Problem::bad_request(format!(
+            "unknown query parameter {unknown:?} (allowed: {})",
+            allowed.join(", ")
+        )));
+    }
+    Ok(query)
+}
+
+fn timestamp(time: SystemTime) -> String {
+    jiff::Timestamp::try_from(time).map_or_else(
+        |_| "1970-01-01T00:00:00Z".to_owned(),
+        |timestamp| timestamp.round(jiff::Unit::Second).unwrap_or(timestamp).to_string(),
+    )
+}
+
+/// Percent-encodes a URL userinfo part.
+fn userinfo(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn host_port(record: &ProxyRecord) -> String {
+    if record.host.contains(':') {
+        format!("[{}]:{}", record.host, record.port)
+    } else {
+        format!("{}:{}", record.host, record.port)
+    }
+}
+
+/// The proxy URL; with credentials only for the lease scope.
+fn proxy_url(record: &ProxyRecord, scope: Scope) -> String {
+    match (&record.credentials, scope) {
+        (Some((user, password)), Scope::Lease) => {
+            format!("http://{}:{}@{}", userinfo(user), userinfo(password), host_port(record))
+        }
+        _ => format!("http://{}", host_port(record)),
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ProxyEntry {
+    namespace: String,
+    name: String,
+    host: String,
+    port: u16,
+    url: String,
+    #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
+    egress_ip: Option<String>,
+    labels: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    zone: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    provider: Option<String>,
+    active_leases: u32,
+    max_leases: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cooling_down_until: Option<String>,
+}
+
+async fn list_proxies(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Response, Problem> {
+    let scope = authorize(&state, &headers, Scope::Read)?;
+    let query = parse_query(query, &["selector", "target"])?;
+    let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
+        .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let now = SystemTime::now();
+    let loads = state.store.loads(query.get("target").map(String::as_str), now).map_err(lease_problem)?;
+    let loads: BTreeMap<String, _> = loads.into_iter().map(|load| (load.id.clone(), load)).collect();
+    let records = state.records.read().expect("record lock").clone();
+    let entries: Vec<ProxyEntry> = records
+        .values()
+        .filter(|record| record.healthy && selector.matches(&record.labels))
+        .map(|record| {
+            let load = loads.get(&record.id());
+            ProxyEntry {
+                namespace: record.namespace.clone(),
+                name: record.name.clone(),
+                host: record.host.clone(),
+                port: record.port,
+                url: proxy_url(record, scope),
+                egress_ip: record.egress_ip.clone(),
+                labels: record.labels.clone(),
+                zone: record.zone.clone(),
+                provider: record.provider.clone(),
+                active_leases: load.map_or(0, |load| load.active_leases),
+                max_leases: record.max_leases,
+                cooling_down_until: load.and_then(|load| load.cooling_down_until).map(timestamp),
+            }
+        })
+        .collect();
+    Ok(Json(json!({ "proxies": entries })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct LeaseBody {
+    target: String,
+    selector: Option<String>,
+    ttl_seconds: Option<u64>,
+    proxy: Option<String>,
+    session: Option<String>,
+}
+
+fn ttl(seconds: Option<u64>) -> Result<Option<Duration>, Problem> {
+    match seconds {
+        None => Ok(None),
+        Some(seconds) if (1..=MAX_TTL_SECONDS).contains(&seconds) => Ok(Some(Duration::from_secs(seconds))),
+        Some(seconds) => {
+            Err(Problem::bad_request(format!("ttlSeconds {seconds} is out of range (1 to {MAX_TTL_SECONDS})")))
+        }
+    }
+}
+
+fn lease_json(state: &Discovery, lease: &Lease, scope: Scope) -> Result<serde_json::Value, Problem> {
+    let record = state.record(&lease.proxy).ok_or_else(|| {
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "proxy-gone", "The proxy just went away", "retry the request")
+            .with_reason("proxy-gone")
+            .with_retry_after(Duration::from_secs(1))
+    })?;
+    Ok(json!({
+        "id": lease.id,
+        "proxy": { "namespace": record.namespace, "name": record.name, "host": record.host, "port": record.port, "url": proxy_url(&record, scope) },
+        "target": lease.target,
+        "expiresAt": timestamp(lease.expires_at),
+    }))
+}
+
+async fn create_lease(
+    State(state): Shared,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    let scope = authorize(&state, &headers, Scope::Lease)?;
+    let body: LeaseBody = parse_body(&headers, body, false)?;
+    if body.target.trim().is_empty() || body.target.len() > 2048 {
+        return Err(Problem::bad_request("target must be a host name or URL of at most 2048 characters"));
+    }
+    if body.session.as_ref().is_some_and(|session| session.is_empty() || session.len() > 256) {
+        return Err(Problem::bad_request("session must be 1 to 256 characters"));
+    }
+    if let Some(proxy) = &body.proxy
+        && proxy.split('/').filter(|part| !part.is_empty()).count() != 2
+    {
+        return Err(Problem::bad_request(format!("proxy {proxy:?} must be namespace/name")));
+    }
+    let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
+        .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let request = LeaseRequest {
+        target: body.target,
+        selector,
+        ttl: ttl(body.ttl_seconds)?,
+        proxy: body.proxy,
+        session: body.session,
+    };
+    let now = SystemTime::now();
+    match state.store.lease(&request, now) {
+        Ok(lease) => {
+            state.metrics.granted();
+            let body = lease_json(&state, &lease, scope)?;
+            let location = format!("/v1/leases/{}", lease.id);
+            Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(body)).into_response())
+        }
+        Err(error) => {
+            let problem = lease_problem(error);
+            state.metrics.denied(problem.reason.as_deref().unwrap_or("invalid"));
+            Err(problem)
+        }
+    }
+}
+
+fn until(time: SystemTime) -> Duration {
+    time.duration_since(SystemTime::now()).unwrap_or(Duration::from_secs(1))
+}
+
+/// Maps a store error to its problem document.
+fn lease_problem(error: LeaseError) -> Problem {
+    let detail = error.to_string();
+    let unavailable = |reason: &str, detail: String| {
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "no-eligible-proxy", "No proxy can be leased now", detail)
+            .with_reason(reason)
+    };
+    match error {
+        LeaseError::InvalidTarget(_) => Problem::bad_request(detail),
+        LeaseError::NoneHealthy => unavailable("none-healthy", detail).with_retry_after(Duration::from_secs(30)),
+        LeaseError::AllAtCapacity { retry_at } => {
+            unavailable("all-at-capacity", detail).with_retry_after(retry_at.map_or(Duration::from_secs(5), until))
+        }
+        LeaseError::AllCoolingDown { until: first } => {
+            unavailable("all-cooling-down", format!("{detail}; the first cooldown ends at {}", timestamp(first)))
+                .with_retry_after(until(first))
+        }
+        LeaseError::ProxyCoolingDown { until: end, .. } => Problem::new(
+            StatusCode::CONFLICT,
+            "proxy-cooling-down",
+            "The proxy is cooling down for this target",
+            format!("{detail} until {}", timestamp(end)),
+        )
+        .with_reason("proxy-cooling-down")
+        .with_retry_after(until(end)),
+        LeaseError::ProxyUnavailable { .. } => {
+            Problem::new(StatusCode::CONFLICT, "proxy-unavailable", "The proxy cannot take a lease now", detail)
+                .with_reason("proxy-unavailable")
+        }
+        LeaseError::UnknownProxy(_) | LeaseError::UnknownLease(_) => Problem::not_found(detail),
+        LeaseError::Revoked(_) => Problem::new(StatusCode::GONE, "revoked", "The lease was revoked", detail),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RenewBody {
+    ttl_seconds: Option<u64>,
+}
+
+async fn renew_lease(
+    State(state): Shared,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Lease)?;
+    let body: RenewBody = parse_body(&headers, body, true)?;
+    let lease = state.store.renew(&id, ttl(body.ttl_seconds)?, SystemTime::now()).map_err(lease_problem)?;
+    Ok(Json(json!({ "id": lease.id, "expiresAt": timestamp(lease.expires_at) })).into_response())
+}
+
+async fn release_lease(State(state): Shared, Path(id): Path<String>, headers: HeaderMap) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Lease)?;
+    state.store.release(&id, SystemTime::now()).map_err(lease_problem)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum OutcomeBody {
+    Ok,
+    Banned,
+    Failed,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ReportBody {
+    outcome: OutcomeBody,
+    status_code: Option<u16>,
+    release: Option<bool>,
+}
+
+async fn report_lease(
+    State(state): Shared,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Lease)?;
+    let body: ReportBody = parse_body(&headers, body, false)?;
+    if let Some(code) = body.status_code
+        && !(100..=599).contains(&code)
+    {
+        return Err(Problem::bad_request(format!("statusCode {code} is not an HTTP status")));
+    }
+    let outcome = match body.outcome {
+        OutcomeBody::Ok => Outcome::Ok,
+        OutcomeBody::Banned => Outcome::Banned,
+        OutcomeBody::Failed => Outcome::Failed,
+    };
+    let until =
+        state.store.report(&id, outcome, body.release.unwrap_or(false), SystemTime::now()).map_err(lease_problem)?;
+    if until.is_some() {
+        state.metrics.cooldown_started();
+    }
+    Ok(Json(match until {
+        Some(until) => json!({ "cooldownUntil": timestamp(until) }),
+        None => json!({}),
+    })
+    .into_response())
+}
+
+async fn list_cooldowns(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Read)?;
+    let query = parse_query(query, &["target"])?;
+    let cooldowns =
+        state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
+    let entries: Vec<serde_json::Value> = cooldowns
+        .into_iter()
+        .map(|cooldown| json!({ "proxy": cooldown.proxy, "target": cooldown.target, "until": timestamp(cooldown.until), "streak": cooldown.streak }))
+        .collect();
+    Ok(Json(json!({ "cooldowns": entries })).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn userinfo_is_percent_encoded() {
+        assert_eq!(userinfo("crawler"), "crawler");
+        assert_eq!(userinfo("p@ss:w/rd %"), "p%40ss%3Aw%2Frd%20%25");
+    }
+}

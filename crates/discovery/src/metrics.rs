@@ -1,0 +1,95 @@
+//! Discovery metrics: requests by route and status with latency, leases granted and denied by reason, active
+//! leases, expired leases and cooldowns started.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+/// The discovery server's metrics. Cloning shares them.
+#[derive(Clone)]
+pub struct DiscoveryMetrics {
+    requests: Family<RequestLabels, Counter>,
+    latency: Family<RouteLabels, Histogram>,
+    granted: Counter,
+    denied: Family<ReasonLabels, Counter>,
+    active: Gauge,
+    expired: Counter,
+    cooldowns: Counter,
+}
+
+impl Default for DiscoveryMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 16))),
+            granted: Counter::default(),
+            denied: Family::default(),
+            active: Gauge::default(),
+            expired: Counter::default(),
+            cooldowns: Counter::default(),
+        }
+    }
+}
+
+impl DiscoveryMetrics {
+    /// Creates the metrics and registers them under the `discovery` prefix of `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        let registry = registry.sub_registry_with_prefix("discovery");
+        registry.register("requests", "HTTP requests by route and status", metrics.requests.clone());
+        registry.register("request_duration_seconds", "HTTP request latency by route", metrics.latency.clone());
+        registry.register("leases_granted", "Leases granted", metrics.granted.clone());
+        registry.register("leases_denied", "Lease requests refused, by reason", metrics.denied.clone());
+        registry.register("leases_active", "Leases currently held", metrics.active.clone());
+        registry.register("leases_expired", "Leases released because they expired", metrics.expired.clone());
+        registry.register("cooldowns_started", "Ban reports that started a cooldown", metrics.cooldowns.clone());
+        metrics
+    }
+
+    pub(crate) fn request(&self, route: &str, status: u16, latency: Duration) {
+        self.requests.get_or_create(&RequestLabels { route: route.to_owned(), status }).inc();
+        self.latency.get_or_create(&RouteLabels { route: route.to_owned() }).observe(latency.as_secs_f64());
+    }
+
+    pub(crate) fn granted(&self) {
+        self.granted.inc();
+        self.active.inc();
+    }
+
+    pub(crate) fn denied(&self, reason: &str) {
+        self.denied.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
+    }
+
+    pub(crate) fn expired(&self, count: usize) {
+        self.expired.inc_by(count as u64);
+    }
+
+    pub(crate) fn set_active(&self, count: u64) {
+        self.active.set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    pub(crate) fn cooldown_started(&self) {
+        self.cooldowns.inc();
+    }
+}

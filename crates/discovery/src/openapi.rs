@@ -1,0 +1,148 @@
+//! The OpenAPI 3 document of the API, served at `/openapi.json` and committed as `docs/discovery-openapi.json`
+//! (a test fails when the two differ).
+
+use serde_json::{Value, json};
+
+fn problem_response(description: &str) -> Value {
+    json!({ "description": description, "content": { "application/problem+json": { "schema": { "$ref": "#/components/schemas/Problem" } } } })
+}
+
+fn json_response(description: &str, schema: &str) -> Value {
+    json!({ "description": description, "content": { "application/json": { "schema": { "$ref": format!("#/components/schemas/{schema}") } } } })
+}
+
+fn json_body(schema: &str, required: bool) -> Value {
+    json!({ "required": required, "content": { "application/json": { "schema": { "$ref": format!("#/components/schemas/{schema}") } } } })
+}
+
+fn lease_id() -> Value {
+    json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string" } })
+}
+
+/// The document.
+pub fn document() -> Value {
+    let auth_errors = |mut responses: serde_json::Map<String, Value>| {
+        responses.insert("401".into(), problem_response("missing or unknown bearer token"));
+        responses.insert("403".into(), problem_response("the token's scope does not allow this route"));
+        responses.insert(
+            "503".into(),
+            problem_response("not serving (for example not the leader), or no proxy is eligible"),
+        );
+        Value::Object(responses)
+    };
+    json!({
+        "openapi": "3.0.3",
+        "info": {
+            "title": "egress-operator discovery API",
+            "version": "v1",
+            "description": "Lease healthy HTTP forward proxies for a target site, renew and release them, and report bans, which cool a proxy down for that site only."
+        },
+        "security": [{ "bearer": [] }],
+        "paths": {
+            "/v1/proxies": { "get": {
+                "summary": "List healthy proxies",
+                "parameters": [
+                    { "name": "selector", "in": "query", "schema": { "type": "string" }, "description": "label selector: a=b, a!=b, a, !a, comma-separated" },
+                    { "name": "target", "in": "query", "schema": { "type": "string" }, "description": "report each proxy's cooldown for this site" }
+                ],
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("the proxies", "ProxyList")),
+                    ("400".to_owned(), problem_response("invalid selector, target or query parameter")),
+                ]))
+            }},
+            "/v1/leases": { "post": {
+                "summary": "Lease a proxy for a target",
+                "requestBody": json_body("LeaseRequest", true),
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("201".to_owned(), json_response("the lease", "Lease")),
+                    ("400".to_owned(), problem_response("invalid body")),
+                    ("404".to_owned(), problem_response("the named proxy does not exist")),
+                    ("409".to_owned(), problem_response("the named proxy is cooling down for the target, full, drained or unhealthy")),
+                    ("413".to_owned(), problem_response("the body is too large")),
+                    ("415".to_owned(), problem_response("the body is not JSON")),
+                ]))
+            }},
+            "/v1/leases/{id}": { "delete": {
+                "summary": "Release a lease",
+                "parameters": [lease_id()],
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("204".to_owned(), json!({ "description": "released" })),
+                    ("404".to_owned(), problem_response("no such lease (expired or released)")),
+                ]))
+            }},
+            "/v1/leases/{id}/renew": { "post": {
+                "summary": "Extend a lease",
+                "parameters": [lease_id()],
+                "requestBody": json_body("RenewRequest", false),
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("the new expiry", "Renewed")),
+                    ("400".to_owned(), problem_response("invalid body")),
+                    ("404".to_owned(), problem_response("no such lease (expired or released)")),
+                    ("410".to_owned(), problem_response("the lease was revoked: its proxy turned unhealthy or went away")),
+                ]))
+            }},
+            "/v1/leases/{id}/report": { "post": {
+                "summary": "Report what happened with a lease; a ban cools the proxy down for the lease's site",
+                "parameters": [lease_id()],
+                "requestBody": json_body("Report", true),
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("the cooldown, for a ban", "ReportResult")),
+                    ("400".to_owned(), problem_response("invalid body")),
+                    ("404".to_owned(), problem_response("no such lease")),
+                ]))
+            }},
+            "/v1/cooldowns": { "get": {
+                "summary": "List live cooldowns",
+                "parameters": [{ "name": "target", "in": "query", "schema": { "type": "string" } }],
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("the cooldowns", "CooldownList")),
+                    ("400".to_owned(), problem_response("invalid target or query parameter")),
+                ]))
+            }},
+            "/healthz": { "get": { "summary": "Liveness", "security": [], "responses": { "200": { "description": "alive" } } } },
+            "/readyz": { "get": { "summary": "Readiness: the proxy store has synced and this replica serves", "security": [], "responses": {
+                "200": { "description": "ready" }, "503": problem_response("not ready, with the reason")
+            } } }
+        },
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "schemas": {
+                "Problem": { "type": "object", "required": ["type", "title", "status", "detail"], "properties": {
+                    "type": { "type": "string" }, "title": { "type": "string" }, "status": { "type": "integer" }, "detail": { "type": "string" },
+                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, proxy-cooling-down, proxy-unavailable, not-serving" },
+                    "retryAfterSeconds": { "type": "integer" }
+                }},
+                "ProxyRef": { "type": "object", "required": ["namespace", "name", "host", "port", "url"], "properties": {
+                    "namespace": { "type": "string" }, "name": { "type": "string" }, "host": { "type": "string" }, "port": { "type": "integer" },
+                    "url": { "type": "string", "description": "http://[user:password@]host:port; credentials only for lease-scope tokens" }
+                }},
+                "Proxy": { "allOf": [{ "$ref": "#/components/schemas/ProxyRef" }, { "type": "object", "required": ["labels", "activeLeases", "maxLeases"], "properties": {
+                    "egressIP": { "type": "string" }, "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                    "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
+                    "coolingDownUntil": { "type": "string", "format": "date-time" }
+                }}]},
+                "ProxyList": { "type": "object", "required": ["proxies"], "properties": { "proxies": { "type": "array", "items": { "$ref": "#/components/schemas/Proxy" } } } },
+                "LeaseRequest": { "type": "object", "additionalProperties": false, "required": ["target"], "properties": {
+                    "target": { "type": "string", "maxLength": 2048, "description": "host name, IP address or URL of the site" },
+                    "selector": { "type": "string" }, "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600, "default": 300 },
+                    "proxy": { "type": "string", "description": "namespace/name of a specific proxy" },
+                    "session": { "type": "string", "maxLength": 256, "description": "sticky-session key" }
+                }},
+                "Lease": { "type": "object", "required": ["id", "proxy", "target", "expiresAt"], "properties": {
+                    "id": { "type": "string" }, "proxy": { "$ref": "#/components/schemas/ProxyRef" },
+                    "target": { "type": "string", "description": "the normalised target" }, "expiresAt": { "type": "string", "format": "date-time" }
+                }},
+                "RenewRequest": { "type": "object", "additionalProperties": false, "properties": { "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600 } } },
+                "Renewed": { "type": "object", "required": ["id", "expiresAt"], "properties": { "id": { "type": "string" }, "expiresAt": { "type": "string", "format": "date-time" } } },
+                "Report": { "type": "object", "additionalProperties": false, "required": ["outcome"], "properties": {
+                    "outcome": { "type": "string", "enum": ["ok", "banned", "failed"] }, "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
+                    "release": { "type": "boolean", "default": false }
+                }},
+                "ReportResult": { "type": "object", "properties": { "cooldownUntil": { "type": "string", "format": "date-time" } } },
+                "CooldownList": { "type": "object", "required": ["cooldowns"], "properties": { "cooldowns": { "type": "array", "items": { "type": "object", "properties": {
+                    "proxy": { "type": "string" }, "target": { "type": "string" }, "until": { "type": "string", "format": "date-time" }, "streak": { "type": "integer" }
+                }}}}}
+            }
+        }
+    })
+}

@@ -1,0 +1,100 @@
+//! RFC 9457 problem documents: every error the API returns is one.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// An error response.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Problem {
+    /// A URI naming the kind of problem.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// A short, stable summary of the kind.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What went wrong this time, for a human.
+    pub detail: String,
+    /// A stable machine-readable reason (for 503: none-healthy, all-at-capacity, all-cooling-down).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When to try again, in seconds (also sent as `Retry-After`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<u64>,
+    #[serde(skip)]
+    authenticate: bool,
+}
+
+impl Problem {
+    /// A problem of the given status; `kind` becomes the type URI's last part.
+    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
+        Self {
+            type_: format!("urn:egress-operator:problem:{kind}"),
+            title: title.to_owned(),
+            status: status.as_u16(),
+            detail: detail.into(),
+            reason: None,
+            retry_after_seconds: None,
+            authenticate: false,
+        }
+    }
+
+    /// 400: the request is malformed or invalid.
+    pub fn bad_request(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad-request", "The request is invalid", detail)
+    }
+
+    /// 404.
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not-found", "Not found", detail)
+    }
+
+    /// 401, with `WWW-Authenticate: Bearer`.
+    pub fn unauthorized(detail: impl Into<String>) -> Self {
+        Self {
+            authenticate: true,
+            ..Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Authentication required", detail)
+        }
+    }
+
+    /// 403.
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", "The token's scope does not allow this", detail)
+    }
+
+    /// Adds a machine-readable reason.
+    pub fn with_reason(mut self, reason: &str) -> Self {
+        self.reason = Some(reason.to_owned());
+        self
+    }
+
+    /// Adds a retry hint (rounded up to whole seconds, at least one).
+    pub fn with_retry_after(mut self, after: Duration) -> Self {
+        self.retry_after_seconds =
+            Some(after.as_secs() + u64::from(after.subsec_nanos() > 0)).map(|seconds| seconds.max(1));
+        self
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let retry = self.retry_after_seconds;
+        let authenticate = self.authenticate;
+        let mut response = (status, Json(self)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Some(seconds) = retry {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if authenticate {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"egress-discovery\""));
+        }
+        response
+    }
+}

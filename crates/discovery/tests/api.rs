@@ -1,0 +1,410 @@
+//! The discovery API over a real socket: every route's success, every error status, auth scopes and token reload,
+//! malformed and oversized bodies, and random inputs that must never produce a 5xx.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, TokenFile, router, serve};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+const READ: &str = "read-token-0123456789";
+const LEASE: &str = "lease-token-0123456789";
+
+/// A view the test controls.
+#[derive(Default)]
+struct TestView {
+    records: RwLock<Vec<ProxyRecord>>,
+    synced: RwLock<bool>,
+}
+
+impl ProxyView for TestView {
+    fn synced(&self) -> bool {
+        *self.synced.read().unwrap()
+    }
+    fn proxies(&self) -> Vec<ProxyRecord> {
+        self.records.read().unwrap().clone()
+    }
+}
+
+fn record(name: &str, max_leases: u32) -> ProxyRecord {
+    ProxyRecord {
+        namespace: "crawl".into(),
+        name: name.into(),
+        host: "10.0.0.1".into(),
+        port: 3128,
+        egress_ip: Some("203.0.113.9".into()),
+        labels: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+        zone: Some("europe-west1-b".into()),
+        provider: Some("gcp-eu".into()),
+        max_leases,
+        healthy: true,
+        credentials: Some(("crawler".into(), "p@ss".into())),
+    }
+}
+
+struct Server {
+    address: SocketAddr,
+    state: Arc<Discovery>,
+    view: Arc<TestView>,
+    tokens: Option<tempfile::NamedTempFile>,
+}
+
+impl Server {
+    async fn start(records: Vec<ProxyRecord>, auth: bool) -> Self {
+        let view = Arc::new(TestView::default());
+        *view.records.write().unwrap() = records;
+        *view.synced.write().unwrap() = true;
+        let (auth, tokens) = if auth {
+            let file = tempfile::NamedTempFile::new().expect("token file");
+            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\n")).expect("write tokens");
+            (Auth::Tokens(TokenFile::load(file.path()).expect("tokens")), Some(file))
+        } else {
+            (Auth::Disabled, None)
+        };
+        let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+        let state = Arc::new(Discovery::new(view.clone(), store, auth, DiscoveryMetrics::default()));
+        state.sync();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
+        Self { address, state, view, tokens }
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&str>,
+    ) -> (u16, http::HeaderMap, Value) {
+        self.raw(method, path, token, body.map(|body| (body.to_owned(), "application/json"))).await
+    }
+
+    async fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<(String, &str)>,
+    ) -> (u16, http::HeaderMap, Value) {
+        let stream = tokio::net::TcpStream::connect(self.address).await.expect("connect");
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+        tokio::spawn(connection);
+        let mut request = http::Request::builder().method(method).uri(path).header(http::header::HOST, "discovery");
+        if let Some(token) = token {
+            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let body = match body {
+            Some((body, content_type)) => {
+                request = request.header(http::header::CONTENT_TYPE, content_type);
+                Full::new(Bytes::from(body))
+            }
+            None => Full::new(Bytes::new()),
+        };
+        let response = sender.send_request(request.body(body).expect("request")).await.expect("response");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let bytes = response.into_body().collect().await.expect("body").to_bytes();
+        let value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        (status, headers, value)
+    }
+
+    async fn lease(&self, body: Value) -> (u16, Value) {
+        let (status, _, value) = self.call("POST", "/v1/leases", Some(LEASE), Some(&body.to_string())).await;
+        (status, value)
+    }
+}
+
+fn assert_problem(headers: &http::HeaderMap, body: &Value, status: u16) {
+    assert_eq!(
+        headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()),
+        Some("application/problem+json"),
+        "{body}"
+    );
+    assert_eq!(body["status"], status, "{body}");
+    assert!(body["type"].as_str().is_some_and(|t| t.starts_with("urn:egress-operator:problem:")), "{body}");
+    assert!(body["title"].is_string() && body["detail"].is_string(), "{body}");
+}
+
+#[tokio::test]
+async fn every_route_succeeds() {
+    let server = Server::start(vec![record("a", 2), record("b", 2)], true).await;
+    let (status, _, body) = server.call("GET", "/v1/proxies?selector=region%3Deu", Some(READ), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["proxies"].as_array().map(Vec::len), Some(2));
+    assert_eq!(body["proxies"][0]["url"], "http://10.0.0.1:3128", "no credentials for a read token");
+    assert_eq!(body["proxies"][0]["egressIP"], "203.0.113.9");
+
+    let (status, headers, lease) = server
+        .call(
+            "POST",
+            "/v1/leases",
+            Some(LEASE),
+            Some(r#"{"target":"https://www.shop.example.co.uk/x","ttlSeconds":60}"#),
+        )
+        .await;
+    assert_eq!(status, 201, "{lease}");
+    let id = lease["id"].as_str().expect("id").to_owned();
+    assert_eq!(
+        headers.get(http::header::LOCATION).and_then(|v| v.to_str().ok()),
+        Some(format!("/v1/leases/{id}").as_str())
+    );
+    assert_eq!(lease["target"], "example.co.uk");
+    assert_eq!(lease["proxy"]["url"], "http://crawler:p%40ss@10.0.0.1:3128", "credentials for a lease token");
+    assert!(lease["expiresAt"].as_str().is_some_and(|t| t.ends_with('Z')));
+
+    let (status, _, renewed) =
+        server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), Some(r#"{"ttlSeconds":120}"#)).await;
+    assert_eq!(status, 200, "{renewed}");
+    let (status, _, _) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
+    assert_eq!(status, 200, "an empty renew body takes the default TTL");
+
+    let (status, _, report) = server
+        .call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned","statusCode":403}"#))
+        .await;
+    assert_eq!(status, 200);
+    assert!(report["cooldownUntil"].is_string(), "{report}");
+    let (status, _, cooldowns) =
+        server.call("GET", "/v1/cooldowns?target=img.shop.example.co.uk", Some(READ), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        cooldowns["cooldowns"][0]["proxy"],
+        lease["proxy"]["namespace"]
+            .as_str()
+            .map(|ns| format!("{ns}/{}", lease["proxy"]["name"].as_str().unwrap()))
+            .unwrap()
+    );
+
+    // The banned proxy is skipped for that site but still leased for another.
+    let banned = format!("crawl/{}", lease["proxy"]["name"].as_str().unwrap());
+    let (_, other) = server.lease(json!({ "target": "example.co.uk" })).await;
+    assert_ne!(format!("crawl/{}", other["proxy"]["name"].as_str().unwrap()), banned);
+    let (status, _) = server.lease(json!({ "target": "another.org", "proxy": banned })).await;
+    assert_eq!(status, 201);
+
+    let (status, _, _) = server.call("DELETE", &format!("/v1/leases/{id}"), Some(LEASE), None).await;
+    assert_eq!(status, 204);
+    for path in ["/healthz", "/readyz"] {
+        assert_eq!(server.call("GET", path, None, None).await.0, 200, "{path}");
+    }
+    let (status, _, openapi) = server.call("GET", "/openapi.json", None, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(openapi["openapi"], "3.0.3");
+}
+
+#[tokio::test]
+async fn every_error_status_is_a_problem_document() {
+    let server = Server::start(vec![record("a", 1)], true).await;
+    let cases: Vec<(&str, &str, Option<&str>, u16)> = vec![
+        ("POST", "/v1/leases", Some("{not json"), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","colour":"blue"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":""}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","ttlSeconds":0}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","ttlSeconds":99999}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","selector":"re gion=eu"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"not a host"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"no-slash"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"crawl/missing"}"#), 404),
+        ("POST", "/v1/leases/l-unknown/renew", None, 404),
+        ("DELETE", "/v1/leases/l-unknown", None, 404),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"ok"}"#), 404),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"meh"}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"ok","statusCode":42}"#), 400),
+        ("GET", "/v1/proxies?selector=%3D", None, 400),
+        ("GET", "/v1/proxies?colour=blue", None, 400),
+        ("GET", "/v1/cooldowns?target=not%20a%20host", None, 400),
+        ("GET", "/v1/nothing", None, 404),
+        ("PUT", "/v1/leases", None, 405),
+    ];
+    for (method, path, body, expected) in cases {
+        let (status, headers, value) = server.call(method, path, Some(LEASE), body).await;
+        assert_eq!(status, expected, "{method} {path} {body:?}: {value}");
+        assert_problem(&headers, &value, expected);
+    }
+    // 413 and 415.
+    let huge = format!(r#"{{"target":"{}"}}"#, "a".repeat(20_000));
+    let (status, headers, value) = server.call("POST", "/v1/leases", Some(LEASE), Some(&huge)).await;
+    assert_eq!(status, 413, "{value}");
+    assert_problem(&headers, &value, 413);
+    let (status, headers, value) = server
+        .raw("POST", "/v1/leases", Some(LEASE), Some(("target=x".into(), "application/x-www-form-urlencoded")))
+        .await;
+    assert_eq!(status, 415, "{value}");
+    assert_problem(&headers, &value, 415);
+
+    // 409: the named proxy is full, then cooling down; 503 with reasons and Retry-After.
+    let (status, first) = server.lease(json!({ "target": "x.com" })).await;
+    assert_eq!(status, 201);
+    let (status, full) = server.lease(json!({ "target": "x.com", "proxy": "crawl/a" })).await;
+    assert_eq!((status, full["reason"].as_str()), (409, Some("proxy-unavailable")), "{full}");
+    let (status, _, capacity) = server.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"x.com"}"#)).await;
+    assert_eq!((status, capacity["reason"].as_str()), (503, Some("all-at-capacity")));
+    let id = first["id"].as_str().unwrap();
+    server
+        .call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned","release":true}"#))
+        .await;
+    let (status, headers, cooling) =
+        server.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"www.x.com"}"#)).await;
+    assert_eq!((status, cooling["reason"].as_str()), (503, Some("all-cooling-down")), "{cooling}");
+    assert!(headers.get(http::header::RETRY_AFTER).is_some());
+    assert!(cooling["detail"].as_str().is_some_and(|d| d.contains("the first cooldown ends at")), "{cooling}");
+    let (status, named) = server.lease(json!({ "target": "x.com", "proxy": "crawl/a" })).await;
+    assert_eq!((status, named["reason"].as_str()), (409, Some("proxy-cooling-down")));
+
+    // 410: the proxy turns unhealthy, its lease is revoked.
+    let (_, other) = server.lease(json!({ "target": "y.com" })).await;
+    server.view.records.write().unwrap()[0].healthy = false;
+    server.state.sync();
+    let (status, headers, gone) =
+        server.call("POST", &format!("/v1/leases/{}/renew", other["id"].as_str().unwrap()), Some(LEASE), None).await;
+    assert_eq!(status, 410, "{gone}");
+    assert_problem(&headers, &gone, 410);
+    let (status, _, none) = server.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"y.com"}"#)).await;
+    assert_eq!((status, none["reason"].as_str()), (503, Some("none-healthy")));
+}
+
+#[tokio::test]
+async fn unauthorized_differs_from_forbidden() {
+    let server = Server::start(vec![record("a", 1)], true).await;
+    let (status, headers, body) = server.call("GET", "/v1/proxies", None, None).await;
+    assert_eq!(status, 401);
+    assert!(headers.get(http::header::WWW_AUTHENTICATE).is_some());
+    assert_problem(&headers, &body, 401);
+    assert_eq!(server.call("GET", "/v1/proxies", Some("wrong-token-0123456789"), None).await.0, 401);
+    let (status, headers, body) = server.call("POST", "/v1/leases", Some(READ), Some(r#"{"target":"x.com"}"#)).await;
+    assert_eq!(status, 403);
+    assert_problem(&headers, &body, 403);
+    assert_eq!(server.call("GET", "/v1/proxies", Some(READ), None).await.0, 200);
+    assert_eq!(server.call("GET", "/healthz", None, None).await.0, 200, "health endpoints need no token");
+}
+
+#[tokio::test]
+async fn the_token_file_is_reloaded_when_it_changes() {
+    let server = Server::start(vec![record("a", 1)], true).await;
+    let path = server.tokens.as_ref().expect("token file").path().to_owned();
+    let rotated = "rotated-lease-token-0123456789";
+    std::fs::write(&path, format!("lease {rotated}\n")).expect("rewrite tokens");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let mut poll = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        poll.tick().await;
+        if server.call("GET", "/v1/proxies", Some(rotated), None).await.0 == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the new token was never accepted");
+    }
+    assert_eq!(server.call("GET", "/v1/proxies", Some(LEASE), None).await.0, 401, "the old token is gone");
+    // A broken file keeps the last good tokens.
+    std::fs::write(&path, "nonsense\n").expect("break tokens");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < deadline {
+        poll.tick().await;
+        assert_eq!(server.call("GET", "/v1/proxies", Some(rotated), None).await.0, 200);
+    }
+}
+
+#[tokio::test]
+async fn readyz_waits_for_the_first_sync() {
+    let view = Arc::new(TestView::default());
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(view.clone(), store, Auth::Disabled, DiscoveryMetrics::default()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
+    let server = Server { address, state: state.clone(), view: view.clone(), tokens: None };
+    let (status, headers, body) = server.call("GET", "/readyz", None, None).await;
+    assert_eq!(status, 503);
+    assert_problem(&headers, &body, 503);
+    state.sync();
+    assert_eq!(server.call("GET", "/readyz", None, None).await.0, 503, "the view itself has not synced");
+    *view.synced.write().unwrap() = true;
+    state.sync();
+    assert_eq!(server.call("GET", "/readyz", None, None).await.0, 200);
+}
+
+/// xorshift64*, for reproducible random inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
+    }
+    fn text(&mut self) -> String {
+        let alphabet = "ab/.-_:%?=&{}[]\"\\ é0";
+        let chars: Vec<char> = alphabet.chars().collect();
+        (0..self.below(12)).map(|_| chars[self.below(chars.len() as u64) as usize]).collect()
+    }
+    fn value(&mut self, depth: u32) -> Value {
+        match self.below(if depth > 2 { 5 } else { 7 }) {
+            0 => Value::Null,
+            1 => json!(self.below(2) == 1),
+            2 => json!(self.below(5000) as i64 - 100),
+            3 => json!(self.text()),
+            4 => json!(["ok", "banned", "failed", "x.com", "crawl/a"][self.below(5) as usize]),
+            5 => Value::Array((0..self.below(3)).map(|_| self.value(depth + 1)).collect()),
+            _ => {
+                let keys =
+                    ["target", "selector", "ttlSeconds", "proxy", "session", "outcome", "statusCode", "release", "x"];
+                Value::Object(
+                    (0..self.below(5))
+                        .map(|_| (keys[self.below(keys.len() as u64) as usize].to_owned(), self.value(depth + 1)))
+                        .collect(),
+                )
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn random_bodies_and_paths_never_get_a_5xx_other_than_503() {
+    let server = Server::start(vec![record("a", 3), record("b", 0)], false).await;
+    let mut rng = Rng(0x5eed_1234_9876_abcd);
+    let (_, lease) = server.lease(json!({ "target": "x.com" })).await;
+    let lease_id = lease["id"].as_str().unwrap().to_owned();
+    let paths = [
+        "/v1/leases".to_owned(),
+        format!("/v1/leases/{lease_id}/renew"),
+        format!("/v1/leases/{lease_id}/report"),
+        "/v1/leases/x/report".to_owned(),
+    ];
+    for round in 0..400 {
+        let (method, path, body) = match rng.below(4) {
+            0 => ("POST", paths[rng.below(paths.len() as u64) as usize].clone(), Some(rng.value(0).to_string())),
+            1 => ("GET", format!("/v1/proxies?selector={}&target={}", encode(&rng.text()), encode(&rng.text())), None),
+            2 => (
+                ["GET", "POST", "DELETE", "PATCH"][rng.below(4) as usize],
+                format!("/v1/{}", encode(&rng.text())),
+                Some(rng.text()),
+            ),
+            _ => ("DELETE", format!("/v1/leases/{}", encode(&rng.text())), None),
+        };
+        let (status, _, value) = server.call(method, &path, None, body.as_deref()).await;
+        assert!(status < 500 || status == 503, "round {round}: {method} {path} {body:?} → {status} {value}");
+    }
+}
+
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|byte| if byte.is_ascii_alphanumeric() { char::from(byte).to_string() } else { format!("%{byte:02X}") })
+        .collect()
+}
+
+#[test]
+fn the_committed_openapi_document_is_current() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/discovery-openapi.json");
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    let current =
+        format!("{}\n", serde_json::to_string_pretty(&egress_discovery::openapi::document()).expect("serialize"));
+    assert!(committed == current, "{} is stale: run `cargo xtask crdgen` and commit the result", path.display());
+}
