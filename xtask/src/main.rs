@@ -2,6 +2,7 @@
 //!
 //! Each subcommand lives in its own module; this file only parses the command line and dispatches.
 
+mod bench;
 mod crdgen;
 mod envtest;
 mod packages;
@@ -45,6 +46,11 @@ enum Command {
         #[arg(long, requires = "up")]
         controller: bool,
     },
+    /// Run the benchmarks (health, lease, discovery; all without a name) and print their figures.
+    Bench {
+        /// Which benchmark.
+        name: Option<String>,
+    },
     /// Install what is missing, then run formatting, lints, the CRD drift check and every test.
     Test {
         /// Arguments passed to `cargo test` after the workspace selection (for example a test name filter).
@@ -62,6 +68,7 @@ fn main() -> ExitCode {
             envtest::up(kubeconfig, !no_sample, controller)
         }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
+        Command::Bench { name } => bench::run_benches(name.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

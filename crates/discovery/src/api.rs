@@ -56,13 +56,10 @@ pub fn routes(state: Arc<Discovery>) -> Router {
 
 /// Records each request's route, status and latency.
 async fn observe(State(state): Shared, request: Request, next: Next) -> Response {
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
+    let route = request.extensions().get::<MatchedPath>().cloned();
     let started = Instant::now();
     let response = next.run(request).await;
-    state.metrics.request(&route, response.status().as_u16(), started.elapsed());
+    state.metrics.request(route.as_ref().map(MatchedPath::as_str), response.status().as_u16(), started.elapsed());
     response
 }
 
@@ -271,18 +268,48 @@ fn ttl(seconds: Option<u64>) -> Result<Option<Duration>, Problem> {
     }
 }
 
-fn lease_json(state: &Discovery, lease: &Lease, scope: Scope) -> Result<serde_json::Value, Problem> {
-    let record = state.record(&lease.proxy).ok_or_else(|| {
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LeasedProxy<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    host: &'a str,
+    port: u16,
+    url: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LeaseResponse<'a> {
+    id: &'a str,
+    proxy: LeasedProxy<'a>,
+    target: &'a str,
+    expires_at: String,
+}
+
+/// The lease as JSON bytes, serialised straight from the record under the read lock (no copies on the hot path).
+fn lease_json(state: &Discovery, lease: &Lease, scope: Scope) -> Result<Vec<u8>, Problem> {
+    let records = state.records.read().expect("record lock");
+    let record = records.get(&lease.proxy).ok_or_else(|| {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "proxy-gone", "The proxy just went away", "retry the request")
             .with_reason("proxy-gone")
             .with_retry_after(Duration::from_secs(1))
     })?;
-    Ok(json!({
-        "id": lease.id,
-        "proxy": { "namespace": record.namespace, "name": record.name, "host": record.host, "port": record.port, "url": proxy_url(&record, scope) },
-        "target": lease.target,
-        "expiresAt": timestamp(lease.expires_at),
-    }))
+    let response = LeaseResponse {
+        id: &lease.id,
+        proxy: LeasedProxy {
+            namespace: &record.namespace,
+            name: &record.name,
+            host: &record.host,
+            port: record.port,
+            url: proxy_url(record, scope),
+        },
+        target: &lease.target,
+        expires_at: timestamp(lease.expires_at),
+    };
+    serde_json::to_vec(&response).map_err(|error| {
+        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", error.to_string())
+    })
 }
 
 async fn create_lease(
@@ -318,7 +345,12 @@ async fn create_lease(
             state.metrics.granted();
             let body = lease_json(&state, &lease, scope)?;
             let location = format!("/v1/leases/{}", lease.id);
-            Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(body)).into_response())
+            Ok((
+                StatusCode::CREATED,
+                [(header::LOCATION, location), (header::CONTENT_TYPE, "application/json".to_owned())],
+                body,
+            )
+                .into_response())
         }
         Err(error) => {
             let problem = lease_problem(error);

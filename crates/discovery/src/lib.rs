@@ -153,10 +153,6 @@ impl Discovery {
     pub fn ready(&self) -> bool {
         self.synced_once.load(Ordering::SeqCst)
     }
-
-    fn record(&self, id: &str) -> Option<ProxyRecord> {
-        self.records.read().expect("record lock").get(id).cloned()
-    }
 }
 
 /// Builds the API router.

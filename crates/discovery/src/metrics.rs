@@ -12,14 +12,27 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    route: String,
+    route: &'static str,
     status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
-    route: String,
+    route: &'static str,
 }
+
+/// The routes by their path templates, so labels are static strings (no allocation per request).
+const ROUTES: [&str; 9] = [
+    "/v1/proxies",
+    "/v1/leases",
+    "/v1/leases/{id}",
+    "/v1/leases/{id}/renew",
+    "/v1/leases/{id}/report",
+    "/v1/cooldowns",
+    "/healthz",
+    "/readyz",
+    "/openapi.json",
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
@@ -67,9 +80,11 @@ impl DiscoveryMetrics {
         metrics
     }
 
-    pub(crate) fn request(&self, route: &str, status: u16, latency: Duration) {
-        self.requests.get_or_create(&RequestLabels { route: route.to_owned(), status }).inc();
-        self.latency.get_or_create(&RouteLabels { route: route.to_owned() }).observe(latency.as_secs_f64());
+    pub(crate) fn request(&self, route: Option<&str>, status: u16, latency: Duration) {
+        let route =
+            route.and_then(|route| ROUTES.iter().find(|known| **known == route)).copied().unwrap_or("unmatched");
+        self.requests.get_or_create(&RequestLabels { route, status }).inc();
+        self.latency.get_or_create(&RouteLabels { route }).observe(latency.as_secs_f64());
     }
 
     pub(crate) fn granted(&self) {

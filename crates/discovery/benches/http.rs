@@ -1,0 +1,150 @@
+//! 64 concurrent keep-alive clients doing lease → release against the discovery server, and the same clients
+//! against a bare hyper server that answers every request with a fixed small JSON body, in one run: requests per
+//! second of both, p50/p99 latency, and the ratio discovery / bare (goal: at least 0.5). Loopback only; each phase
+//! runs for a fixed time.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, router, serve};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+const CLIENTS: usize = 64;
+const PHASE: Duration = Duration::from_secs(5);
+
+struct View(RwLock<Vec<ProxyRecord>>);
+
+impl ProxyView for View {
+    fn synced(&self) -> bool {
+        true
+    }
+    fn proxies(&self) -> Vec<ProxyRecord> {
+        self.0.read().expect("view").clone()
+    }
+}
+
+async fn discovery_server() -> SocketAddr {
+    let records = (0..100)
+        .map(|index| ProxyRecord {
+            namespace: "bench".into(),
+            name: format!("proxy-{index}"),
+            host: "127.0.0.1".into(),
+            port: 3128,
+            egress_ip: None,
+            labels: BTreeMap::new(),
+            zone: None,
+            provider: None,
+            max_leases: 5,
+            healthy: true,
+            credentials: None,
+        })
+        .collect();
+    let view = Arc::new(View(RwLock::new(records)));
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(view, store, Auth::Disabled, DiscoveryMetrics::default()));
+    state.sync();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(serve(listener, router(state), std::future::pending()));
+    address
+}
+
+async fn bare_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            tokio::spawn(async move {
+                let service = service_fn(|_request: hyper::Request<Incoming>| async {
+                    Ok::<_, Infallible>(
+                        hyper::Response::builder()
+                            .status(201)
+                            .header("content-type", "application/json")
+                            .body(Full::new(Bytes::from_static(
+                                br#"{"id":"l-0000000000000000","target":"example.com"}"#,
+                            )))
+                            .expect("response"),
+                    )
+                });
+                let _ =
+                    hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+            });
+        }
+    });
+    address
+}
+
+/// One client: lease → release on one keep-alive connection until the deadline; returns request latencies.
+async fn client(address: SocketAddr, index: usize, deadline: Instant) -> Vec<Duration> {
+    let stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(connection);
+    let mut latencies = Vec::new();
+    let body = format!(r#"{{"target":"site-{index}.example.com"}}"#);
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let request = hyper::Request::post("/v1/leases")
+            .header("host", "bench")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.clone())))
+            .expect("request");
+        let response = sender.send_request(request).await.expect("lease");
+        let bytes = response.into_body().collect().await.expect("body").to_bytes();
+        latencies.push(started.elapsed());
+        let value: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let id = value["id"].as_str().expect("lease id").to_owned();
+        let started = Instant::now();
+        let request = hyper::Request::delete(format!("/v1/leases/{id}"))
+            .header("host", "bench")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let response = sender.send_request(request).await.expect("release");
+        let _ = response.into_body().collect().await.expect("body");
+        latencies.push(started.elapsed());
+    }
+    latencies
+}
+
+async fn phase(name: &str, address: SocketAddr) -> f64 {
+    let deadline = Instant::now() + PHASE;
+    let started = Instant::now();
+    let handles: Vec<_> = (0..CLIENTS).map(|index| tokio::spawn(client(address, index, deadline))).collect();
+    let mut latencies = Vec::new();
+    for handle in handles {
+        latencies.extend(handle.await.expect("client"));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort_unstable();
+    let rate = latencies.len() as f64 / elapsed;
+    let percentile = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+    println!(
+        "{name:>10}: {:>8.0} requests/s, p50 {:>8.2?}, p99 {:>8.2?} ({} requests)",
+        rate,
+        percentile(0.50),
+        percentile(0.99),
+        latencies.len()
+    );
+    rate
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    println!(
+        "discovery benchmark: {CLIENTS} keep-alive clients doing lease -> release over loopback, {PHASE:?} per server"
+    );
+    let discovery = discovery_server().await;
+    let bare = bare_server().await;
+    let bare_rate = phase("bare hyper", bare).await;
+    let discovery_rate = phase("discovery", discovery).await;
+    println!("ratio discovery / bare hyper: {:.2} (goal: at least 0.5)", discovery_rate / bare_rate);
+}
