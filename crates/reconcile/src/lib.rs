@@ -14,6 +14,7 @@ pub mod gc;
 mod health;
 pub mod health_feed;
 mod metrics;
+pub mod monitor;
 mod providers;
 mod status;
 

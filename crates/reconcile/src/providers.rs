@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use egress_provider::registry::ProviderSet;
-use egress_provider::{Provider, ProviderError};
+use egress_provider::{Checker, Provider, ProviderError, TargetVerdict};
 
 /// The configured providers, by name.
 #[async_trait]
@@ -18,6 +18,8 @@ pub trait Providers: Send + Sync {
     fn is_configured(&self, name: &str) -> bool {
         self.names().iter().any(|known| known == name)
     }
+    /// One round of health verdicts for the provider `name`.
+    async fn check(&self, name: &str) -> Vec<TargetVerdict>;
 }
 
 #[async_trait]
@@ -28,11 +30,17 @@ impl Providers for ProviderSet {
     fn names(&self) -> Vec<String> {
         ProviderSet::names(self).map(str::to_owned).collect()
     }
+    async fn check(&self, name: &str) -> Vec<TargetVerdict> {
+        ProviderSet::check(self, name).await
+    }
 }
 
-/// A fixed set of already-built providers.
+/// A fixed set of already-built providers, with their checkers where given.
 #[derive(Clone, Default)]
-pub struct StaticProviders(BTreeMap<String, Arc<dyn Provider>>);
+pub struct StaticProviders(BTreeMap<String, Entry>);
+
+/// A provider and, when it has one, its checker.
+type Entry = (Arc<dyn Provider>, Option<Arc<dyn Checker>>);
 
 impl StaticProviders {
     /// No providers.
@@ -42,7 +50,18 @@ impl StaticProviders {
 
     /// Adds a provider under `name`.
     pub fn with(mut self, name: impl Into<String>, provider: Arc<dyn Provider>) -> Self {
-        self.0.insert(name.into(), provider);
+        self.0.insert(name.into(), (provider, None));
+        self
+    }
+
+    /// Adds a provider under `name` with its checker.
+    pub fn with_checker(
+        mut self,
+        name: impl Into<String>,
+        provider: Arc<dyn Provider>,
+        checker: Arc<dyn Checker>,
+    ) -> Self {
+        self.0.insert(name.into(), (provider, Some(checker)));
         self
     }
 }
@@ -52,10 +71,21 @@ impl Providers for StaticProviders {
     async fn provider(&self, name: &str) -> Result<Arc<dyn Provider>, ProviderError> {
         self.0
             .get(name)
-            .cloned()
+            .map(|(provider, _)| provider.clone())
             .ok_or_else(|| ProviderError::permanent(format!("no provider named {name:?} is configured")))
     }
     fn names(&self) -> Vec<String> {
         self.0.keys().cloned().collect()
+    }
+    async fn check(&self, name: &str) -> Vec<TargetVerdict> {
+        match self.0.get(name) {
+            Some((_, Some(checker))) => checker.check().await,
+            Some((_, None)) => vec![TargetVerdict::ready(name)],
+            None => vec![TargetVerdict::not_ready(
+                name,
+                "NotConfigured",
+                format!("no provider named {name:?} is configured"),
+            )],
+        }
     }
 }

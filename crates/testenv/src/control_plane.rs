@@ -218,7 +218,11 @@ impl ControlPlane {
             .with_context(|| format!("reading the CRD directory {}", crds.display()))?
             .map(|entry| entry.map(|entry| entry.path()))
             .collect::<Result<_, _>>()?;
-        paths.retain(|path| path.extension().is_some_and(|ext| ext == "yaml"));
+        // Every YAML file but the kustomization that lets deploy/ include the directory.
+        paths.retain(|path| {
+            path.extension().is_some_and(|ext| ext == "yaml")
+                && path.file_name().is_some_and(|name| name != "kustomization.yaml")
+        });
         paths.sort();
         for path in &paths {
             let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;

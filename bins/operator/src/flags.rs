@@ -1,0 +1,321 @@
+//! Command-line flags (each with an environment fallback) and their validation into [`Settings`].
+//!
+//! Every problem is collected and reported at once, together with the providers file's own problems, before
+//! anything starts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use egress_provider::config::ProvidersConfig;
+
+/// The egress-operator: runs HTTP forward proxies for web crawlers as `Proxy` objects.
+#[derive(Parser, Debug)]
+#[command(name = "egress-operator", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("EGRESS_GIT_COMMIT"), ")"))]
+pub struct Cli {
+    /// The providers config file (YAML).
+    #[arg(long, env = "EGRESS_PROVIDERS_CONFIG")]
+    pub providers_config: PathBuf,
+    /// This installation's identifier, written on every instance (a label value: letters, digits, '-', '_', '.').
+    #[arg(long, env = "EGRESS_CLUSTER_ID")]
+    pub cluster_id: String,
+    /// Where the discovery API listens.
+    #[arg(long, env = "EGRESS_DISCOVERY_ADDR", default_value = "0.0.0.0:8090")]
+    pub discovery_addr: String,
+    /// Where `/metrics` is served.
+    #[arg(long, env = "EGRESS_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: String,
+    /// Where `/livez` and `/readyz` are served.
+    #[arg(long, env = "EGRESS_HEALTH_ADDR", default_value = "0.0.0.0:8081")]
+    pub health_addr: String,
+    /// Elect a leader through a `coordination.k8s.io` Lease; only the leader reconciles, probes and serves leases.
+    #[arg(long, env = "EGRESS_LEADER_ELECT", default_value_t = false)]
+    pub leader_elect: bool,
+    /// The namespace of the leader-election Lease (default: the pod's namespace from POD_NAMESPACE, else `default`).
+    #[arg(long, env = "EGRESS_LEADER_ELECTION_NAMESPACE")]
+    pub leader_election_namespace: Option<String>,
+    /// The discovery tokens file (`read <token>` / `lease <token>` lines); required unless `--discovery-auth=none`.
+    #[arg(long, env = "EGRESS_DISCOVERY_TOKENS")]
+    pub discovery_tokens: Option<PathBuf>,
+    /// `tokens` (default) or `none` (no authentication; warned about at start).
+    #[arg(long, env = "EGRESS_DISCOVERY_AUTH", value_enum, default_value_t = DiscoveryAuth::Tokens)]
+    pub discovery_auth: DiscoveryAuth,
+    /// The probe URL for Proxies that set none (http:// or https://).
+    #[arg(long, env = "EGRESS_DEFAULT_PROBE_URL", default_value = "https://www.gstatic.com/generate_204")]
+    pub default_probe_url: String,
+    /// Extra CA certificates (PEM) trusted by health probes.
+    #[arg(long, env = "EGRESS_PROBE_CA_FILE")]
+    pub probe_ca_file: Option<PathBuf>,
+    /// How many health probes run at once.
+    #[arg(long, env = "EGRESS_PROBE_CONCURRENCY", default_value_t = 64)]
+    pub probe_concurrency: usize,
+    /// How often the orphan collector runs (for example `5m`).
+    #[arg(long, env = "EGRESS_GC_INTERVAL", default_value = "5m")]
+    pub gc_interval: String,
+    /// How old an orphan must be before it is deleted (for example `10m`).
+    #[arg(long, env = "EGRESS_GC_GRACE", default_value = "10m")]
+    pub gc_grace: String,
+    /// How often providers are checked; `0` turns checks off, otherwise at least `10s`.
+    #[arg(long, env = "EGRESS_PROVIDER_CHECK_INTERVAL", default_value = "1m")]
+    pub provider_check_interval: String,
+    /// How long one round of provider checks may take.
+    #[arg(long, env = "EGRESS_PROVIDER_CHECK_TIMEOUT", default_value = "15s")]
+    pub provider_check_timeout: String,
+    /// Log format.
+    #[arg(long, env = "EGRESS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How the discovery API authenticates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DiscoveryAuth {
+    /// Bearer tokens from `--discovery-tokens`.
+    Tokens,
+    /// No authentication.
+    None,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Validated settings.
+#[derive(Debug)]
+pub struct Settings {
+    pub providers: ProvidersConfig,
+    pub cluster_id: String,
+    pub discovery_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    pub leader_elect: bool,
+    pub leader_election_namespace: String,
+    pub discovery_tokens: Option<PathBuf>,
+    pub default_probe_url: String,
+    pub probe_ca_pem: Vec<u8>,
+    pub probe_concurrency: usize,
+    pub gc_interval: Duration,
+    pub gc_grace: Duration,
+    pub provider_check_interval: Option<Duration>,
+    pub provider_check_timeout: Duration,
+}
+
+/// Parses `90s`, `5m`, `1h30m`, `250ms` (Go-style durations) and `0`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    if rest.is_empty() {
+        return Err("is empty".into());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!("{text:?} is not a duration such as 90s, 5m or 1h30m"));
+        }
+        let number: u64 = rest[..digits].parse().map_err(|_| format!("{text:?} has a number out of range"))?;
+        rest = &rest[digits..];
+        let (unit, after) = ["ms", "s", "m", "h"]
+            .iter()
+            .find_map(|unit| rest.strip_prefix(unit).map(|after| (*unit, after)))
+            .ok_or_else(|| format!("{text:?} is not a duration such as 90s, 5m or 1h30m (units: ms, s, m, h)"))?;
+        total += match unit {
+            "ms" => Duration::from_millis(number),
+            "s" => Duration::from_secs(number),
+            "m" => Duration::from_secs(number.saturating_mul(60)),
+            _ => Duration::from_secs(number.saturating_mul(3600)),
+        };
+        rest = after;
+    }
+    Ok(total)
+}
+
+fn is_label_value(value: &str) -> bool {
+    let alnum = |c: char| c.is_ascii_alphanumeric();
+    !value.is_empty()
+        && value.len() <= 63
+        && value.starts_with(alnum)
+        && value.ends_with(alnum)
+        && value.chars().all(|c| alnum(c) || matches!(c, '-' | '_' | '.'))
+}
+
+impl Cli {
+    /// Validates every flag and reads the providers file; returns every problem found.
+    pub fn settings(&self) -> Result<Settings, Vec<String>> {
+        let mut problems = Vec::new();
+        let mut address = |flag: &str, value: &str| match value.parse::<SocketAddr>() {
+            Ok(address) => Some(address),
+            Err(_) => {
+                problems.push(format!("--{flag} {value:?} is not host:port (for example 0.0.0.0:8090)"));
+                None
+            }
+        };
+        let discovery_addr = address("discovery-addr", &self.discovery_addr);
+        let metrics_addr = address("metrics-addr", &self.metrics_addr);
+        let health_addr = address("health-addr", &self.health_addr);
+        let mut duration = |flag: &str, value: &str| match parse_duration(value) {
+            Ok(duration) => Some(duration),
+            Err(why) => {
+                problems.push(format!("--{flag}: {why}"));
+                None
+            }
+        };
+        let gc_interval = duration("gc-interval", &self.gc_interval);
+        let gc_grace = duration("gc-grace", &self.gc_grace);
+        let check_interval = duration("provider-check-interval", &self.provider_check_interval);
+        let check_timeout = duration("provider-check-timeout", &self.provider_check_timeout);
+        if gc_interval.is_some_and(|interval| interval < Duration::from_secs(10)) {
+            problems.push("--gc-interval must be at least 10s".into());
+        }
+        if check_interval.is_some_and(|interval| !interval.is_zero() && interval < Duration::from_secs(10)) {
+            problems.push("--provider-check-interval must be 0 (off) or at least 10s".into());
+        }
+        if check_timeout.is_some_and(|timeout| timeout.is_zero()) {
+            problems.push("--provider-check-timeout must be more than 0".into());
+        }
+        if !is_label_value(&self.cluster_id) {
+            problems.push(format!(
+                "--cluster-id {:?} must be a label value: 1 to 63 letters, digits, '-', '_' or '.', alphanumeric at both ends",
+                self.cluster_id
+            ));
+        }
+        let probe_ok = egress_health::ProbeUrl::parse(&self.default_probe_url);
+        if let Err(error) = &probe_ok {
+            problems.push(format!("--default-probe-url: {error}"));
+        }
+        if self.probe_concurrency == 0 || self.probe_concurrency > 10_000 {
+            problems.push("--probe-concurrency must be from 1 to 10000".into());
+        }
+        let probe_ca_pem = match &self.probe_ca_file {
+            Some(path) => match std::fs::read(path) {
+                Ok(pem) => {
+                    if let Err(error) = egress_health::tls_connector(&pem) {
+                        problems.push(format!("--probe-ca-file {}: {error}", path.display()));
+                    }
+                    pem
+                }
+                Err(error) => {
+                    problems.push(format!("--probe-ca-file {}: {error}", path.display()));
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        match (self.discovery_auth, &self.discovery_tokens) {
+            (DiscoveryAuth::Tokens, None) => problems.push(
+                "--discovery-tokens is required (or set --discovery-auth=none to turn authentication off)".into(),
+            ),
+            (DiscoveryAuth::Tokens, Some(path)) => {
+                if let Err(error) = egress_discovery::TokenFile::load(path) {
+                    problems.push(format!("--discovery-tokens: {error}"));
+                }
+            }
+            (DiscoveryAuth::None, _) => {}
+        }
+        let providers = match std::fs::read_to_string(&self.providers_config) {
+            Ok(text) => match ProvidersConfig::parse(&text, &self.providers_config.display().to_string()) {
+                Ok(config) => Some(config),
+                Err(error) => {
+                    problems.extend(
+                        error.problems.iter().map(|problem| format!("{}: {problem}", self.providers_config.display())),
+                    );
+                    None
+                }
+            },
+            Err(error) => {
+                problems.push(format!("--providers-config {}: {error}", self.providers_config.display()));
+                None
+            }
+        };
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        let namespace = self
+            .leader_election_namespace
+            .clone()
+            .or_else(|| std::env::var("POD_NAMESPACE").ok())
+            .unwrap_or_else(|| "default".into());
+        Ok(Settings {
+            providers: providers.expect("checked above"),
+            cluster_id: self.cluster_id.clone(),
+            discovery_addr: discovery_addr.expect("checked above"),
+            metrics_addr: metrics_addr.expect("checked above"),
+            health_addr: health_addr.expect("checked above"),
+            leader_elect: self.leader_elect,
+            leader_election_namespace: namespace,
+            discovery_tokens: match self.discovery_auth {
+                DiscoveryAuth::Tokens => self.discovery_tokens.clone(),
+                DiscoveryAuth::None => None,
+            },
+            default_probe_url: self.default_probe_url.clone(),
+            probe_ca_pem,
+            probe_concurrency: self.probe_concurrency,
+            gc_interval: gc_interval.expect("checked above"),
+            gc_grace: gc_grace.expect("checked above"),
+            provider_check_interval: check_interval.filter(|interval| !interval.is_zero()),
+            provider_check_timeout: check_timeout.expect("checked above"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_like_go() {
+        let cases = [("90s", 90), ("5m", 300), ("1h30m", 5400), ("0", 0), ("2h", 7200)];
+        for (text, seconds) in cases {
+            assert_eq!(parse_duration(text), Ok(Duration::from_secs(seconds)), "{text}");
+        }
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        for bad in ["", "5", "m", "5x", "-5m", "1.5h"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_flag_problem_is_reported_at_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("providers.yaml");
+        std::fs::write(&config, "providers:\n  - { name: Bad_Name, type: kubernetes }\n  - { name: x, type: aws }\n")
+            .expect("write");
+        let cli = Cli::parse_from([
+            "egress-operator",
+            "--providers-config",
+            config.to_str().expect("utf-8 path"),
+            "--cluster-id",
+            "not a label",
+            "--gc-interval",
+            "2s",
+            "--provider-check-interval",
+            "5s",
+            "--default-probe-url",
+            "ftp://x",
+            "--discovery-addr",
+            "nowhere",
+        ]);
+        let problems = cli.settings().expect_err("invalid");
+        for expected in [
+            "--discovery-addr \"nowhere\"",
+            "--gc-interval must be at least 10s",
+            "--provider-check-interval must be 0 (off) or at least 10s",
+            "--cluster-id \"not a label\"",
+            "--default-probe-url",
+            "--discovery-tokens is required",
+            "providers[0].name",
+            "providers[1].type",
+        ] {
+            assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
+        }
+        assert_eq!(problems.len(), 8, "{problems:#?}");
+    }
+}

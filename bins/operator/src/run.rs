@@ -1,0 +1,339 @@
+//! Composition: builds every part from the settings, serves metrics, health and discovery on every replica, runs the
+//! leader-only parts (controller, health engine, orphan collector, provider monitor) while this replica leads, and
+//! shuts everything down in order on SIGTERM.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use axum::Router;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use egress_api::Proxy;
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, TokenFile};
+use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use egress_provider::ProviderMetrics;
+use egress_provider::registry::{Constructors, ProviderSet};
+use egress_provider_kubernetes::KubernetesProvider;
+use egress_reconcile::gc::OrphanCollector;
+use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
+use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
+use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ReconcileMetrics};
+use futures::StreamExt;
+use kube::Client;
+use kube::api::Api;
+use kube::core::DeserializeGuard;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::flags::Settings;
+use crate::view::StoreView;
+
+/// The provider types this binary can run, by `type` in the providers file.
+fn constructors() -> Constructors {
+    Constructors::new().register("kubernetes", KubernetesProvider::construct)
+}
+
+/// Refuses discovery routes while this replica does not lead or is shutting down.
+struct LeaderGate(watch::Receiver<bool>, watch::Receiver<bool>);
+
+impl Gate for LeaderGate {
+    fn refusal(&self) -> Option<String> {
+        if *self.1.borrow() {
+            Some("the operator is shutting down".into())
+        } else if !*self.0.borrow() {
+            Some("this replica is not the leader; leases are served by the leader".into())
+        } else {
+            None
+        }
+    }
+}
+
+/// Resolves when `flag` becomes true (or its sender is gone).
+async fn until_true(mut flag: watch::Receiver<bool>) {
+    let _ = flag.wait_for(|value| *value).await;
+}
+
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("interrupted; shutting down"),
+        () = terminate => info!("SIGTERM; shutting down"),
+    }
+}
+
+pub async fn run(settings: Settings) -> Result<()> {
+    let client = Client::try_default().await.context("connecting to the Kubernetes API (in-cluster or kubeconfig)")?;
+    let mut registry = Registry::with_prefix("egress");
+    let provider_metrics = ProviderMetrics::register(&mut registry);
+    let reconcile_metrics = ReconcileMetrics::register(&mut registry);
+    let health_metrics = HealthMetrics::register(&mut registry);
+    let discovery_metrics = DiscoveryMetrics::register(&mut registry);
+    let monitor_metrics = MonitorMetrics::register(&mut registry);
+    let registry = Arc::new(registry);
+
+    let providers = match ProviderSet::build(&settings.providers, &constructors(), Some(provider_metrics)).await {
+        Ok(providers) => Arc::new(providers),
+        Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
+    };
+
+    let (stop_sender, stop) = watch::channel(false);
+    let (leader_sender, leader) = watch::channel(!settings.leader_elect);
+
+    // The Proxy store every replica keeps for the discovery view.
+    let board = HealthBoard::new();
+    let proxies: Api<DeserializeGuard<Proxy>> = Api::all(client.clone());
+    let (store, writer) = reflector::store();
+    let reflecting = reflector(writer, watcher(proxies, watcher::Config::default()))
+        .default_backoff()
+        .applied_objects()
+        .for_each(|_| async {});
+    tokio::spawn(reflecting.instrument(info_span!("proxy_store")));
+    let view = Arc::new(StoreView::new(store, board.clone()));
+    tokio::spawn(view.clone().run(client.clone(), Duration::from_secs(30)).instrument(info_span!("discovery_view")));
+
+    let auth = match &settings.discovery_tokens {
+        Some(path) => Auth::Tokens(TokenFile::load(path)?),
+        None => {
+            warn!(
+                "discovery authentication is off (--discovery-auth=none): anyone who reaches the port can lease proxies"
+            );
+            Auth::Disabled
+        }
+    };
+    let lease_store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let discovery = Arc::new(
+        Discovery::new(view.clone(), lease_store, auth, discovery_metrics)
+            .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone()))),
+    );
+    tokio::spawn(egress_discovery::run_sync(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
+
+    let servers = serve_all(&settings, registry, discovery, leader.clone(), stop.clone()).await?;
+
+    let election = if settings.leader_elect {
+        let identity = std::env::var("POD_NAME").unwrap_or_else(|_| format!("egress-operator-{}", std::process::id()));
+        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "egress-operator")
+            .with_namespace(settings.leader_election_namespace.clone())
+            .with_identity(identity.clone())
+            .with_duration(15)
+            .with_grace(5)
+            .build()
+            .await
+            .context("setting up leader election")?;
+        let (mut changes, handle) = manager.watch().await;
+        let forward = leader_sender.clone();
+        let watcher_stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = changes.changed() => {
+                        if changed.is_err() { break; }
+                        let leading = *changes.borrow_and_update();
+                        info!(identity = %identity, leading, "leadership changed");
+                        let _ = forward.send(leading);
+                    }
+                    () = until_true(watcher_stop.clone()) => break,
+                }
+            }
+            // Dropping the receiver makes the lease manager release the Lease.
+            drop(changes);
+            let _ = forward.send(false);
+        });
+        Some(handle)
+    } else {
+        None
+    };
+
+    let leading_loop = lead_while_elected(
+        client.clone(),
+        settings,
+        providers,
+        board,
+        reconcile_metrics,
+        health_metrics,
+        monitor_metrics,
+        leader,
+        stop.clone(),
+    );
+    let leading = tokio::spawn(leading_loop);
+
+    shutdown_signal().await;
+    let _ = stop_sender.send(true);
+    let _ = leading.await;
+    if let Some(handle) = election {
+        match handle.await {
+            Ok(Ok(_)) => info!("leader Lease released"),
+            Ok(Err(error)) => warn!(%error, "releasing the leader Lease failed"),
+            Err(error) => warn!(%error, "the leader election task failed"),
+        }
+    }
+    for server in servers {
+        let _ = server.await;
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
+async fn serve_all(
+    settings: &Settings,
+    registry: Arc<Registry>,
+    discovery: Arc<Discovery>,
+    leader: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>> {
+    let metrics = Router::new().route(
+        "/metrics",
+        get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut text = String::new();
+                match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                    Ok(()) => ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+                        .into_response(),
+                    Err(error) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+                }
+            }
+        }),
+    );
+    let ready_discovery = discovery.clone();
+    let health = Router::new().route("/livez", get(|| async { "ok" })).route(
+        "/readyz",
+        get(move || {
+            let discovery = ready_discovery.clone();
+            let leading = *leader.borrow();
+            async move {
+                if !discovery.ready() {
+                    (axum::http::StatusCode::SERVICE_UNAVAILABLE, "the Proxy store has not synced yet").into_response()
+                } else if leading {
+                    "ok: leader".into_response()
+                } else {
+                    // A follower is ready to take over; it says so, and its discovery port refuses leases.
+                    "ok: follower (not the leader: discovery refuses leases here)".into_response()
+                }
+            }
+        }),
+    );
+    let mut handles = Vec::new();
+    for (name, address, router) in [
+        ("metrics", settings.metrics_addr, metrics),
+        ("health", settings.health_addr, health),
+        ("discovery", settings.discovery_addr, egress_discovery::router(discovery)),
+    ] {
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .with_context(|| format!("binding the {name} address {address}"))?;
+        info!(%address, "{name} listening");
+        let stop = stop.clone();
+        handles.push(tokio::spawn(async move {
+            if let Err(error) = egress_discovery::serve(listener, router, until_true(stop)).await {
+                warn!(%error, "{name} server failed");
+            }
+        }));
+    }
+    Ok(handles)
+}
+
+/// Runs the leader-only parts for each term of leadership, until `stop`.
+#[allow(clippy::too_many_arguments)]
+async fn lead_while_elected(
+    client: Client,
+    settings: Settings,
+    providers: Arc<ProviderSet>,
+    board: HealthBoard,
+    reconcile_metrics: ReconcileMetrics,
+    health_metrics: HealthMetrics,
+    monitor_metrics: MonitorMetrics,
+    mut leader: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            result = leader.wait_for(|leading| *leading) => if result.is_err() { return },
+            () = until_true(stop.clone()) => return,
+        }
+        info!("leading: starting the controller, health engine, orphan collector and provider monitor");
+        let (term_sender, term) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let mut config = ControllerConfig::new(&settings.cluster_id);
+        config.concurrency = 16;
+        let context = Arc::new(ReconcileContext::new(
+            client.clone(),
+            providers.clone(),
+            board.clone(),
+            config,
+            reconcile_metrics.clone(),
+        ));
+        let (triggers, trigger_receiver) = mpsc::unbounded_channel();
+        let trigger_stream = futures::stream::unfold(trigger_receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        tasks.push(tokio::spawn(egress_reconcile::run(context, trigger_stream, until_true(term.clone()))));
+
+        match egress_health::tls_connector(&settings.probe_ca_pem) {
+            Ok(tls) => {
+                let engine_config = EngineConfig { concurrency: settings.probe_concurrency, ..EngineConfig::default() };
+                let (engine, transitions) = HealthEngine::start(engine_config, tls, health_metrics.clone());
+                let feed = HealthFeedConfig { default_probe_url: settings.default_probe_url.clone(), namespace: None };
+                tasks.push(tokio::spawn(run_health_feed(
+                    client.clone(),
+                    feed,
+                    Arc::new(engine),
+                    transitions,
+                    board.clone(),
+                    triggers,
+                    until_true(term.clone()),
+                )));
+            }
+            Err(error) => warn!(%error, "health probes are off: the TLS client could not be set up"),
+        }
+
+        let collector = OrphanCollector::new(
+            client.clone(),
+            providers.clone(),
+            &settings.cluster_id,
+            settings.gc_grace,
+            reconcile_metrics.clone(),
+        );
+        tasks.push(tokio::spawn(collector.run(settings.gc_interval, until_true(term.clone()))));
+
+        let monitor = ProviderMonitor::new(
+            client.clone(),
+            providers.clone(),
+            settings.provider_check_timeout,
+            monitor_metrics.clone(),
+        );
+        match settings.provider_check_interval {
+            Some(interval) => tasks.push(tokio::spawn(monitor.run(interval, until_true(term.clone())))),
+            None => {
+                if let Err(error) = monitor.prune(true).await {
+                    warn!(%error, "deleting ProviderHealth objects (checks are off) failed");
+                }
+            }
+        }
+
+        // Lead until the term ends: leadership lost or shutdown.
+        tokio::select! {
+            _ = leader.wait_for(|leading| !*leading) => warn!("leadership lost: stopping the leader-only parts"),
+            () = until_true(stop.clone()) => {}
+        }
+        let _ = term_sender.send(true);
+        for task in tasks {
+            let _ = task.await;
+        }
+        if *stop.borrow() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The shipped manifests: least-privilege RBAC, a hardened Deployment, and a kustomization whose files all exist.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+fn deploy() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
+}
+
+fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|error| panic!("reading {}: {error}", path.display()));
+    serde_saphyr::from_multiple::<Value>(&text).unwrap_or_else(|error| panic!("parsing {}: {error}", path.display()))
+}
+
+fn find<'a>(documents: &'a [Value], kind: &str) -> &'a Value {
+    documents.iter().find(|document| document["kind"] == kind).unwrap_or_else(|| panic!("a {kind}"))
+}
+
+/// Every (API group, resource, verb) the operator calls, and nothing else.
+const USED: &[(&str, &str, &[&str])] = &[
+    ("crawl.example.com", "proxies", &["get", "list", "watch", "patch"]),
+    ("crawl.example.com", "proxies/status", &["patch"]),
+    ("crawl.example.com", "providerhealths", &["get", "list", "create", "delete"]),
+    ("crawl.example.com", "providerhealths/status", &["patch"]),
+    ("events.k8s.io", "events", &["create", "patch"]),
+    ("", "secrets", &["get", "create", "delete"]),
+    ("", "pods", &["get", "list", "create", "delete"]),
+    ("", "configmaps", &["create", "delete"]),
+];
+
+fn grants(role: &Value) -> BTreeSet<(String, String, String)> {
+    let mut grants = BTreeSet::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        for group in rule["apiGroups"].as_array().expect("apiGroups") {
+            for resource in rule["resources"].as_array().expect("resources") {
+                for verb in rule["verbs"].as_array().expect("verbs") {
+                    let text = |value: &Value| value.as_str().expect("a string").to_owned();
+                    grants.insert((text(group), text(resource), text(verb)));
+                }
+            }
+        }
+    }
+    grants
+}
+
+#[test]
+fn the_cluster_role_grants_exactly_what_the_operator_uses() {
+    let rbac = documents(&deploy().join("default/rbac.yaml"));
+    let granted = grants(find(&rbac, "ClusterRole"));
+    let used: BTreeSet<(String, String, String)> = USED
+        .iter()
+        .flat_map(|(group, resource, verbs)| {
+            verbs.iter().map(move |verb| ((*group).to_owned(), (*resource).to_owned(), (*verb).to_owned()))
+        })
+        .collect();
+    let extra: Vec<_> = granted.difference(&used).collect();
+    assert!(extra.is_empty(), "the ClusterRole grants what the operator never uses: {extra:?}");
+    let missing: Vec<_> = used.difference(&granted).collect();
+    assert!(missing.is_empty(), "the ClusterRole lacks what the operator uses: {missing:?}");
+    assert!(
+        granted.iter().all(|(group, resource, verb)| group != "*" && resource != "*" && verb != "*"),
+        "no wildcards"
+    );
+    let leader = grants(find(&rbac, "Role"));
+    assert!(leader.iter().all(|(group, resource, _)| group == "coordination.k8s.io" && resource == "leases"));
+}
+
+#[test]
+fn the_deployment_is_hardened() {
+    let deployment = documents(&deploy().join("default/deployment.yaml"));
+    let pod = &find(&deployment, "Deployment")["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let container = &pod["containers"][0];
+    assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(container["securityContext"]["allowPrivilegeEscalation"], false);
+    assert!(container["resources"]["limits"]["memory"].is_string());
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/livez");
+}
+
+#[test]
+fn every_kustomization_resource_exists_and_parses() {
+    for dir in ["default", "samples"] {
+        let kustomization = documents(&deploy().join(dir).join("kustomization.yaml"));
+        for resource in kustomization[0]["resources"].as_array().expect("resources") {
+            let path = deploy().join(dir).join(resource.as_str().expect("a path"));
+            let file = if path.is_dir() { path.join("kustomization.yaml") } else { path };
+            assert!(!documents(&file).is_empty(), "{} has documents", file.display());
+        }
+    }
+}
