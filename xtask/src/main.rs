@@ -7,6 +7,7 @@ mod crdgen;
 mod envtest;
 mod packages;
 mod process;
+mod quickstart;
 mod test;
 
 use std::path::PathBuf;
@@ -46,6 +47,12 @@ enum Command {
         #[arg(long, requires = "up")]
         controller: bool,
     },
+    /// Run the whole product on a local control plane with three sample Proxies, lease one and fetch through it.
+    Quickstart {
+        /// Stop after the demo instead of running until Ctrl-C.
+        #[arg(long)]
+        exit: bool,
+    },
     /// Run the benchmarks (health, lease, discovery; all without a name) and print their figures.
     Bench {
         /// Which benchmark.
@@ -68,6 +75,7 @@ fn main() -> ExitCode {
             envtest::up(kubeconfig, !no_sample, controller)
         }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
+        Command::Quickstart { exit } => quickstart::run(exit),
         Command::Bench { name } => bench::run_benches(name.as_deref()),
     };
     match result {

@@ -148,6 +148,25 @@ impl ControlPlane {
         &self.kubeconfig_path
     }
 
+    /// Writes a kubeconfig to `path` that authenticates as the admin but impersonates `user` (and `groups`), so a
+    /// process using it gets exactly that identity's RBAC permissions.
+    pub fn write_kubeconfig_as(&self, path: &Path, user: &str, groups: &[&str]) -> Result<()> {
+        let admin = fs::read_to_string(&self.kubeconfig_path)?;
+        let quote = |text: &str| serde_json::Value::from(text).to_string();
+        let mut impersonation = format!("    as: {}\n", quote(user));
+        if !groups.is_empty() {
+            impersonation.push_str("    as-groups:\n");
+            for group in groups {
+                impersonation.push_str(&format!("    - {}\n", quote(group)));
+            }
+        }
+        let marker = "    client-key: ";
+        let at = admin.find(marker).context("the admin kubeconfig has no client-key")?;
+        let end = at + admin[at..].find('\n').context("a line end")? + 1;
+        let text = format!("{}{}{}", &admin[..end], impersonation, &admin[end..]);
+        fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    }
+
     /// How long the start took, from spawning etcd to the last CRD Established.
     pub fn startup_duration(&self) -> Duration {
         self.startup

@@ -17,6 +17,7 @@
 pub mod assets;
 pub mod control_plane;
 pub mod node_agent;
+pub mod operator;
 pub mod origin;
 pub mod pki;
 pub mod squid;
@@ -31,6 +32,7 @@ use tokio::sync::OnceCell;
 
 pub use control_plane::ControlPlane;
 pub use node_agent::NodeAgent;
+pub use operator::{OperatorOptions, OperatorProcess, http_get};
 pub use origin::{LocalOrigin, get_through_proxy};
 pub use squid::{Squid, SquidOptions};
 

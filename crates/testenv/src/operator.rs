@@ -1,0 +1,192 @@
+//! The real `egress-operator` binary as a child process, for the end-to-end suite and the quickstart.
+//!
+//! It runs under the same pipe-holding wrapper as Squid, so it dies with the process that started it; it can also
+//! be killed with SIGKILL (a crash) or stopped with SIGTERM (a graceful shutdown) on purpose.
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::squid::{Wrapped, read_tail};
+
+/// How the operator is started.
+#[derive(Clone, Debug)]
+pub struct OperatorOptions {
+    /// The providers file's content.
+    pub providers_yaml: String,
+    /// `--cluster-id`.
+    pub cluster_id: String,
+    /// A token with the `lease` scope, written to the tokens file.
+    pub lease_token: String,
+    /// `--default-probe-url`.
+    pub default_probe_url: String,
+    /// `--leader-elect`, with the Lease in this namespace.
+    pub leader_election_namespace: Option<String>,
+    /// Extra flags.
+    pub extra_args: Vec<String>,
+}
+
+/// A running operator.
+pub struct OperatorProcess {
+    process: Option<Wrapped>,
+    dir: PathBuf,
+    log: PathBuf,
+    /// `http://127.0.0.1:<port>` of the discovery API.
+    pub discovery_url: String,
+    /// `http://127.0.0.1:<port>` of `/metrics`.
+    pub metrics_url: String,
+    /// `http://127.0.0.1:<port>` of `/livez` and `/readyz`.
+    pub health_url: String,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
+}
+
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+impl OperatorProcess {
+    /// Starts `binary` against the cluster of `kubeconfig` and waits until `/livez` answers.
+    pub async fn start(binary: &Path, kubeconfig: &Path, options: &OperatorOptions) -> Result<Self> {
+        if !binary.is_file() {
+            bail!("{} does not exist: build it with `cargo build -p egress-operator`", binary.display());
+        }
+        let dir = tempfile::Builder::new().prefix("egress-operator-").tempdir()?.keep();
+        let providers = dir.join("providers.yaml");
+        fs::write(&providers, &options.providers_yaml)?;
+        let tokens = dir.join("tokens");
+        fs::write(&tokens, format!("lease {}\n", options.lease_token))?;
+        let (discovery, metrics, health) = (free_port()?, free_port()?, free_port()?);
+        let mut args = vec![
+            format!("--providers-config={}", providers.display()),
+            format!("--cluster-id={}", options.cluster_id),
+            format!("--discovery-addr=127.0.0.1:{discovery}"),
+            format!("--metrics-addr=127.0.0.1:{metrics}"),
+            format!("--health-addr=127.0.0.1:{health}"),
+            format!("--discovery-tokens={}", tokens.display()),
+            format!("--default-probe-url={}", options.default_probe_url),
+            "--gc-interval=10s".into(),
+            "--provider-check-interval=10s".into(),
+        ];
+        if let Some(namespace) = &options.leader_election_namespace {
+            args.push("--leader-elect".into());
+            args.push(format!("--leader-election-namespace={namespace}"));
+        }
+        args.extend(options.extra_args.iter().cloned());
+        let identity = format!("operator-{discovery}");
+        let script = format!(
+            "env KUBECONFIG={} POD_NAME={identity} RUST_LOG=${{RUST_LOG:-info,kube=warn}} {} {}",
+            quote(&kubeconfig.display().to_string()),
+            quote(&binary.display().to_string()),
+            args.iter().map(|arg| quote(arg)).collect::<Vec<_>>().join(" ")
+        );
+        let log = dir.join("operator.log");
+        let process = Wrapped::spawn(&script, &log)?;
+        let operator = Self {
+            process: Some(process),
+            dir,
+            log,
+            discovery_url: format!("http://127.0.0.1:{discovery}"),
+            metrics_url: format!("http://127.0.0.1:{metrics}"),
+            health_url: format!("http://127.0.0.1:{health}"),
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut poll = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            poll.tick().await;
+            if http_get(&format!("{}/livez", operator.health_url)).await.is_ok_and(|(status, _)| status == 200) {
+                return Ok(operator);
+            }
+            if !operator.alive() {
+                bail!("the operator exited during start-up; its log ends with:\n{}", operator.log_tail());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("the operator did not answer /livez in time; its log ends with:\n{}", operator.log_tail());
+            }
+        }
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&self) -> bool {
+        self.process.as_ref().is_some_and(Wrapped::alive)
+    }
+
+    /// The process ID.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|process| process.pid)
+    }
+
+    /// The end of its log.
+    pub fn log_tail(&self) -> String {
+        read_tail(&self.log)
+    }
+
+    /// The whole log.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kills it with SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(process) = self.process.take() {
+            process.kill();
+            process.stop();
+        }
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for a graceful exit; returns whether it exited in time.
+    pub async fn terminate(&mut self, timeout: Duration) -> bool {
+        let Some(pid) = self.pid() else { return true };
+        let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut poll = tokio::time::interval(Duration::from_millis(100));
+        while self.alive() {
+            poll.tick().await;
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+        }
+        if let Some(process) = self.process.take() {
+            process.stop();
+        }
+        true
+    }
+}
+
+impl Drop for OperatorProcess {
+    fn drop(&mut self) {
+        if let Some(process) = self.process.take() {
+            process.stop();
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A plain HTTP/1.1 GET of `url` (`http://host:port/path`); returns the status and the body.
+pub async fn http_get(url: &str) -> Result<(u16, String)> {
+    let rest = url.strip_prefix("http://").context("only http:// URLs")?;
+    let (authority, path) =
+        rest.split_once('/').map_or((rest, "/".to_owned()), |(authority, path)| (authority, format!("/{path}")));
+    let address: SocketAddr = authority.parse().context("the URL's host must be an IP address and port")?;
+    let exchange = async {
+        let mut stream = TcpStream::connect(address).await?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n").as_bytes())
+            .await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        let text = String::from_utf8_lossy(&response).into_owned();
+        let status = text.split_whitespace().nth(1).context("no status line")?.parse::<u16>()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
+        anyhow::Ok((status, body))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange).await.context("the request timed out")?
+}
