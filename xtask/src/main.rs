@@ -4,6 +4,7 @@
 
 mod bench;
 mod crdgen;
+mod e2e;
 mod envtest;
 mod packages;
 mod process;
@@ -47,6 +48,12 @@ enum Command {
         #[arg(long, requires = "up")]
         controller: bool,
     },
+    /// Run the end-to-end suite: the operator binary under the shipped RBAC against the local control plane.
+    E2e {
+        /// Arguments passed to `cargo test` (for example a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        cargo_test_args: Vec<String>,
+    },
     /// Run the whole product on a local control plane with three sample Proxies, lease one and fetch through it.
     Quickstart {
         /// Stop after the demo instead of running until Ctrl-C.
@@ -76,6 +83,7 @@ fn main() -> ExitCode {
         }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
         Command::Quickstart { exit } => quickstart::run(exit),
+        Command::E2e { cargo_test_args } => e2e::run_suite(&cargo_test_args),
         Command::Bench { name } => bench::run_benches(name.as_deref()),
     };
     match result {

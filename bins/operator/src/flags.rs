@@ -65,6 +65,9 @@ pub struct Cli {
     /// Log format.
     #[arg(long, env = "EGRESS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Watch Proxies in this namespace only (default: all namespaces). Use a cluster ID of its own per namespace.
+    #[arg(long, env = "EGRESS_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
 }
 
 /// How the discovery API authenticates.
@@ -103,6 +106,7 @@ pub struct Settings {
     pub gc_grace: Duration,
     pub provider_check_interval: Option<Duration>,
     pub provider_check_timeout: Duration,
+    pub watch_namespace: Option<String>,
 }
 
 /// Parses `90s`, `5m`, `1h30m`, `250ms` (Go-style durations) and `0`.
@@ -180,6 +184,11 @@ impl Cli {
         }
         if check_timeout.is_some_and(|timeout| timeout.is_zero()) {
             problems.push("--provider-check-timeout must be more than 0".into());
+        }
+        if let Some(namespace) = &self.watch_namespace
+            && !egress_provider::config::is_identifier(namespace)
+        {
+            problems.push(format!("--watch-namespace {namespace:?} is not a namespace name"));
         }
         if !is_label_value(&self.cluster_id) {
             problems.push(format!(
@@ -262,6 +271,7 @@ impl Cli {
             gc_grace: gc_grace.expect("checked above"),
             provider_check_interval: check_interval.filter(|interval| !interval.is_zero()),
             provider_check_timeout: check_timeout.expect("checked above"),
+            watch_namespace: self.watch_namespace.clone(),
         })
     }
 }

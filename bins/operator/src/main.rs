@@ -5,6 +5,7 @@ mod flags;
 mod run;
 mod view;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -31,7 +32,10 @@ fn main() -> ExitCode {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
     match cli.log_format {
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        // Colours only on a terminal: a log file or collector gets plain text.
+        LogFormat::Text => {
+            tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stdout().is_terminal()).init()
+        }
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -92,7 +92,10 @@ pub async fn run(settings: Settings) -> Result<()> {
 
     // The Proxy store every replica keeps for the discovery view.
     let board = HealthBoard::new();
-    let proxies: Api<DeserializeGuard<Proxy>> = Api::all(client.clone());
+    let proxies: Api<DeserializeGuard<Proxy>> = match &settings.watch_namespace {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    };
     let (store, writer) = reflector::store();
     let reflecting = reflector(writer, watcher(proxies, watcher::Config::default()))
         .default_backoff()
@@ -268,6 +271,7 @@ async fn lead_while_elected(
 
         let mut config = ControllerConfig::new(&settings.cluster_id);
         config.concurrency = 16;
+        config.namespace = settings.watch_namespace.clone();
         let context = Arc::new(ReconcileContext::new(
             client.clone(),
             providers.clone(),
@@ -285,7 +289,10 @@ async fn lead_while_elected(
             Ok(tls) => {
                 let engine_config = EngineConfig { concurrency: settings.probe_concurrency, ..EngineConfig::default() };
                 let (engine, transitions) = HealthEngine::start(engine_config, tls, health_metrics.clone());
-                let feed = HealthFeedConfig { default_probe_url: settings.default_probe_url.clone(), namespace: None };
+                let feed = HealthFeedConfig {
+                    default_probe_url: settings.default_probe_url.clone(),
+                    namespace: settings.watch_namespace.clone(),
+                };
                 tasks.push(tokio::spawn(run_health_feed(
                     client.clone(),
                     feed,
