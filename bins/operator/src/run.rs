@@ -9,7 +9,6 @@ use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use egress_api::Proxy;
 use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, TokenFile};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
@@ -17,14 +16,10 @@ use egress_provider::ProviderMetrics;
 use egress_provider::registry::{Constructors, ProviderSet};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
-use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
+use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed_on};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
-use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ReconcileMetrics};
-use futures::StreamExt;
+use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics};
 use kube::Client;
-use kube::api::Api;
-use kube::core::DeserializeGuard;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{Instrument, info, info_span, warn};
@@ -90,19 +85,11 @@ pub async fn run(settings: Settings) -> Result<()> {
     let (stop_sender, stop) = watch::channel(false);
     let (leader_sender, leader) = watch::channel(!settings.leader_elect);
 
-    // The Proxy store every replica keeps for the discovery view.
+    // The one Proxy store, kept on every replica: the discovery view reads it, and while this replica leads the
+    // controller and the health feed read and subscribe to it too.
     let board = HealthBoard::new();
-    let proxies: Api<DeserializeGuard<Proxy>> = match &settings.watch_namespace {
-        Some(namespace) => Api::namespaced(client.clone(), namespace),
-        None => Api::all(client.clone()),
-    };
-    let (store, writer) = reflector::store();
-    let reflecting = reflector(writer, watcher(proxies, watcher::Config::default()))
-        .default_backoff()
-        .applied_objects()
-        .for_each(|_| async {});
-    tokio::spawn(reflecting.instrument(info_span!("proxy_store")));
-    let view = Arc::new(StoreView::new(store, board.clone()));
+    let (feed, _watch) = ProxyFeed::start(client.clone(), settings.watch_namespace.as_deref());
+    let view = Arc::new(StoreView::new(feed.store(), board.clone()));
     tokio::spawn(view.clone().run(client.clone(), Duration::from_secs(30)).instrument(info_span!("discovery_view")));
 
     let auth = match &settings.discovery_tokens {
@@ -157,17 +144,9 @@ pub async fn run(settings: Settings) -> Result<()> {
         None
     };
 
-    let leading_loop = lead_while_elected(
-        client.clone(),
-        settings,
-        providers,
-        board,
-        reconcile_metrics,
-        health_metrics,
-        monitor_metrics,
-        leader,
-        stop.clone(),
-    );
+    let parts =
+        Leading { client: client.clone(), feed, providers, board, reconcile_metrics, health_metrics, monitor_metrics };
+    let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
     let leading = tokio::spawn(leading_loop);
 
     shutdown_signal().await;
@@ -247,19 +226,25 @@ async fn serve_all(
     Ok(handles)
 }
 
-/// Runs the leader-only parts for each term of leadership, until `stop`.
-#[allow(clippy::too_many_arguments)]
-async fn lead_while_elected(
+/// What the leader-only parts are built from.
+struct Leading {
     client: Client,
-    settings: Settings,
+    feed: ProxyFeed,
     providers: Arc<ProviderSet>,
     board: HealthBoard,
     reconcile_metrics: ReconcileMetrics,
     health_metrics: HealthMetrics,
     monitor_metrics: MonitorMetrics,
+}
+
+/// Runs the leader-only parts for each term of leadership, until `stop`.
+async fn lead_while_elected(
+    parts: Leading,
+    settings: Settings,
     mut leader: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
 ) {
+    let Leading { client, feed, providers, board, reconcile_metrics, health_metrics, monitor_metrics } = parts;
     loop {
         tokio::select! {
             result = leader.wait_for(|leading| *leading) => if result.is_err() { return },
@@ -283,19 +268,25 @@ async fn lead_while_elected(
         let trigger_stream = futures::stream::unfold(trigger_receiver, |mut receiver| async move {
             receiver.recv().await.map(|item| (item, receiver))
         });
-        tasks.push(tokio::spawn(egress_reconcile::run(context, trigger_stream, until_true(term.clone()))));
+        tasks.push(tokio::spawn(egress_reconcile::run_on(
+            context,
+            feed.clone(),
+            trigger_stream,
+            until_true(term.clone()),
+        )));
 
         match egress_health::tls_connector(&settings.probe_ca_pem) {
             Ok(tls) => {
                 let engine_config = EngineConfig { concurrency: settings.probe_concurrency, ..EngineConfig::default() };
                 let (engine, transitions) = HealthEngine::start(engine_config, tls, health_metrics.clone());
-                let feed = HealthFeedConfig {
+                let feed_config = HealthFeedConfig {
                     default_probe_url: settings.default_probe_url.clone(),
                     namespace: settings.watch_namespace.clone(),
                 };
-                tasks.push(tokio::spawn(run_health_feed(
+                tasks.push(tokio::spawn(run_health_feed_on(
                     client.clone(),
-                    feed,
+                    feed.clone(),
+                    feed_config,
                     Arc::new(engine),
                     transitions,
                     board.clone(),

@@ -141,16 +141,29 @@ impl Env {
 
     async fn wait_phase(&self, names: &[&str], phase: ProxyPhase) -> Vec<Proxy> {
         let api = self.ns.api::<Proxy>();
-        eventually(&format!("{names:?} to be {phase:?}"), WAIT, || async {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let mut poll = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            poll.tick().await;
             let mut found = Vec::new();
+            let mut seen = Vec::new();
             for name in names {
-                let proxy = api.get(name).await.ok()?;
-                (proxy.status.as_ref().and_then(|status| status.phase) == Some(phase)).then_some(())?;
-                found.push(proxy);
+                let proxy = api.get(name).await.expect("get Proxy");
+                let current = proxy.status.as_ref().and_then(|status| status.phase);
+                seen.push(format!("{name}={current:?}"));
+                if current == Some(phase) {
+                    found.push(proxy);
+                }
             }
-            Some(found)
-        })
-        .await
+            if found.len() == names.len() {
+                return found;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {phase:?}; phases: {}",
+                seen.join(", ")
+            );
+        }
     }
 
     async fn pods(&self) -> Vec<String> {
@@ -325,7 +338,11 @@ async fn a_killed_operator_restarts_without_duplicates_or_leaks() {
     operator.kill();
     assert_no_forbidden(&operator);
     let restarted = env.operator(false).await;
-    let ready = env.wait_phase(&names, ProxyPhase::Ready).await;
+    let ready = tokio::time::timeout(WAIT + Duration::from_secs(5), env.wait_phase(&names, ProxyPhase::Ready))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("the restarted operator did not settle; its log ends with:\n{}", restarted.log_tail())
+        });
     let mut expected: Vec<String> = ready.iter().map(instance).collect();
     expected.sort();
     let settled = eventually("exactly one pod per Proxy", WAIT, || async {

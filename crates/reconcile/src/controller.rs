@@ -22,12 +22,12 @@ use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use tracing::{Instrument, debug, info, info_span, instrument, warn};
 
 use crate::Error;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
+use crate::feed::ProxyFeed;
 use crate::health::HealthBoard;
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
@@ -137,7 +137,7 @@ impl Context {
     }
 }
 
-/// Runs the controller until `shutdown` resolves; in-flight reconciles finish first.
+/// Runs the controller with a Proxy watch of its own until `shutdown` resolves; in-flight reconciles finish first.
 ///
 /// `health_triggers` yields `(namespace, name)` of Proxies whose health verdict changed; each triggers a reconcile.
 pub async fn run(
@@ -151,7 +151,30 @@ pub async fn run(
     };
     let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
     let concurrency = context.config.concurrency;
-    Controller::new(api, watcher::Config::default())
+    Controller::new(api, kube::runtime::watcher::Config::default())
+        .with_config(RuntimeConfig::default().concurrency(concurrency))
+        .reconcile_on(triggers)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, context)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                debug!(%error, "controller event");
+            }
+        })
+        .instrument(info_span!("proxy_controller"))
+        .await;
+}
+
+/// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
+pub async fn run_on(
+    context: Arc<Context>,
+    feed: ProxyFeed,
+    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
+    let concurrency = context.config.concurrency;
+    Controller::for_stream(feed.subscribe().map(Ok), feed.store())
         .with_config(RuntimeConfig::default().concurrency(concurrency))
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)

@@ -16,12 +16,11 @@ use egress_health::{Credentials, HealthEngine, ProbeUrl, Target, Transition};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info_span, warn};
 
+use crate::feed::ProxyFeed;
 use crate::health::{HealthBoard, HealthKey, Verdict};
 
 /// How long a read auth Secret is reused before it is read again.
@@ -82,9 +81,26 @@ struct CachedCredentials {
     read_at: Instant,
 }
 
-/// Runs the feed until `shutdown` resolves.
+/// Runs the feed with a Proxy watch of its own until `shutdown` resolves.
 pub async fn run_health_feed(
     client: Client,
+    config: HealthFeedConfig,
+    engine: Arc<HealthEngine>,
+    transitions: mpsc::Receiver<Transition>,
+    board: HealthBoard,
+    triggers: mpsc::UnboundedSender<(String, String)>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let (feed, watch) = ProxyFeed::start(client.clone(), config.namespace.as_deref());
+    run_health_feed_on(client, feed, config, engine, transitions, board, triggers, shutdown).await;
+    watch.abort();
+}
+
+/// Runs the feed on a shared [`ProxyFeed`] until `shutdown` resolves.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_health_feed_on(
+    client: Client,
+    feed: ProxyFeed,
     config: HealthFeedConfig,
     engine: Arc<HealthEngine>,
     mut transitions: mpsc::Receiver<Transition>,
@@ -92,13 +108,8 @@ pub async fn run_health_feed(
     triggers: mpsc::UnboundedSender<(String, String)>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let api: Api<DeserializeGuard<Proxy>> = match &config.namespace {
-        Some(namespace) => Api::namespaced(client.clone(), namespace),
-        None => Api::all(client.clone()),
-    };
-    let (store, writer) = reflector::store();
-    let mut changes =
-        reflector(writer, watcher(api, watcher::Config::default())).default_backoff().applied_objects().boxed();
+    let store = feed.store();
+    let mut changes = feed.subscribe().boxed();
     let mut credentials: HashMap<(String, String), CachedCredentials> = HashMap::new();
     let mut resync = tokio::time::interval(RESYNC);
     let work = async {
@@ -107,10 +118,6 @@ pub async fn run_health_feed(
                 change = changes.next() => {
                     if change.is_none() {
                         return;
-                    }
-                    if let Some(Err(error)) = change {
-                        debug!(%error, "Proxy watch error; the watcher retries");
-                        continue;
                     }
                 }
                 _ = resync.tick() => {}

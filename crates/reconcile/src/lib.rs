@@ -10,6 +10,7 @@
 mod controller;
 pub mod decide;
 mod error;
+mod feed;
 pub mod gc;
 mod health;
 pub mod health_feed;
@@ -18,8 +19,9 @@ pub mod monitor;
 mod providers;
 mod status;
 
-pub use controller::{Context, ControllerConfig, run};
+pub use controller::{Context, ControllerConfig, run, run_on};
 pub use error::Error;
+pub use feed::{GuardedProxy, ProxyFeed};
 pub use health::{HealthBoard, HealthKey, Verdict};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};
