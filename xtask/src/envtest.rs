@@ -176,12 +176,7 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
         egress_reconcile::ControllerConfig::new("envtest"),
         egress_reconcile::ReconcileMetrics::default(),
     ));
-    let (triggers, receiver) = tokio::sync::mpsc::unbounded_channel();
-    let trigger_stream =
-        futures::stream::unfold(
-            receiver,
-            |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
-        );
+    let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
     let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
     let origin = egress_testenv::LocalOrigin::start().await?;
     let tls = egress_health::tls_connector(b"")?;

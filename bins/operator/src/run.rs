@@ -21,7 +21,7 @@ use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
 use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics};
 use kube::Client;
 use prometheus_client::registry::Registry;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::flags::Settings;
@@ -264,10 +264,7 @@ async fn lead_while_elected(
             config,
             reconcile_metrics.clone(),
         ));
-        let (triggers, trigger_receiver) = mpsc::unbounded_channel();
-        let trigger_stream = futures::stream::unfold(trigger_receiver, |mut receiver| async move {
-            receiver.recv().await.map(|item| (item, receiver))
-        });
+        let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
         tasks.push(tokio::spawn(egress_reconcile::run_on(
             context,
             feed.clone(),

@@ -137,6 +137,19 @@ impl Context {
     }
 }
 
+/// A channel for health triggers: send `(namespace, name)` to reconcile that Proxy; the receiving stream goes to
+/// [`run`] or [`run_on`].
+pub fn trigger_channel()
+-> (tokio::sync::mpsc::UnboundedSender<(String, String)>, impl Stream<Item = (String, String)> + Send + 'static) {
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let stream =
+        futures::stream::unfold(
+            receiver,
+            |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
+        );
+    (sender, stream)
+}
+
 /// Runs the controller with a Proxy watch of its own until `shutdown` resolves; in-flight reconciles finish first.
 ///
 /// `health_triggers` yields `(namespace, name)` of Proxies whose health verdict changed; each triggers a reconcile.
@@ -149,20 +162,7 @@ pub async fn run(
         Some(namespace) => Api::namespaced(context.client.clone(), namespace),
         None => Api::all(context.client.clone()),
     };
-    let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
-    let concurrency = context.config.concurrency;
-    Controller::new(api, kube::runtime::watcher::Config::default())
-        .with_config(RuntimeConfig::default().concurrency(concurrency))
-        .reconcile_on(triggers)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, context)
-        .for_each(|result| async move {
-            if let Err(error) = result {
-                debug!(%error, "controller event");
-            }
-        })
-        .instrument(info_span!("proxy_controller"))
-        .await;
+    drive(Controller::new(api, kube::runtime::watcher::Config::default()), context, health_triggers, shutdown).await;
 }
 
 /// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
@@ -172,9 +172,19 @@ pub async fn run_on(
     health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
+    drive(Controller::for_stream(feed.subscribe().map(Ok), feed.store()), context, health_triggers, shutdown).await;
+}
+
+/// Configures and runs a controller over Proxies, whatever feeds it.
+async fn drive(
+    controller: Controller<DeserializeGuard<Proxy>>,
+    context: Arc<Context>,
+    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
     let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
     let concurrency = context.config.concurrency;
-    Controller::for_stream(feed.subscribe().map(Ok), feed.store())
+    controller
         .with_config(RuntimeConfig::default().concurrency(concurrency))
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)

@@ -16,7 +16,6 @@ use egress_testenv::{LocalOrigin, NodeAgent, eventually};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::wait::await_condition;
-use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -45,10 +44,7 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
         controller_config,
         ReconcileMetrics::default(),
     ));
-    let (triggers, trigger_receiver) = mpsc::unbounded_channel();
-    let trigger_stream = futures::stream::unfold(trigger_receiver, |mut receiver| async move {
-        receiver.recv().await.map(|item| (item, receiver))
-    });
+    let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
     let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
 
     let metrics = HealthMetrics::default();
