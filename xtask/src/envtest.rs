@@ -177,7 +177,9 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
         egress_reconcile::ReconcileMetrics::default(),
     ));
     let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
-    let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
+    let (proxies, watch) = egress_reconcile::ProxyFeed::start(client.clone(), None);
+    let controller =
+        tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
     let origin = egress_testenv::LocalOrigin::start().await?;
     let tls = egress_health::tls_connector(b"")?;
     let (engine, transitions) = egress_health::HealthEngine::start(
@@ -189,6 +191,7 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
         egress_reconcile::health_feed::HealthFeedConfig { default_probe_url: origin.ip_url(), namespace: None };
     let feed = tokio::spawn(egress_reconcile::health_feed::run_health_feed(
         client,
+        proxies,
         feed_config,
         Arc::new(engine),
         transitions,
@@ -198,7 +201,7 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     ));
     println!("reconciler running with provider `pods` (Squid processes on 127.1.x.y via the local node agent)");
     println!("health engine probing {} through every proxy", origin.ip_url());
-    Ok(RunningController { _agent: agent, _origin: origin, tasks: vec![controller, feed] })
+    Ok(RunningController { _agent: agent, _origin: origin, tasks: vec![watch, controller, feed] })
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use egress_provider::ProviderMetrics;
 use egress_provider::registry::{Constructors, ProviderSet};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
-use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed_on};
+use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
 use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics};
 use kube::Client;
@@ -89,7 +89,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     // controller and the health feed read and subscribe to it too.
     let board = HealthBoard::new();
     let (feed, _watch) = ProxyFeed::start(client.clone(), settings.watch_namespace.as_deref());
-    let view = Arc::new(StoreView::new(feed.store(), board.clone()));
+    let view = Arc::new(StoreView::new(feed.clone(), board.clone()));
     tokio::spawn(view.clone().run(client.clone(), Duration::from_secs(30)).instrument(info_span!("discovery_view")));
 
     let auth = match &settings.discovery_tokens {
@@ -265,7 +265,7 @@ async fn lead_while_elected(
             reconcile_metrics.clone(),
         ));
         let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
-        tasks.push(tokio::spawn(egress_reconcile::run_on(
+        tasks.push(tokio::spawn(egress_reconcile::run(
             context,
             feed.clone(),
             trigger_stream,
@@ -280,7 +280,7 @@ async fn lead_while_elected(
                     default_probe_url: settings.default_probe_url.clone(),
                     namespace: settings.watch_namespace.clone(),
                 };
-                tasks.push(tokio::spawn(run_health_feed_on(
+                tasks.push(tokio::spawn(run_health_feed(
                     client.clone(),
                     feed.clone(),
                     feed_config,

@@ -10,35 +10,33 @@ use std::time::Duration;
 
 use egress_api::Proxy;
 use egress_discovery::{ProxyRecord, ProxyView};
-use egress_reconcile::HealthBoard;
+use egress_reconcile::{HealthBoard, ProxyFeed};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
-use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 
 type Credentials = HashMap<(String, String), (String, String)>;
 
 /// The view.
 pub struct StoreView {
-    store: Store<DeserializeGuard<Proxy>>,
+    feed: ProxyFeed,
     board: HealthBoard,
     credentials: RwLock<Credentials>,
     synced: AtomicBool,
 }
 
 impl StoreView {
-    pub fn new(store: Store<DeserializeGuard<Proxy>>, board: HealthBoard) -> Self {
-        Self { store, board, credentials: RwLock::default(), synced: AtomicBool::new(false) }
+    pub fn new(feed: ProxyFeed, board: HealthBoard) -> Self {
+        Self { feed, board, credentials: RwLock::default(), synced: AtomicBool::new(false) }
     }
 
     fn valid(&self) -> Vec<Proxy> {
-        self.store.state().iter().filter_map(|object| object.0.as_ref().ok().cloned()).collect()
+        self.feed.store().state().iter().filter_map(|object| object.0.as_ref().ok().cloned()).collect()
     }
 
     /// Waits for the store's first full list, then keeps the credentials fresh every `interval`.
     pub async fn run(self: Arc<Self>, client: Client, interval: Duration) {
-        if self.store.wait_until_ready().await.is_err() {
+        if !self.feed.ready().await {
             return;
         }
         let mut tick = tokio::time::interval(interval);

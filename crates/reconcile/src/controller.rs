@@ -14,7 +14,7 @@ use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
 use egress_provider::{
     CreateRequest, ErrorClass, Instance, Provider, ProviderError, ProxyCredentials, Sensitive, Tags,
 };
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
@@ -138,7 +138,7 @@ impl Context {
 }
 
 /// A channel for health triggers: send `(namespace, name)` to reconcile that Proxy; the receiving stream goes to
-/// [`run`] or [`run_on`].
+/// [`run`].
 pub fn trigger_channel()
 -> (tokio::sync::mpsc::UnboundedSender<(String, String)>, impl Stream<Item = (String, String)> + Send + 'static) {
     let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
@@ -150,34 +150,27 @@ pub fn trigger_channel()
     (sender, stream)
 }
 
-/// Runs the controller with a Proxy watch of its own until `shutdown` resolves; in-flight reconciles finish first.
+/// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
 ///
-/// `health_triggers` yields `(namespace, name)` of Proxies whose health verdict changed; each triggers a reconcile.
+/// The controller reads the feed's store and is woken by its changes, so the operator lists and watches Proxies
+/// once. It starts only after the feed's initial list: kube's runner waits on the store's readiness, and that wait
+/// loses its wake-up when other tasks wait on it too (see [`ProxyFeed::ready`]).
 pub async fn run(
     context: Arc<Context>,
+    feed: ProxyFeed,
     health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let api: Api<DeserializeGuard<Proxy>> = match &context.config.namespace {
-        Some(namespace) => Api::namespaced(context.client.clone(), namespace),
-        None => Api::all(context.client.clone()),
+    let shutdown = shutdown.shared();
+    let ready = tokio::select! {
+        ready = feed.ready() => ready,
+        () = shutdown.clone() => return,
     };
-    drive(Controller::new(api, kube::runtime::watcher::Config::default()), context, health_triggers, shutdown).await;
-}
-
-/// Runs the controller for an operator that keeps a shared [`ProxyFeed`] until `shutdown` resolves.
-///
-/// The controller still lists and watches on its own: driven from the feed's broadcast
-/// (`Controller::for_stream`), it intermittently never reconciled Proxies created after it started (seen in the
-/// end-to-end suite and the reconciler's tests), and the cause is not yet understood. The feed still serves the
-/// health feed and the discovery view. See the decision log.
-pub async fn run_on(
-    context: Arc<Context>,
-    _feed: ProxyFeed,
-    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
-) {
-    run(context, health_triggers, shutdown).await;
+    if !ready {
+        warn!("the Proxy watch ended before its first list; the controller does not start");
+        return;
+    }
+    drive(Controller::for_stream(feed.subscribe().map(Ok), feed.store()), context, health_triggers, shutdown).await;
 }
 
 /// Configures and runs a controller over Proxies, whatever feeds it.

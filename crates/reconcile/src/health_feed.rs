@@ -81,24 +81,9 @@ struct CachedCredentials {
     read_at: Instant,
 }
 
-/// Runs the feed with a Proxy watch of its own until `shutdown` resolves.
-pub async fn run_health_feed(
-    client: Client,
-    config: HealthFeedConfig,
-    engine: Arc<HealthEngine>,
-    transitions: mpsc::Receiver<Transition>,
-    board: HealthBoard,
-    triggers: mpsc::UnboundedSender<(String, String)>,
-    shutdown: impl Future<Output = ()>,
-) {
-    let (feed, watch) = ProxyFeed::start(client.clone(), config.namespace.as_deref());
-    run_health_feed_on(client, feed, config, engine, transitions, board, triggers, shutdown).await;
-    watch.abort();
-}
-
 /// Runs the feed on a shared [`ProxyFeed`] until `shutdown` resolves.
 #[allow(clippy::too_many_arguments)]
-pub async fn run_health_feed_on(
+pub async fn run_health_feed(
     client: Client,
     feed: ProxyFeed,
     config: HealthFeedConfig,

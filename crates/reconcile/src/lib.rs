@@ -19,7 +19,7 @@ pub mod monitor;
 mod providers;
 mod status;
 
-pub use controller::{Context, ControllerConfig, run, run_on, trigger_channel};
+pub use controller::{Context, ControllerConfig, run, trigger_channel};
 pub use error::Error;
 pub use feed::{GuardedProxy, ProxyFeed};
 pub use health::{HealthBoard, HealthKey, Verdict};

@@ -366,8 +366,9 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
         config,
         egress_reconcile::ReconcileMetrics::default(),
     ));
+    let (feed, watch) = egress_reconcile::ProxyFeed::start(ns.client(), Some(ns.name()));
     let controller =
-        tokio::spawn(egress_reconcile::run(context, futures::stream::pending(), futures::future::pending()));
+        tokio::spawn(egress_reconcile::run(context, feed, futures::stream::pending(), futures::future::pending()));
 
     let spec = egress_api::ProxySpec {
         provider: Some("pods".into()),
@@ -386,4 +387,5 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     let pods: Api<k8s_openapi::api::core::v1::Pod> = ns.api();
     assert!(pods.get_opt(&instance.name).await.expect("get").is_none(), "the pod is deleted with the Proxy");
     controller.abort();
+    watch.abort();
 }

@@ -11,7 +11,7 @@ use egress_provider::Provider;
 use egress_provider::config::{ProviderSettings, ProvidersConfig};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
-use egress_reconcile::{Context, ControllerConfig, HealthBoard, ReconcileMetrics, StaticProviders};
+use egress_reconcile::{Context, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics, StaticProviders};
 use egress_testenv::{LocalOrigin, NodeAgent, eventually};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
@@ -45,7 +45,10 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
         ReconcileMetrics::default(),
     ));
     let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
-    let controller = tokio::spawn(egress_reconcile::run(context, trigger_stream, futures::future::pending()));
+    // Composed as the operator does: one Proxy store for the controller and the health feed.
+    let (proxies, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
+    let controller =
+        tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
 
     let metrics = HealthMetrics::default();
     let (engine, transitions) =
@@ -53,6 +56,7 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     let feed_config = HealthFeedConfig { default_probe_url: origin.url(), namespace: Some(ns.name().to_owned()) };
     let feed = tokio::spawn(run_health_feed(
         ns.client(),
+        proxies,
         feed_config,
         Arc::new(engine),
         transitions,
@@ -107,4 +111,5 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
 
     feed.abort();
     controller.abort();
+    watch.abort();
 }

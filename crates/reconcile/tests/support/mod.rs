@@ -15,8 +15,11 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use egress_api::{Proxy, ProxyMode, ProxySpec};
 use egress_provider::{CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags};
-use egress_reconcile::{Context, ControllerConfig, HealthBoard, HealthKey, ReconcileMetrics, StaticProviders, Verdict};
+use egress_reconcile::{
+    Context, ControllerConfig, HealthBoard, HealthKey, ProxyFeed, ReconcileMetrics, StaticProviders, Verdict,
+};
 use egress_testenv::TestNamespace;
+use futures::StreamExt;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use tokio::sync::mpsc;
@@ -207,7 +210,8 @@ pub struct Harness {
     pub cluster_id: String,
     triggers: mpsc::UnboundedSender<(String, String)>,
     receiver: Option<mpsc::UnboundedReceiver<(String, String)>>,
-    controller: Option<JoinHandle<()>>,
+    /// The Proxy watch, a second reader of its store (as the operator's health feed is), and the controller.
+    tasks: Vec<JoinHandle<()>>,
     pub metrics: ReconcileMetrics,
 }
 
@@ -223,7 +227,7 @@ impl Harness {
             cluster_id,
             triggers,
             receiver: Some(receiver),
-            controller: None,
+            tasks: Vec::new(),
             metrics: ReconcileMetrics::default(),
         };
         harness.start();
@@ -259,12 +263,25 @@ impl Harness {
         let stream = futures::stream::unfold(receiver, |mut receiver| async move {
             receiver.recv().await.map(|item| (item, receiver))
         });
-        self.controller = Some(tokio::spawn(egress_reconcile::run(context, stream, futures::future::pending())));
+        // As in the operator: one shared store, read by the controller and by other tasks that wait on it too
+        // (the health feed, the discovery view), started before and after it. The store's readiness once woke only
+        // the last of its waiters, and a controller that lost that race never reconciled anything.
+        let (feed, watch) = ProxyFeed::start(self.ns.client(), Some(self.ns.name()));
+        let reader = |feed: ProxyFeed| {
+            tokio::spawn(async move {
+                let mut changes = feed.subscribe().boxed();
+                while changes.next().await.is_some() {}
+            })
+        };
+        let before = reader(feed.clone());
+        let controller = tokio::spawn(egress_reconcile::run(context, feed.clone(), stream, futures::future::pending()));
+        let after = reader(feed);
+        self.tasks = vec![watch, before, controller, after];
     }
 
     /// Kills the controller mid-flight, as SIGKILL would.
     pub async fn crash(&mut self) {
-        if let Some(handle) = self.controller.take() {
+        for handle in self.tasks.drain(..) {
             handle.abort();
             let _ = handle.await;
         }
@@ -302,7 +319,7 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        if let Some(handle) = self.controller.take() {
+        for handle in &self.tasks {
             handle.abort();
         }
     }
