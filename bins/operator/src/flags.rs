@@ -65,6 +65,10 @@ pub struct Cli {
     /// Log format.
     #[arg(long, env = "EGRESS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Send traces to this OTLP/HTTP receiver (for example `http://127.0.0.1:4318`; `/v1/traces` is added when the
+    /// URL has no path). Off when unset.
+    #[arg(long, env = "EGRESS_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Watch Proxies in this namespace only (default: all namespaces). Use a cluster ID of its own per namespace.
     #[arg(long, env = "EGRESS_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
@@ -107,6 +111,8 @@ pub struct Settings {
     pub provider_check_interval: Option<Duration>,
     pub provider_check_timeout: Duration,
     pub watch_namespace: Option<String>,
+    pub log_format: LogFormat,
+    pub otlp_endpoint: Option<http::Uri>,
 }
 
 /// Parses `90s`, `5m`, `1h30m`, `250ms` (Go-style durations) and `0`.
@@ -196,6 +202,13 @@ impl Cli {
                 self.cluster_id
             ));
         }
+        let otlp_endpoint = self.otlp_endpoint.as_deref().and_then(|text| match crate::telemetry::traces_url(text) {
+            Ok(url) => Some(url),
+            Err(why) => {
+                problems.push(format!("--otlp-endpoint: {why}"));
+                None
+            }
+        });
         let probe_ok = egress_health::ProbeUrl::parse(&self.default_probe_url);
         if let Err(error) = &probe_ok {
             problems.push(format!("--default-probe-url: {error}"));
@@ -272,6 +285,8 @@ impl Cli {
             provider_check_interval: check_interval.filter(|interval| !interval.is_zero()),
             provider_check_timeout: check_timeout.expect("checked above"),
             watch_namespace: self.watch_namespace.clone(),
+            log_format: self.log_format,
+            otlp_endpoint,
         })
     }
 }
@@ -312,6 +327,8 @@ mod tests {
             "ftp://x",
             "--discovery-addr",
             "nowhere",
+            "--otlp-endpoint",
+            "https://collector:4318",
         ]);
         let problems = cli.settings().expect_err("invalid");
         for expected in [
@@ -320,12 +337,13 @@ mod tests {
             "--provider-check-interval must be 0 (off) or at least 10s",
             "--cluster-id \"not a label\"",
             "--default-probe-url",
+            "--otlp-endpoint: \"https://collector:4318\": only http://",
             "--discovery-tokens is required",
             "providers[0].name",
             "providers[1].type",
         ] {
             assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
         }
-        assert_eq!(problems.len(), 8, "{problems:#?}");
+        assert_eq!(problems.len(), 9, "{problems:#?}");
     }
 }

@@ -1,17 +1,16 @@
 //! `egress-operator`: parses flags, validates them and the providers file (every problem at once), sets up
-//! logging, and hands over to the composition in `run`.
+//! logging and tracing, and hands over to the composition in `run`.
 
 mod flags;
 mod run;
+mod telemetry;
 mod view;
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
-use crate::flags::{Cli, LogFormat};
+use crate::flags::Cli;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -29,15 +28,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
-    match cli.log_format {
-        // Colours only on a terminal: a log file or collector gets plain text.
-        LogFormat::Text => {
-            tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stdout().is_terminal()).init()
-        }
-        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -45,11 +35,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run::run(settings)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
+    runtime.block_on(async {
+        let telemetry =
+            match telemetry::init(settings.log_format, settings.otlp_endpoint.as_ref(), &settings.cluster_id) {
+                Ok(telemetry) => telemetry,
+                Err(error) => {
+                    eprintln!("egress-operator: {error:#}");
+                    return ExitCode::FAILURE;
+                }
+            };
+        let result = run::run(settings).await;
+        if let Err(error) = &result {
             tracing::error!("{error:#}");
-            ExitCode::FAILURE
         }
-    }
+        telemetry.shutdown().await;
+        if result.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    })
 }

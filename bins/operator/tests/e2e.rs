@@ -15,6 +15,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, any_value};
+use prost::Message as _;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -413,4 +416,110 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
         .expect("release");
     assert_no_forbidden(follower);
     assert_no_forbidden(leader);
+}
+
+/// A span as the collector received it: its resource's `service.name`, its name, and its string attributes.
+#[derive(Debug)]
+struct ReceivedSpan {
+    service: String,
+    name: String,
+    attributes: Vec<(String, String)>,
+}
+
+/// An OTLP/HTTP receiver on loopback that keeps every trace export request it is sent.
+struct Collector {
+    url: String,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<ExportTraceServiceRequest>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Collector {
+    async fn start() -> Self {
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = requests.clone();
+        let router = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let kept = kept.clone();
+                async move {
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(request) => {
+                            kept.lock().expect("requests").push(request);
+                            (axum::http::StatusCode::OK, [("content-type", "application/x-protobuf")], Vec::new())
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, [("content-type", "text/plain")], Vec::new()),
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the collector");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        Self { url, requests, task }
+    }
+
+    /// Every span received.
+    fn spans(&self) -> Vec<ReceivedSpan> {
+        let text = |value: &Option<AnyValue>| match value.as_ref().and_then(|value| value.value.as_ref()) {
+            Some(any_value::Value::StringValue(text)) => text.clone(),
+            _ => String::new(),
+        };
+        let mut spans = Vec::new();
+        for request in self.requests.lock().expect("requests").iter() {
+            for resource_spans in &request.resource_spans {
+                let service = resource_spans
+                    .resource
+                    .iter()
+                    .flat_map(|resource| &resource.attributes)
+                    .find(|attribute| attribute.key == "service.name")
+                    .map(|attribute| text(&attribute.value))
+                    .unwrap_or_default();
+                for span in resource_spans.scope_spans.iter().flat_map(|scope| &scope.spans) {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|attribute| (attribute.key.clone(), text(&attribute.value)))
+                        .collect();
+                    spans.push(ReceivedSpan { service: service.clone(), name: span.name.clone(), attributes });
+                }
+            }
+        }
+        spans
+    }
+}
+
+#[tokio::test]
+async fn traces_reach_an_otlp_collector() {
+    let env = Env::new("e2e-otlp").await;
+    let collector = Collector::start().await;
+    let mut options = env.options(false);
+    options.extra_args.push(format!("--otlp-endpoint={}", collector.url));
+    let mut operator = OperatorProcess::start(&binary(), &env.kubeconfig, &options).await.expect("the operator starts");
+    env.create("traced").await;
+    env.wait_phase(&["traced"], ProxyPhase::Ready).await;
+    // SIGTERM: the operator exports the spans still buffered before it exits.
+    assert!(operator.terminate(Duration::from_secs(30)).await, "the operator stops on SIGTERM");
+
+    let spans = collector.spans();
+    let reconciles: Vec<_> = spans
+        .iter()
+        .filter(|span| {
+            span.name == "reconcile" && span.attributes.iter().any(|(key, value)| key == "proxy" && value == "traced")
+        })
+        .collect();
+    assert!(
+        !reconciles.is_empty(),
+        "no reconcile span for the Proxy among {} spans; names: {:?}\noperator log:\n{}",
+        spans.len(),
+        spans.iter().map(|span| span.name.as_str()).collect::<std::collections::BTreeSet<_>>(),
+        operator.log_tail()
+    );
+    assert!(
+        reconciles.iter().all(|span| span.service == "egress-operator"),
+        "spans carry the service name: {reconciles:?}"
+    );
+    collector.task.abort();
+    assert_no_forbidden(&operator);
 }
