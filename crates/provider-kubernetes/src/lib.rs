@@ -9,7 +9,7 @@
 //! `provider_id` is `<namespace>/<pod>`. Errors are classified from the API's status codes (see [`classify`]).
 
 mod objects;
-pub mod squid;
+pub use egress_provider::squid;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

@@ -9,7 +9,8 @@
 //! - [`instance_name`], the pure function that makes creation idempotent and crash-safe;
 //! - the providers config file ([`config`]), parsed strictly with every problem reported at once;
 //! - the [`registry`] that builds named providers from a type → constructor map the binary passes in;
-//! - the [`WithMetrics`] decorator.
+//! - the [`WithMetrics`] decorator;
+//! - Squid's configuration and password file ([`squid`]), the same for every backend.
 
 pub mod config;
 mod error;
@@ -17,6 +18,7 @@ mod instance;
 mod metrics;
 mod naming;
 pub mod registry;
+pub mod squid;
 
 use async_trait::async_trait;
 

@@ -1,10 +1,10 @@
-//! Squid's configuration for one proxy pod, and the password file for basic auth.
+//! Squid's configuration for one proxy instance, and the password file for basic auth, shared by every provider.
 //!
-//! The configuration is a forward proxy and nothing else: no cache, no client address leaked upstream, logs to the
-//! container's stdout and stderr, a short shutdown. Paths that a runtime may need to move (the config and auth
-//! mounts, the core dump directory) are constants here, so the pod spec and the test node agent agree on them.
+//! The configuration is a forward proxy and nothing else: no cache, no client address leaked upstream, logs to
+//! standard output and error, a short shutdown. Paths that a runtime may need to move (the config and auth mounts,
+//! the core dump directory) are constants here, so the pod spec and the test node agent agree on them.
 
-use egress_provider::ProxyCredentials;
+use crate::ProxyCredentials;
 use sha_crypt::{PasswordHasher, ShaCrypt};
 use sha2::{Digest, Sha256};
 
@@ -88,7 +88,7 @@ pub fn password_line(instance: &str, credentials: &ProxyCredentials) -> String {
 
 #[cfg(test)]
 mod tests {
-    use egress_provider::Sensitive;
+    use crate::Sensitive;
 
     use super::*;
 
