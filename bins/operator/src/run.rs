@@ -29,7 +29,9 @@ use crate::view::StoreView;
 
 /// The provider types this binary can run, by `type` in the providers file.
 fn constructors() -> Constructors {
-    Constructors::new().register("kubernetes", KubernetesProvider::construct)
+    Constructors::new()
+        .register("kubernetes", KubernetesProvider::construct)
+        .register("gcp", egress_provider_gcp::GcpProvider::construct)
 }
 
 /// Refuses discovery routes while this replica does not lead or is shutting down.
@@ -330,5 +332,26 @@ async fn lead_while_elected(
         if *stop.borrow() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use egress_provider::config::ProvidersConfig;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_gcp_provider_is_accepted_and_a_broken_one_reports_why() {
+        assert_eq!(constructors().types(), ["gcp", "kubernetes"]);
+        let text = "providers:\n  - name: gcp-eu\n    type: gcp\n    gcp:\n      project: my-project\n      \
+                    defaultZone: europe-west1-b\n      credentialsFile: /nonexistent/key.json\n";
+        let config = ProvidersConfig::parse(text, "providers.yaml").expect("a valid config");
+        let providers = ProviderSet::build(&config, &constructors(), None).await.expect("gcp is a supported type");
+        let verdicts = providers.check("gcp-eu").await;
+        assert_eq!(verdicts.len(), 1);
+        assert!(!verdicts[0].ready);
+        assert_eq!(verdicts[0].reason.as_deref(), Some("ConstructionFailed"));
+        assert!(verdicts[0].message.as_deref().unwrap_or_default().contains("/nonexistent/key.json"), "{verdicts:?}");
     }
 }

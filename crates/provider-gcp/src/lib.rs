@@ -14,7 +14,8 @@
 //! - Errors are classified on the HTTP status and the error reasons ([`classify`]).
 //! - Logging: one debug line per call (operation, outcome, operation name, duration), request detail at trace,
 //!   the raw status and reasons before classification. The user data is never logged, at any level: it may carry
-//!   secrets. The SDK's own tracing is off unless `sdkTracing: true`.
+//!   secrets. The SDK's own tracing is never turned on: it records whole requests and responses, metadata
+//!   included.
 //!
 //! Credentials: Application Default Credentials, or the service-account key file named by `credentialsFile`. The
 //! endpoint can be overridden (`endpoint`) for private endpoints and tests.
@@ -116,15 +117,13 @@ impl GcpProvider {
             .with_maximum_delay(Duration::from_secs(2))
             .build()
             .map_err(|error| ProviderError::permanent("the retry backoff").with_source(error))?;
-        let mut builder = Instances::builder()
+        // The SDK's own tracing stays off: it records whole requests and responses, whose instance metadata holds
+        // the user data. This provider logs every call itself.
+        let client = Instances::builder()
             .with_endpoint(config.endpoint.clone().unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned()))
             .with_credentials(credentials)
             .with_retry_policy(Aip194Strict.with_attempt_limit(ATTEMPTS))
-            .with_backoff_policy(backoff);
-        if config.sdk_tracing {
-            builder = builder.with_tracing();
-        }
-        let client = builder
+            .with_backoff_policy(backoff)
             .build()
             .await
             .map_err(|error| ProviderError::permanent("building the Compute Engine client").with_source(error))?;

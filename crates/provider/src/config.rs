@@ -103,9 +103,6 @@ pub struct GcpConfig {
     pub credentials_file: Option<PathBuf>,
     /// The Compute Engine endpoint; unset uses Google's. For private endpoints and tests.
     pub endpoint: Option<String>,
-    /// Turns on the SDK's own request tracing (debugging only; authentication records are dropped and long fields
-    /// elided). Default off.
-    pub sdk_tracing: bool,
 }
 
 /// `kvm:` — libvirt guests.
@@ -319,17 +316,6 @@ impl Walker {
         }
     }
 
-    fn boolean(&mut self, node: &Node<'_>, key: &str) -> bool {
-        match node.map.get(key) {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(value)) => *value,
-            Some(other) => {
-                self.problem(node.child(key), format!("must be true or false, found {}", kind_of(other)));
-                false
-            }
-        }
-    }
-
     fn identifier(&mut self, node: &Node<'_>, key: &str, required: bool) -> Option<String> {
         let value = self.string(node, key, required)?;
         self.check_identifier(&node.child(key), &value).then_some(value)
@@ -531,7 +517,6 @@ impl Walker {
                 "firewallTag",
                 "credentialsFile",
                 "endpoint",
-                "sdkTracing",
             ],
         )?;
         let project = self.string(&node, "project", true);
@@ -553,7 +538,6 @@ impl Walker {
         let firewall_tag = self.identifier(&node, "firewallTag", false).unwrap_or_else(|| "egress-proxy".into());
         let credentials_file = self.string(&node, "credentialsFile", false).map(PathBuf::from);
         let endpoint = self.url(&node, "endpoint", false);
-        let sdk_tracing = self.boolean(&node, "sdkTracing");
         Some(GcpConfig {
             project: project.filter(|project| is_gcp_project_id(project))?,
             network,
@@ -564,7 +548,6 @@ impl Walker {
             firewall_tag,
             credentials_file,
             endpoint,
-            sdk_tracing,
         })
     }
 
