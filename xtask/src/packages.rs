@@ -10,7 +10,10 @@ use anyhow::{Result, bail};
 use crate::process::{output, run};
 
 /// The packages, and why each is needed.
-pub const REQUIRED: &[(&str, &str)] = &[("squid", "real Squid proxies for the kubernetes provider and the node agent")];
+pub const REQUIRED: &[(&str, &str)] = &[
+    ("squid", "real Squid proxies for the kubernetes provider and the node agent"),
+    ("openssl", "RSA service-account keys for the gcp provider's tests"),
+];
 
 fn installed(package: &str) -> bool {
     output(Command::new("dpkg-query").args(["-W", "-f=${Status}", package]))

@@ -139,6 +139,7 @@ pub struct Squid {
     address: SocketAddr,
     process: Option<Wrapped>,
     dir: PathBuf,
+    service: String,
 }
 
 impl Squid {
@@ -180,12 +181,19 @@ impl Squid {
         fs::write(&conf_path, conf)?;
         fs::set_permissions(&conf_path, fs::Permissions::from_mode(0o644))?;
         let log = dir.join("output.log");
-        let process = Wrapped::spawn(&format!("'{}' -N -f '{}'", binary.display(), conf_path.display()), &log)?;
+        // A service name of its own: Squid names its shared-memory segments after it (`/squid-cf__metadata.shm` by
+        // default), so two test Squids starting at once could otherwise refuse each other with "File exists".
+        let service: String = dir
+            .file_name()
+            .map(|name| name.to_string_lossy().chars().filter(char::is_ascii_alphanumeric).collect())
+            .unwrap_or_default();
+        let process =
+            Wrapped::spawn(&format!("'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()), &log)?;
         if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
             let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
             bail!("{why}; its output ends with:\n{output}");
         }
-        Ok(Self { address, process: Some(process), dir })
+        Ok(Self { address, process: Some(process), dir, service })
     }
 
     /// Where it listens.
@@ -208,5 +216,14 @@ impl Drop for Squid {
             process.stop();
         }
         let _ = fs::remove_dir_all(&self.dir);
+        // A killed Squid leaves its shared-memory segments behind.
+        if let Ok(entries) = fs::read_dir("/dev/shm") {
+            let prefix = format!("{}-", self.service);
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = fs::remove_file(entry.path());
+                }
+            }
+        }
     }
 }
