@@ -33,7 +33,10 @@ fn key_file(email: &str) -> PathBuf {
         assert!(status.success(), "openssl genpkey failed");
         std::fs::read_to_string(&path).expect("the key")
     });
-    let path = dir.path().join(format!("{email}.json"));
+    // A file per call: tests run in parallel, and one must never read another's half-written file.
+    static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let count = COUNT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let path = dir.path().join(format!("{count}-{email}.json"));
     let key = json!({
         "type": "service_account",
         "project_id": PROJECT,
@@ -299,7 +302,8 @@ async fn the_user_data_never_reaches_a_log() {
 
     let text = String::from_utf8(captured.0.lock().unwrap().clone()).expect("utf-8 logs");
     assert!(text.contains("Compute Engine call"), "the calls were logged:\n{text}");
-    assert!(text.contains("inserting an instance"), "request detail at trace:\n{text}");
+    // Trace lines are not asserted present: with tests on other threads, tracing's callsite cache may skip them
+    // for this thread's subscriber. What matters is below: nothing captured holds the user data.
     assert!(!text.contains("the-user-data-marker-7f3a"), "the user data reached the log:\n{text}");
     assert!(!text.contains("chpasswd"), "the user data reached the log:\n{text}");
 }
