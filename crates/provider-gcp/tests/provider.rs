@@ -1,85 +1,15 @@
 //! The gcp provider with the real Compute Engine SDK, over HTTP, against the local fake Compute server.
 
+mod common;
 mod fake;
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use egress_provider::config::GcpConfig;
-use egress_provider::{Checker, CreateRequest, ErrorClass, InstanceState, Provider, Sensitive, Tags};
+use common::{EMAIL, PROJECT, ZONE, config, key_file, provider, request};
+use egress_provider::{Checker, ErrorClass, InstanceState, Provider, Tags};
 use egress_provider_gcp::GcpProvider;
 use fake::FakeCompute;
 use serde_json::json;
-
-const PROJECT: &str = "egress-test";
-const ZONE: &str = "us-east1-b";
-const EMAIL: &str = "egress-operator@egress-test.iam.gserviceaccount.com";
-
-/// A service-account key file with a fresh RSA key (made once per test binary with `openssl`).
-fn key_file(email: &str) -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    static KEY: OnceLock<String> = OnceLock::new();
-    let dir = DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"));
-    let pem = KEY.get_or_init(|| {
-        let path = dir.path().join("key.pem");
-        let status = std::process::Command::new("openssl")
-            .args(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"])
-            .arg(&path)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .expect("openssl runs");
-        assert!(status.success(), "openssl genpkey failed");
-        std::fs::read_to_string(&path).expect("the key")
-    });
-    // A file per call: tests run in parallel, and one must never read another's half-written file.
-    static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let count = COUNT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let path = dir.path().join(format!("{count}-{email}.json"));
-    let key = json!({
-        "type": "service_account",
-        "project_id": PROJECT,
-        "private_key_id": "0123456789abcdef",
-        "private_key": pem,
-        "client_email": email,
-        "client_id": "1234567890",
-        "token_uri": "https://oauth2.googleapis.com/token",
-    });
-    std::fs::write(&path, key.to_string()).expect("write the key file");
-    path
-}
-
-fn config(fake: &FakeCompute) -> GcpConfig {
-    GcpConfig {
-        project: PROJECT.into(),
-        network: "default".into(),
-        subnetwork: None,
-        default_zone: Some(ZONE.into()),
-        default_machine_type: "e2-micro".into(),
-        default_image: "projects/ubuntu-os-cloud/global/images/family/ubuntu-2404-lts-amd64".into(),
-        firewall_tag: "egress-proxy".into(),
-        credentials_file: Some(key_file(EMAIL)),
-        endpoint: Some(fake.url.clone()),
-    }
-}
-
-async fn provider(fake: &FakeCompute) -> GcpProvider {
-    GcpProvider::new(config(fake)).await.expect("the provider builds")
-}
-
-fn request(name: &str, cluster: &str) -> CreateRequest {
-    CreateRequest {
-        name: name.into(),
-        zone: None,
-        machine_type: None,
-        image: None,
-        cloud_init: None,
-        port: 3128,
-        credentials: None,
-        tags: Tags::gc_contract(cluster, &format!("uid-{name}"), "340e470e78ddee5a"),
-    }
-}
 
 #[tokio::test]
 async fn full_lifecycle_create_provisioning_running_delete_not_found() {
@@ -258,54 +188,6 @@ async fn a_transient_insert_failure_is_retried_with_the_same_request_id() {
     let id = inserts[0].request_id.clone().expect("a request ID");
     assert_eq!(inserts[1].request_id.as_deref(), Some(id.as_str()));
     assert_eq!(fake.instance_count(), 1);
-}
-
-/// Collects everything written by a `tracing` subscriber.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn the_user_data_never_reaches_a_log() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
-    let fake = FakeCompute::start(Duration::ZERO).await;
-    let provider = GcpProvider::new(config(&fake)).await.expect("provider");
-    let secret = "#cloud-config\nchpasswd: {list: 'root:the-user-data-marker-7f3a'}\n";
-    let mut request = request("px-secret", "c1");
-    request.cloud_init = Some(Sensitive::new(secret.as_bytes().to_vec()));
-    let created = provider.create(&request).await.expect("create");
-    provider.get(&created.provider_id).await.expect("get");
-    fake.fail_next("insert", 400, "invalid");
-    let mut other = request.clone();
-    other.name = "px-secret-2".into();
-    provider.create(&other).await.expect_err("scripted failure");
-    // It did reach Compute Engine, byte for byte (read before the delete removes it).
-    assert_eq!(fake.sent_user_data(ZONE, "px-secret").as_deref(), Some(secret));
-    provider.delete(&created.provider_id).await.expect("delete");
-
-    let text = String::from_utf8(captured.0.lock().unwrap().clone()).expect("utf-8 logs");
-    assert!(text.contains("Compute Engine call"), "the calls were logged:\n{text}");
-    // Trace lines are not asserted present: with tests on other threads, tracing's callsite cache may skip them
-    // for this thread's subscriber. What matters is below: nothing captured holds the user data.
-    assert!(!text.contains("the-user-data-marker-7f3a"), "the user data reached the log:\n{text}");
-    assert!(!text.contains("chpasswd"), "the user data reached the log:\n{text}");
 }
 
 #[tokio::test]

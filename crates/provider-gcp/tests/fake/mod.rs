@@ -5,6 +5,8 @@
 //! ID with the first operation; checks the bearer token's issuer when told which one to accept; and can be told to
 //! answer the next calls of an operation with a given HTTP status and error reason. Not shipped: tests only.
 
+#![allow(dead_code, reason = "each test binary uses its own subset")]
+
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,7 +22,6 @@ use serde_json::{Value, json};
 #[derive(Clone, Debug)]
 pub struct Recorded {
     pub operation: &'static str,
-    #[allow(dead_code, reason = "shown when a test prints the requests")]
     pub path: String,
     pub request_id: Option<String>,
 }
