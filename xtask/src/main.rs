@@ -50,6 +50,10 @@ enum Command {
     },
     /// Run the end-to-end suite: the operator binary under the shipped RBAC against the local control plane.
     E2e {
+        /// Run it on a kind cluster (`egress-e2e`, created when missing) instead; needs Docker, kind and kubectl, and
+        /// root to route the pod network.
+        #[arg(long)]
+        kind: bool,
         /// Arguments passed to `cargo test` (for example a test name filter).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         cargo_test_args: Vec<String>,
@@ -83,7 +87,7 @@ fn main() -> ExitCode {
         }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
         Command::Quickstart { exit } => quickstart::run(exit),
-        Command::E2e { cargo_test_args } => e2e::run_suite(&cargo_test_args),
+        Command::E2e { kind, cargo_test_args } => e2e::run_suite(kind, &cargo_test_args),
         Command::Bench { name } => bench::run_benches(name.as_deref()),
     };
     match result {

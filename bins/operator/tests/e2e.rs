@@ -261,7 +261,7 @@ async fn proxies_serve_leases_survive_failures_and_are_cleaned_up() {
 
     // A proxy whose Squid dies turns Unhealthy and is not handed out.
     let victim = &ready[1];
-    assert!(env.agent.kill_squid(env.ns.name(), &instance(victim)));
+    assert!(env.agent.kill_squid(env.ns.name(), &instance(victim)).await);
     env.wait_phase(&[&victim.name_any()], ProxyPhase::Unhealthy).await;
     let victim_id = format!("{}/{}", env.ns.name(), victim.name_any());
     eventually("the unhealthy proxy to leave discovery", WAIT, || async {

@@ -102,7 +102,9 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     assert_eq!(phase(&later), Some(ProxyPhase::Ready));
 
     assert!(
-        agent.kill_squid(ns.name(), &later.status.as_ref().and_then(|s| s.instance.as_ref()).expect("instance").name)
+        agent
+            .kill_squid(ns.name(), &later.status.as_ref().and_then(|s| s.instance.as_ref()).expect("instance").name)
+            .await
     );
     let unhealthy = wait_phase(ProxyPhase::Unhealthy).await;
     let health = unhealthy.status.as_ref().and_then(|s| s.health.clone()).expect("health");

@@ -4,6 +4,9 @@
 //! watched by a small supervisor shell that holds the read end of a pipe from this process: when this process exits
 //! for any reason (normal end of a test binary, a panic, SIGKILL), the pipe closes and the supervisor kills the
 //! control plane and removes its temporary directory. Dropping a [`ControlPlane`] does the same at once.
+//!
+//! [`ControlPlane::external`] uses a cluster somebody else runs instead (a kind cluster for `cargo xtask e2e
+//! --kind`): nothing is started or stopped, the CRDs are applied to it, and the same API serves the tests.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader};
@@ -34,16 +37,22 @@ const ESTABLISHED_TIMEOUT: Duration = Duration::from_secs(60);
 /// The field manager the control plane uses to install CRDs.
 const FIELD_MANAGER: &str = "egress-testenv";
 
-/// A running etcd and kube-apiserver. Dropping it kills both and removes their files.
+/// A running etcd and kube-apiserver, or an external cluster. Dropping a local one kills both processes and removes
+/// their files; dropping an external one leaves the cluster alone.
 pub struct ControlPlane {
+    local: Option<Local>,
+    server_url: String,
+    kubeconfig_path: PathBuf,
+    startup: Duration,
+}
+
+/// The processes and files of a control plane this crate started.
+struct Local {
     dir: PathBuf,
     etcd: Child,
     apiserver: Child,
     supervisor: Option<(Child, ChildStdin)>,
-    server_url: String,
-    kubeconfig_path: PathBuf,
     apiserver_log: PathBuf,
-    startup: Duration,
 }
 
 impl ControlPlane {
@@ -122,13 +131,9 @@ impl ControlPlane {
             .with_context(|| format!("writing {}", kubeconfig_path.display()))?;
 
         let mut plane = Self {
-            dir,
-            etcd,
-            apiserver,
-            supervisor: Some(supervisor),
+            local: Some(Local { dir, etcd, apiserver, supervisor: Some(supervisor), apiserver_log }),
             server_url,
             kubeconfig_path,
-            apiserver_log,
             startup: Duration::ZERO,
         };
         plane.wait_ready().await?;
@@ -138,32 +143,75 @@ impl ControlPlane {
         Ok(plane)
     }
 
+    /// Uses the cluster of `kubeconfig` (its current context, with rights to install CRDs and impersonate): waits
+    /// until its apiserver is ready and applies every CRD of the workspace's `crds/` directory. Nothing is started,
+    /// and dropping the value leaves the cluster as it is.
+    pub async fn external(kubeconfig: &Path) -> Result<Self> {
+        let started = Instant::now();
+        let config = Kubeconfig::read_from(kubeconfig)
+            .with_context(|| format!("reading the external cluster's kubeconfig {}", kubeconfig.display()))?;
+        let context_name = config.current_context.clone().context("the kubeconfig has no current-context")?;
+        let cluster_name = config
+            .contexts
+            .iter()
+            .find(|context| context.name == context_name)
+            .and_then(|context| context.context.as_ref())
+            .map(|context| context.cluster.clone())
+            .with_context(|| format!("the kubeconfig has no context {context_name:?}"))?;
+        let server_url = config
+            .clusters
+            .iter()
+            .find(|cluster| cluster.name == cluster_name)
+            .and_then(|cluster| cluster.cluster.as_ref()?.server.clone())
+            .with_context(|| format!("the kubeconfig's cluster {cluster_name:?} has no server"))?;
+        let mut plane =
+            Self { local: None, server_url, kubeconfig_path: kubeconfig.to_path_buf(), startup: Duration::ZERO };
+        plane.wait_ready().await?;
+        plane.install_crds(&crds_dir()).await?;
+        plane.startup = started.elapsed();
+        Ok(plane)
+    }
+
+    /// Whether this is a cluster somebody else runs ([`ControlPlane::external`]).
+    pub fn is_external(&self) -> bool {
+        self.local.is_none()
+    }
+
     /// The apiserver's URL (`https://127.0.0.1:<port>`).
     pub fn server_url(&self) -> &str {
         &self.server_url
     }
 
-    /// A kubeconfig with cluster-admin rights (group `system:masters`); `kubectl --kubeconfig` works with it.
+    /// A kubeconfig with cluster-admin rights (group `system:masters`, or the external cluster's own);
+    /// `kubectl --kubeconfig` works with it.
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig_path
     }
 
     /// Writes a kubeconfig to `path` that authenticates as the admin but impersonates `user` (and `groups`), so a
     /// process using it gets exactly that identity's RBAC permissions.
+    ///
+    /// The file is JSON (which is YAML too), with the admin's credentials as the source kubeconfig holds them.
     pub fn write_kubeconfig_as(&self, path: &Path, user: &str, groups: &[&str]) -> Result<()> {
-        let admin = fs::read_to_string(&self.kubeconfig_path)?;
-        let quote = |text: &str| serde_json::Value::from(text).to_string();
-        let mut impersonation = format!("    as: {}\n", quote(user));
-        if !groups.is_empty() {
-            impersonation.push_str("    as-groups:\n");
-            for group in groups {
-                impersonation.push_str(&format!("    - {}\n", quote(group)));
-            }
-        }
-        let marker = "    client-key: ";
-        let at = admin.find(marker).context("the admin kubeconfig has no client-key")?;
-        let end = at + admin[at..].find('\n').context("a line end")? + 1;
-        let text = format!("{}{}{}", &admin[..end], impersonation, &admin[end..]);
+        let mut config = Kubeconfig::read_from(&self.kubeconfig_path)
+            .with_context(|| format!("reading {}", self.kubeconfig_path.display()))?;
+        let context_name = config.current_context.clone().context("the kubeconfig has no current-context")?;
+        let user_name = config
+            .contexts
+            .iter()
+            .find(|context| context.name == context_name)
+            .and_then(|context| context.context.as_ref()?.user.clone())
+            .with_context(|| format!("the kubeconfig's context {context_name:?} names no user"))?;
+        let auth = config
+            .auth_infos
+            .iter_mut()
+            .find(|named| named.name == user_name)
+            .and_then(|named| named.auth_info.as_mut())
+            .with_context(|| format!("the kubeconfig has no user {user_name:?}"))?;
+        auth.impersonate = Some(user.to_owned());
+        auth.impersonate_groups =
+            (!groups.is_empty()).then(|| groups.iter().map(|group| (*group).to_owned()).collect());
+        let text = serde_json::to_string_pretty(&config).context("serializing the kubeconfig")?;
         fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
@@ -181,9 +229,12 @@ impl ControlPlane {
         Client::try_from(config).context("building a client for the test control plane")
     }
 
-    /// The last `lines` lines of the apiserver's log.
+    /// The last `lines` lines of the apiserver's log (an external cluster's is not available here).
     pub fn apiserver_log_tail(&self, lines: usize) -> String {
-        tail(&self.apiserver_log, lines)
+        match &self.local {
+            Some(local) => tail(&local.apiserver_log, lines),
+            None => format!("(an external cluster at {}: its apiserver log is not readable here)", self.server_url),
+        }
     }
 
     async fn wait_ready(&mut self) -> Result<()> {
@@ -192,12 +243,14 @@ impl ControlPlane {
         let mut poll = tokio::time::interval(Duration::from_millis(100));
         loop {
             poll.tick().await;
-            for (name, child, log) in [
-                ("etcd", &mut self.etcd, self.dir.join("etcd.log")),
-                ("kube-apiserver", &mut self.apiserver, self.apiserver_log.clone()),
-            ] {
-                if let Some(status) = child.try_wait()? {
-                    bail!("{name} exited during start-up ({status}); the end of its log:\n{}", tail(&log, 40));
+            if let Some(local) = &mut self.local {
+                for (name, child, log) in [
+                    ("etcd", &mut local.etcd, local.dir.join("etcd.log")),
+                    ("kube-apiserver", &mut local.apiserver, local.apiserver_log.clone()),
+                ] {
+                    if let Some(status) = child.try_wait()? {
+                        bail!("{name} exited during start-up ({status}); the end of its log:\n{}", tail(&log, 40));
+                    }
                 }
             }
             let request = http::Request::get("/readyz").body(Vec::new())?;
@@ -263,7 +316,7 @@ impl ControlPlane {
     }
 }
 
-impl Drop for ControlPlane {
+impl Drop for Local {
     fn drop(&mut self) {
         for child in [&mut self.apiserver, &mut self.etcd] {
             // Killing an already-exited child fails harmlessly; the wait reaps it either way.

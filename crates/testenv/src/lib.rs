@@ -38,14 +38,28 @@ pub use squid::{Squid, SquidOptions};
 
 static SHARED: OnceCell<ControlPlane> = OnceCell::const_new();
 
-/// The control plane shared by every test in this binary, started on first use.
+/// When set, the tests use the cluster of this kubeconfig ([`ControlPlane::external`]) instead of starting a local
+/// control plane, and the [`NodeAgent`] leaves pods to the cluster's kubelets. `cargo xtask e2e --kind` sets it.
+pub const EXTERNAL_KUBECONFIG_ENV: &str = "EGRESS_TEST_KUBECONFIG";
+
+/// The external cluster's kubeconfig, when [`EXTERNAL_KUBECONFIG_ENV`] names one.
+pub fn external_kubeconfig() -> Option<std::path::PathBuf> {
+    std::env::var_os(EXTERNAL_KUBECONFIG_ENV).filter(|value| !value.is_empty()).map(Into::into)
+}
+
+/// The control plane shared by every test in this binary, started on first use (or the external cluster, see
+/// [`EXTERNAL_KUBECONFIG_ENV`]).
 ///
 /// # Panics
 /// When the control plane cannot start; the message says why and, when the binaries are missing, how to build them.
 pub async fn shared() -> &'static ControlPlane {
     SHARED
         .get_or_init(|| async {
-            match ControlPlane::start().await {
+            let plane = match external_kubeconfig() {
+                Some(path) => ControlPlane::external(&path).await,
+                None => ControlPlane::start().await,
+            };
+            match plane {
                 Ok(plane) => {
                     eprintln!(
                         "egress-testenv: control plane {} ready in {:?}",
@@ -70,8 +84,9 @@ pub struct TestNamespace {
     plane: &'static ControlPlane,
 }
 
-/// Creates a fresh namespace named `<prefix>-<random suffix>` with its `default` ServiceAccount (there is no
-/// controller-manager to create it, and pods need it to pass admission).
+/// Creates a fresh namespace named `<prefix>-<random suffix>` with its `default` ServiceAccount (the local control
+/// plane has no controller-manager to create it, and pods need it to pass admission; on an external cluster the
+/// controller-manager may be first, which is fine).
 ///
 /// # Panics
 /// When the control plane cannot start or the namespace cannot be created.
@@ -91,10 +106,11 @@ pub async fn namespace(prefix: &str) -> TestNamespace {
         metadata: ObjectMeta { name: Some("default".into()), ..ObjectMeta::default() },
         ..ServiceAccount::default()
     };
-    Api::<ServiceAccount>::namespaced(client.clone(), &name)
-        .create(&PostParams::default(), &account)
-        .await
-        .unwrap_or_else(|error| panic!("egress-testenv: creating the default ServiceAccount in {name}: {error}"));
+    match Api::<ServiceAccount>::namespaced(client.clone(), &name).create(&PostParams::default(), &account).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(error) => panic!("egress-testenv: creating the default ServiceAccount in {name}: {error}"),
+    }
     TestNamespace { client, name, plane }
 }
 

@@ -8,6 +8,9 @@
 //!
 //! Each Squid runs under a small `sh` wrapper that holds a pipe from this process: dropping the agent, or this
 //! process dying in any way, closes the pipe and the wrapper kills Squid. Test support only; nothing ships it.
+//!
+//! On an external cluster (see [`crate::EXTERNAL_KUBECONFIG_ENV`]) the cluster's kubelets run the pods and the agent
+//! only offers [`NodeAgent::kill_squid`], done on the pod's kind node through `docker exec` and `crictl`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -61,15 +64,21 @@ struct State {
 
 /// A running agent. Dropping it stops every Squid it started.
 pub struct NodeAgent {
-    task: JoinHandle<()>,
+    task: Option<JoinHandle<()>>,
     state: Arc<Mutex<State>>,
+    /// Set on an external cluster, whose kubelets run the pods.
+    cluster: Option<Client>,
 }
 
 impl NodeAgent {
-    /// Registers the node and starts serving the provider's pods in `namespaces`.
+    /// Registers the node and starts serving the provider's pods in `namespaces`; on an external cluster, only
+    /// keeps the client for [`NodeAgent::kill_squid`].
     ///
     /// Fails at once, with the install command, when Squid is not installed.
     pub async fn start(client: Client, namespaces: &[&str]) -> Result<Self> {
+        if crate::external_kubeconfig().is_some() {
+            return Ok(Self { task: None, state: Arc::default(), cluster: Some(client) });
+        }
         squid_binary()?;
         register_node(&client).await?;
         let state = Arc::new(Mutex::new(State::default()));
@@ -99,30 +108,67 @@ impl NodeAgent {
                 sync(&client, &loop_state, &pods).await;
             }
         });
-        Ok(Self { task, state })
+        Ok(Self { task: Some(task), state, cluster: None })
     }
 
-    /// The loopback address a running pod's Squid listens on.
+    /// The loopback address a running pod's Squid listens on (None on an external cluster: read the pod's status).
     pub fn pod_ip(&self, namespace: &str, name: &str) -> Option<Ipv4Addr> {
         self.state.lock().expect("agent state").running.get(&key(namespace, name)).map(|running| running.ip)
     }
 
-    /// The process ID of a running pod's Squid.
+    /// The process ID of a running pod's Squid (None on an external cluster).
     pub fn squid_pid(&self, namespace: &str, name: &str) -> Option<u32> {
         self.state.lock().expect("agent state").running.get(&key(namespace, name)).map(|running| running.process.pid)
     }
 
-    /// Kills a pod's Squid with SIGKILL, as a crash would, leaving the pod's status alone. Returns whether there was
-    /// a process to kill.
-    pub fn kill_squid(&self, namespace: &str, name: &str) -> bool {
-        let state = self.state.lock().expect("agent state");
-        state.running.get(&key(namespace, name)).is_some_and(|running| running.process.kill())
+    /// Takes a pod's Squid out of service as a crash would, leaving the pod's status alone, and returns whether
+    /// there was a process to stop. Locally that is SIGKILL. On an external cluster it is SIGSTOP, sent from the
+    /// pod's node (Squid is the container's PID 1, which ignores signals sent inside its namespace, and a killed
+    /// container is restarted by kubelet at once): the frozen Squid accepts nothing until the pod is deleted.
+    pub async fn kill_squid(&self, namespace: &str, name: &str) -> bool {
+        match &self.cluster {
+            None => {
+                let state = self.state.lock().expect("agent state");
+                state.running.get(&key(namespace, name)).is_some_and(|running| running.process.kill())
+            }
+            Some(client) => match freeze_on_node(client, namespace, name).await {
+                Ok(()) => true,
+                Err(error) => {
+                    eprintln!("egress-testenv: stopping Squid in pod {namespace}/{name}: {error:#}");
+                    false
+                }
+            },
+        }
     }
+}
+
+/// SIGSTOPs the Squid of a pod on an external kind cluster, from its node container.
+async fn freeze_on_node(client: &Client, namespace: &str, name: &str) -> Result<()> {
+    let pod = Api::<Pod>::namespaced(client.clone(), namespace).get(name).await.context("reading the pod")?;
+    let node = pod.spec.and_then(|spec| spec.node_name).context("the pod is not scheduled")?;
+    let script = format!(
+        "set -e; pod=$(crictl pods -q --namespace {ns} --name {name} --state ready); test -n \"$pod\"; \
+         container=$(crictl ps -q --pod \"$pod\" --name proxy); test -n \"$container\"; \
+         pid=$(crictl inspect -o go-template --template '{{{{.info.pid}}}}' \"$container\"); kill -STOP \"$pid\"",
+        ns = shell_quote(namespace),
+        name = shell_quote(name),
+    );
+    let output = tokio::process::Command::new("docker")
+        .args(["exec", &node, "sh", "-c", &script])
+        .output()
+        .await
+        .context("running docker exec")?;
+    if !output.status.success() {
+        bail!("docker exec {node} failed ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim());
+    }
+    Ok(())
 }
 
 impl Drop for NodeAgent {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
         let running: Vec<Running> =
             self.state.lock().map(|mut state| state.running.drain().map(|(_, r)| r).collect()).unwrap_or_default();
         for process in running {

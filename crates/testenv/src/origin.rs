@@ -21,6 +21,10 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::pki::TestCa;
 
+/// The address plain origins listen on instead of 127.0.0.1, when set: one the pods of an external cluster can
+/// reach (for kind, the gateway of its Docker network). `cargo xtask e2e --kind` sets it.
+pub const ORIGIN_HOST_ENV: &str = "EGRESS_TEST_ORIGIN_HOST";
+
 /// A running origin; dropping it stops it.
 pub struct LocalOrigin {
     address: SocketAddr,
@@ -31,7 +35,7 @@ pub struct LocalOrigin {
 }
 
 impl LocalOrigin {
-    /// Starts a plain HTTP origin on a free port of 127.0.0.1.
+    /// Starts a plain HTTP origin on a free port of 127.0.0.1 (or of [`ORIGIN_HOST_ENV`]).
     pub async fn start() -> Result<Self> {
         Self::serve(None).await
     }
@@ -50,7 +54,15 @@ impl LocalOrigin {
     }
 
     async fn serve(tls: Option<TlsAcceptor>) -> Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the local origin")?;
+        // TLS origins stay on loopback: their certificate names localhost and 127.0.0.1.
+        let host = match std::env::var(ORIGIN_HOST_ENV) {
+            Ok(host) if !host.is_empty() && tls.is_none() => {
+                host.parse::<IpAddr>().with_context(|| format!("{ORIGIN_HOST_ENV}={host:?} is not an IP address"))?
+            }
+            _ => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        };
+        let listener =
+            TcpListener::bind((host, 0)).await.with_context(|| format!("binding the local origin on {host}"))?;
         let address = listener.local_addr()?;
         let requests = Arc::new(AtomicU64::new(0));
         let failures = Arc::new(AtomicU64::new(0));
