@@ -4,6 +4,11 @@
 //! client, batched by the SDK's export thread. Every `tracing` span the operator opens (each reconcile, each health
 //! transition, each provider call it instruments) becomes an OpenTelemetry span; the log filter (`RUST_LOG`) decides
 //! which spans exist for both.
+//!
+//! The Compute Engine SDK's own tracing (a gcp provider with `wireLogging: true`) records whole requests, so its
+//! targets never reach these layers: they go only to `egress_provider_gcp::wire_log`, which drops records about
+//! credentials and elides large fields and anything holding user data. It is written in the same format, at debug,
+//! whatever `RUST_LOG` says, because `wireLogging` is already the explicit switch.
 
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -19,6 +24,8 @@ use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer as _};
+
+use egress_provider_gcp::wire_log::{self, WireFormat};
 
 use crate::flags::LogFormat;
 
@@ -85,22 +92,33 @@ impl Telemetry {
 ///
 /// Must run inside the Tokio runtime when `otlp` is set (export requests run on it).
 pub fn init(format: LogFormat, otlp: Option<&Uri>, cluster_id: &str) -> Result<Telemetry> {
+    // Each layer gets its own copy of the filter: a global one would also silence the wire log.
     let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
-    let fmt = match format {
+        || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
+    let (fmt, wire) = match format {
         // Colours only on a terminal: a log file or collector gets plain text.
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()).boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
+        LogFormat::Text => (
+            tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()).boxed(),
+            wire_log::layer(std::io::stdout, WireFormat::Text),
+        ),
+        LogFormat::Json => {
+            (tracing_subscriber::fmt::layer().json().boxed(), wire_log::layer(std::io::stdout, WireFormat::Json))
+        }
     };
+    let fmt = fmt.with_filter(filter()).with_filter(wire_log::not_sdk());
     let (otel, provider) = match otlp {
         Some(url) => {
             let provider = tracer_provider(url, cluster_id)?;
             let tracer = provider.tracer("egress-operator");
-            (Some(tracing_opentelemetry::layer().with_tracer(tracer)), Some(provider))
+            let layer = tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(filter())
+                .with_filter(wire_log::not_sdk());
+            (Some(layer), Some(provider))
         }
         None => (None, None),
     };
-    tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init().context("installing the logger")?;
+    tracing_subscriber::registry().with(fmt).with(otel).with(wire).try_init().context("installing the logger")?;
     if let Some(url) = otlp {
         tracing::info!(endpoint = %url, "exporting traces over OTLP/HTTP");
     }

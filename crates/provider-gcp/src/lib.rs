@@ -22,6 +22,7 @@
 
 pub mod classify;
 pub mod user_data;
+pub mod wire_log;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -117,13 +118,18 @@ impl GcpProvider {
             .with_maximum_delay(Duration::from_secs(2))
             .build()
             .map_err(|error| ProviderError::permanent("the retry backoff").with_source(error))?;
-        // The SDK's own tracing stays off: it records whole requests and responses, whose instance metadata holds
-        // the user data. This provider logs every call itself.
-        let client = Instances::builder()
+        // The SDK's own tracing stays off unless `wireLogging` asks for it: it records whole requests and
+        // responses, whose instance metadata holds the user data, so its records must only be written through
+        // `wire_log`. This provider logs every call itself either way.
+        let mut builder = Instances::builder()
             .with_endpoint(config.endpoint.clone().unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned()))
             .with_credentials(credentials)
             .with_retry_policy(Aip194Strict.with_attempt_limit(ATTEMPTS))
-            .with_backoff_policy(backoff)
+            .with_backoff_policy(backoff);
+        if config.wire_logging {
+            builder = builder.with_tracing();
+        }
+        let client = builder
             .build()
             .await
             .map_err(|error| ProviderError::permanent("building the Compute Engine client").with_source(error))?;

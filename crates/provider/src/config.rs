@@ -103,6 +103,10 @@ pub struct GcpConfig {
     pub credentials_file: Option<PathBuf>,
     /// The Compute Engine endpoint; unset uses Google's. For private endpoints and tests.
     pub endpoint: Option<String>,
+    /// `wireLogging: true` turns on the SDK's own request tracing (whole requests and responses, at debug), which
+    /// the operator logs through a redacting layer: records about auth or tokens dropped, fields over 1 KiB and any
+    /// value holding user data elided. Default false.
+    pub wire_logging: bool,
 }
 
 /// `kvm:` — libvirt guests.
@@ -350,6 +354,17 @@ impl Walker {
         }
     }
 
+    fn boolean(&mut self, node: &Node<'_>, key: &str) -> bool {
+        match node.map.get(key) {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(value)) => *value,
+            Some(other) => {
+                self.problem(node.child(key), format!("must be true or false, found {}", kind_of(other)));
+                false
+            }
+        }
+    }
+
     fn integer(&mut self, node: &Node<'_>, key: &str, min: u64, max: u64) -> Option<u32> {
         let value = node.map.get(key)?;
         match value.as_u64() {
@@ -517,6 +532,7 @@ impl Walker {
                 "firewallTag",
                 "credentialsFile",
                 "endpoint",
+                "wireLogging",
             ],
         )?;
         let project = self.string(&node, "project", true);
@@ -538,6 +554,7 @@ impl Walker {
         let firewall_tag = self.identifier(&node, "firewallTag", false).unwrap_or_else(|| "egress-proxy".into());
         let credentials_file = self.string(&node, "credentialsFile", false).map(PathBuf::from);
         let endpoint = self.url(&node, "endpoint", false);
+        let wire_logging = self.boolean(&node, "wireLogging");
         Some(GcpConfig {
             project: project.filter(|project| is_gcp_project_id(project))?,
             network,
@@ -548,6 +565,7 @@ impl Walker {
             firewall_tag,
             credentials_file,
             endpoint,
+            wire_logging,
         })
     }
 

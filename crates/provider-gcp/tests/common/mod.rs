@@ -60,6 +60,7 @@ pub fn config(fake: &FakeCompute) -> GcpConfig {
         firewall_tag: "egress-proxy".into(),
         credentials_file: Some(key_file(EMAIL)),
         endpoint: Some(fake.url.clone()),
+        wire_logging: false,
     }
 }
 

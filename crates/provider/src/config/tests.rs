@@ -68,12 +68,21 @@ providers:
         (gcp.network.as_str(), gcp.default_machine_type.as_str(), gcp.firewall_tag.as_str()),
         ("default", "e2-micro", "egress-proxy")
     );
+    assert!(!gcp.wire_logging, "the SDK's wire logging is off unless asked for");
     let ProviderSettings::Kvm(kvm) = &config.get("kvm-home").expect("kvm-home").settings else { panic!("kvm") };
     assert_eq!(kvm.hosts[0].port, 22);
     assert_eq!((kvm.hosts[0].pool.as_str(), kvm.hosts[0].bridge.as_str()), ("default", "br0"));
     assert_eq!(kvm.hosts[1].user.as_deref(), Some("virt"));
     assert_eq!((kvm.images["debian12"].format.as_str(), kvm.images["debian12"].firmware.as_str()), ("qcow2", "uefi"));
     assert_eq!(kvm.default_machine_type.as_deref(), Some("small"));
+}
+
+#[test]
+fn gcp_wire_logging_is_an_explicit_switch() {
+    let config = parse("providers:\n  - { name: g, type: gcp, gcp: { project: my-project, wireLogging: true } }\n")
+        .expect("parses");
+    let ProviderSettings::Gcp(gcp) = &config.get("g").expect("g").settings else { panic!("gcp") };
+    assert!(gcp.wire_logging);
 }
 
 #[test]
@@ -131,6 +140,11 @@ fn each_mistake_has_its_message_and_path() {
             "bad endpoint",
             "providers:\n  - { name: a, type: gcp, gcp: { project: my-project, endpoint: ftp://x } }\n",
             r#"providers[0].gcp.endpoint: "ftp://x" must be an http:// or https:// URL"#,
+        ),
+        (
+            "wireLogging not a boolean",
+            "providers:\n  - { name: a, type: gcp, gcp: { project: my-project, wireLogging: \"yes\" } }\n",
+            "providers[0].gcp.wireLogging: must be true or false, found a string",
         ),
         (
             "wrong scalar type",
