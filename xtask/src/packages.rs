@@ -13,6 +13,13 @@ use crate::process::{output, run};
 pub const REQUIRED: &[(&str, &str)] = &[
     ("squid", "real Squid proxies for the kubernetes provider and the node agent"),
     ("openssl", "RSA service-account keys for the gcp provider's tests"),
+    ("pkg-config", "locating libvirt when building the kvm provider"),
+    ("libvirt-dev", "the libvirt client library the kvm provider links"),
+    ("libvirt-daemon-system", "a real libvirtd with directory pools for the kvm provider's tests"),
+    ("qemu-utils", "qemu-img, which libvirt runs to create qcow2 overlays"),
+    ("openssh-server", "sshd on loopback for the kvm provider's SSH tests"),
+    ("netcat-openbsd", "nc, which libvirt runs on the far side of SSH to reach the daemon's socket"),
+    ("genisoimage", "isoinfo, which reads the kvm provider's seed ISOs back in tests"),
 ];
 
 fn installed(package: &str) -> bool {
@@ -43,7 +50,7 @@ pub fn ensure_installed() -> Result<()> {
     run(Command::new("apt-get").args(["update", "-qq"]))?;
     run(Command::new("apt-get")
         .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-qq"])
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing))?;
     Ok(())
 }

@@ -32,6 +32,7 @@ fn constructors() -> Constructors {
     Constructors::new()
         .register("kubernetes", KubernetesProvider::construct)
         .register("gcp", egress_provider_gcp::GcpProvider::construct)
+        .register("kvm", egress_provider_kvm::KvmProvider::construct)
 }
 
 /// Refuses discovery routes while this replica does not lead or is shutting down.
@@ -343,7 +344,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_gcp_provider_is_accepted_and_a_broken_one_reports_why() {
-        assert_eq!(constructors().types(), ["gcp", "kubernetes"]);
+        assert_eq!(constructors().types(), ["gcp", "kubernetes", "kvm"]);
         let text = "providers:\n  - name: gcp-eu\n    type: gcp\n    gcp:\n      project: my-project\n      \
                     defaultZone: europe-west1-b\n      credentialsFile: /nonexistent/key.json\n";
         let config = ProvidersConfig::parse(text, "providers.yaml").expect("a valid config");
@@ -353,5 +354,21 @@ mod tests {
         assert!(!verdicts[0].ready);
         assert_eq!(verdicts[0].reason.as_deref(), Some("ConstructionFailed"));
         assert!(verdicts[0].message.as_deref().unwrap_or_default().contains("/nonexistent/key.json"), "{verdicts:?}");
+    }
+
+    #[tokio::test]
+    async fn a_kvm_provider_is_accepted_and_checked_per_host() {
+        let text = "providers:\n  - name: lab\n    type: kvm\n    kvm:\n      ssh: { privateKeyFile: /nonexistent/key, \
+                    knownHostsFile: /nonexistent/known_hosts }\n      hosts:\n        - { name: rack1, address: 192.0.2.10 }\n      \
+                    images:\n        debian12: { url: \"https://images.example/d.qcow2\", sha256: \
+                    \"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\" }\n";
+        let config = ProvidersConfig::parse(text, "providers.yaml").expect("a valid config");
+        let providers = ProviderSet::build(&config, &constructors(), None).await.expect("kvm is a supported type");
+        let verdicts = providers.check("lab").await;
+        assert_eq!(verdicts.len(), 1, "{verdicts:?}");
+        assert_eq!(verdicts[0].target, "hosts/rack1");
+        assert!(!verdicts[0].ready);
+        // The key file is read at dial time: its absence is reported, and a Secret mounted later heals it.
+        assert!(verdicts[0].message.as_deref().unwrap_or_default().contains("/nonexistent/key"), "{verdicts:?}");
     }
 }

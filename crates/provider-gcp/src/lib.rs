@@ -21,7 +21,6 @@
 //! endpoint can be overridden (`endpoint`) for private endpoints and tests.
 
 pub mod classify;
-pub mod user_data;
 pub mod wire_log;
 
 use std::collections::HashMap;
@@ -181,7 +180,7 @@ impl GcpProvider {
             };
             interface = interface.set_subnetwork(subnetwork);
         }
-        let user_data = String::from_utf8(user_data::for_request(request)).map_err(|_| {
+        let user_data = String::from_utf8(egress_provider::cloud_init::for_request(request)).map_err(|_| {
             ProviderError::permanent("the cloud-init is not UTF-8 text, which instance metadata requires")
         })?;
         Ok(model::Instance::new()

@@ -126,6 +126,11 @@ pub struct KvmConfig {
     pub default_image: Option<String>,
     /// The machine profile for Proxies that give no `placement.machineType`.
     pub default_machine_type: Option<String>,
+    /// cloud-init vendor-data to add beside the provider's own (which installs qemu-guest-agent); any format
+    /// cloud-init accepts as a MIME part (a script, a cloud-config).
+    pub vendor_data: Option<String>,
+    /// The libvirt domain type: `kvm` (default) or `qemu` (emulation, for hosts without hardware virtualisation).
+    pub domain_type: String,
 }
 
 /// SSH settings shared by all hosts.
@@ -144,7 +149,7 @@ pub struct KvmSsh {
 pub struct KvmHost {
     /// The key `placement.zone` uses.
     pub name: String,
-    /// Host name or IP address for SSH.
+    /// Host name or IP address for SSH (`localhost` when `uri` is set and this is not).
     pub address: String,
     /// SSH port. Default 22.
     pub port: u16,
@@ -154,6 +159,11 @@ pub struct KvmHost {
     pub pool: String,
     /// The bridge guests attach to. Default `br0`.
     pub bridge: String,
+    /// The libvirt daemon's socket on the host, when not the system default (`socket=` in the URI).
+    pub socket: Option<String>,
+    /// A libvirt URI used instead of SSH: `qemu:///system` when the operator runs on the host itself, or
+    /// `test:///default` for tests. `address`, `port`, `user` and the ssh settings are then unused.
+    pub uri: Option<String>,
 }
 
 /// A cached guest image.
@@ -573,7 +583,17 @@ impl Walker {
         let node = self.mapping(
             path,
             value,
-            &["ssh", "hosts", "images", "machineTypes", "defaultHost", "defaultImage", "defaultMachineType"],
+            &[
+                "ssh",
+                "hosts",
+                "images",
+                "machineTypes",
+                "defaultHost",
+                "defaultImage",
+                "defaultMachineType",
+                "vendorData",
+                "domainType",
+            ],
         )?;
         let ssh = match node.map.get("ssh") {
             Some(value) => self.kvm_ssh(&node.child("ssh"), value),
@@ -606,7 +626,19 @@ impl Walker {
         let default_image = self.reference(&node, "defaultImage", images.keys().map(String::as_str), "images");
         let default_machine_type =
             self.reference(&node, "defaultMachineType", machine_types.keys().map(String::as_str), "machineTypes");
-        Some(KvmConfig { ssh: ssh?, hosts, images, machine_types, default_host, default_image, default_machine_type })
+        let vendor_data = self.string(&node, "vendorData", false);
+        let domain_type = self.one_of(&node, "domainType", &["kvm", "qemu"]).unwrap_or_else(|| "kvm".into());
+        Some(KvmConfig {
+            ssh: ssh?,
+            hosts,
+            images,
+            machine_types,
+            default_host,
+            default_image,
+            default_machine_type,
+            vendor_data,
+            domain_type,
+        })
     }
 
     /// An optional field that must name one of `known`.
@@ -637,14 +669,29 @@ impl Walker {
     }
 
     fn kvm_host(&mut self, path: &str, value: &Value) -> Option<KvmHost> {
-        let node = self.mapping(path, value, &["name", "address", "port", "user", "pool", "bridge"])?;
+        let node =
+            self.mapping(path, value, &["name", "address", "port", "user", "pool", "bridge", "socket", "uri"])?;
         let name = self.identifier(&node, "name", true);
-        let address = self.string(&node, "address", true);
+        // A host reached through `uri` needs no SSH address.
+        let has_uri = node.map.contains_key("uri");
+        let address = self.string(&node, "address", !has_uri).or_else(|| has_uri.then(|| "localhost".to_owned()));
         let port = self.integer(&node, "port", 1, 65535).and_then(|port| u16::try_from(port).ok()).unwrap_or(22);
         let user = self.string(&node, "user", false);
         let pool = self.string(&node, "pool", false).unwrap_or_else(|| "default".into());
         let bridge = self.string(&node, "bridge", false).unwrap_or_else(|| "br0".into());
-        Some(KvmHost { name: name?, address: address?, port, user, pool, bridge })
+        let socket = self.string(&node, "socket", false);
+        if let Some(socket) = &socket
+            && !socket.starts_with('/')
+        {
+            self.problem(node.child("socket"), format!("{socket:?} must be an absolute path"));
+        }
+        let uri = self.string(&node, "uri", false);
+        if let Some(uri) = &uri
+            && !uri.contains(":///")
+        {
+            self.problem(node.child("uri"), format!("{uri:?} must be a local libvirt URI such as qemu:///system"));
+        }
+        Some(KvmHost { name: name?, address: address?, port, user, pool, bridge, socket, uri })
     }
 
     fn kvm_image(&mut self, path: &str, value: &Value) -> Option<KvmImage> {

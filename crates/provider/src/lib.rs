@@ -12,6 +12,7 @@
 //! - the [`WithMetrics`] decorator;
 //! - Squid's configuration and password file ([`squid`]), the same for every backend.
 
+pub mod cloud_init;
 pub mod config;
 mod error;
 mod instance;

@@ -74,7 +74,18 @@ providers:
     assert_eq!((kvm.hosts[0].pool.as_str(), kvm.hosts[0].bridge.as_str()), ("default", "br0"));
     assert_eq!(kvm.hosts[1].user.as_deref(), Some("virt"));
     assert_eq!((kvm.images["debian12"].format.as_str(), kvm.images["debian12"].firmware.as_str()), ("qcow2", "uefi"));
+    assert_eq!((kvm.domain_type.as_str(), kvm.vendor_data.as_deref()), ("kvm", None));
+    assert_eq!((kvm.hosts[0].socket.as_deref(), kvm.hosts[0].uri.as_deref()), (None, None));
     assert_eq!(kvm.default_machine_type.as_deref(), Some("small"));
+}
+
+#[test]
+fn a_kvm_host_with_a_local_uri_needs_no_address() {
+    let text = KVM_OK.replace("{ name: rack1, address: 192.0.2.10 }", "{ name: rack1, uri: \"test:///default\" }");
+    let config = parse(&text).expect("parses");
+    let ProviderSettings::Kvm(kvm) = &config.get("kvm-home").expect("kvm-home").settings else { panic!("kvm") };
+    assert_eq!(kvm.hosts[0].uri.as_deref(), Some("test:///default"));
+    assert_eq!(kvm.hosts[0].address, "localhost");
 }
 
 #[test]
@@ -229,6 +240,21 @@ fn kvm_mistakes_have_their_paths() {
             "unknown default",
             with("defaultMachineType: small", "defaultMachineType: huge"),
             r#"providers[0].kvm.defaultMachineType: "huge" is not one of the machineTypes: small"#,
+        ),
+        (
+            "relative socket",
+            with("bridge: br1 }", "bridge: br1, socket: run/libvirt-sock }"),
+            r#"providers[0].kvm.hosts[1].socket: "run/libvirt-sock" must be an absolute path"#,
+        ),
+        (
+            "remote uri",
+            with("bridge: br1 }", "bridge: br1, uri: \"qemu+ssh://h/system\" }"),
+            r#"providers[0].kvm.hosts[1].uri: "qemu+ssh://h/system" must be a local libvirt URI"#,
+        ),
+        (
+            "bad domain type",
+            with("defaultMachineType: small", "defaultMachineType: small\n      domainType: xen"),
+            r#"providers[0].kvm.domainType: "xen" is not one of: kvm, qemu"#,
         ),
         (
             "port out of range",

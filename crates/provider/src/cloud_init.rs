@@ -1,7 +1,8 @@
-//! The `user-data` a VM boots with: the Proxy's own cloud-init, or one that installs and configures Squid.
+//! The `user-data` a VM boots with: the Proxy's own cloud-init, or one that installs and configures Squid. Shared
+//! by the VM backends (gcp, kvm).
 
-use egress_provider::CreateRequest;
-use egress_provider::squid;
+use crate::CreateRequest;
+use crate::squid;
 
 /// Where the default cloud-init writes the password file on the VM.
 const PASSWORD_FILE: &str = "/etc/squid/egress-passwd";
@@ -15,7 +16,8 @@ pub fn for_request(request: &CreateRequest) -> Vec<u8> {
 }
 
 /// A cloud-config that installs Squid from the image's packages, listening on the request's port, requiring the
-/// request's credentials when it has any. The firewall rule decides who may connect (see docs/providers/gcp.md).
+/// request's credentials when it has any. The network decides who may connect (a firewall rule on GCP, the bridge's
+/// network on KVM).
 pub fn default_cloud_init(request: &CreateRequest) -> String {
     let with_auth = request.credentials.is_some();
     let mut conf = format!(
@@ -71,7 +73,7 @@ fn file_entry(path: &str, permissions: &str, content: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use egress_provider::{ProxyCredentials, Sensitive, Tags};
+    use crate::{ProxyCredentials, Sensitive, Tags};
 
     use super::*;
 
