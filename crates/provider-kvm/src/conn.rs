@@ -94,7 +94,12 @@ impl Host {
     {
         let mut slot = self.slot.lock().await;
         let live = match slot.take() {
-            Some(live) => live,
+            // A connection whose peer went away (noticed by the event loop or a failed keepalive) is not used.
+            Some(live) if live.connect().is_alive().unwrap_or(false) => live,
+            Some(_) => {
+                tracing::debug!(host = %self.name, "the libvirt connection was lost; dialling again");
+                self.dial().await?
+            }
             None => self.dial().await?,
         };
         let started = Instant::now();

@@ -138,8 +138,12 @@ impl KvmProvider {
     }
 }
 
-/// The reqwest client image downloads use: rustls with ring and the system's roots, no process-wide provider.
-fn http_client() -> Result<reqwest::Client, ProviderError> {
+/// The HTTP client image downloads use: rustls with ring and the system's roots (no process-wide TLS provider is
+/// installed), a connect timeout, and an overall bound per download.
+///
+/// # Errors
+/// The TLS configuration or the client cannot be built (Permanent).
+pub fn http_client() -> Result<reqwest::Client, ProviderError> {
     let mut roots = rustls::RootCertStore::empty();
     let loaded = rustls_native_certs::load_native_certs();
     for certificate in loaded.certs {
