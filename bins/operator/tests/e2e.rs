@@ -182,12 +182,14 @@ impl Env {
     }
 
     /// A discovery client for the operator, once its discovery view has synced.
-    async fn discovery(&self, operator: &OperatorProcess) -> DiscoveryClient {
+    /// A discovery client, once the operator's view lists `expected` proxies: a Proxy the API already shows Ready
+    /// reaches the operator's store a moment later, and a lease taken before that sees fewer proxies.
+    async fn discovery(&self, operator: &OperatorProcess, expected: usize) -> DiscoveryClient {
         let client = DiscoveryClient::new(&operator.discovery_url, Some(self.token.clone())).expect("client");
         let probe = client.clone();
-        eventually("discovery to list proxies", WAIT, || {
+        eventually(&format!("discovery to list {expected} proxies"), WAIT, || {
             let probe = probe.clone();
-            async move { probe.proxies(None, None).await.ok().filter(|proxies| !proxies.is_empty()).map(|_| ()) }
+            async move { probe.proxies(None, None).await.ok().filter(|proxies| proxies.len() == expected).map(|_| ()) }
         })
         .await;
         client
@@ -243,7 +245,7 @@ async fn proxies_serve_leases_survive_failures_and_are_cleaned_up() {
     .await;
 
     // A ban cools one proxy down for that site only.
-    let discovery = env.discovery(&operator).await;
+    let discovery = env.discovery(&operator, names.len()).await;
     let banned_lease = discovery.lease(LeaseOptions::for_target("www.shop.example.com")).await.expect("lease");
     let banned = banned_lease.proxy();
     banned_lease.report(Outcome::Banned, Some(403)).await.expect("report");
@@ -393,7 +395,7 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
         Err(ClientError::Unavailable { reason, .. }) => assert_eq!(reason, "not-serving"),
         other => panic!("the follower must refuse leases, got {:?}", other.map(|lease| lease.id().to_owned())),
     }
-    let serving = env.discovery(leader).await;
+    let serving = env.discovery(leader, 1).await;
     serving
         .lease(LeaseOptions::for_target("example.com"))
         .await
@@ -406,7 +408,7 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
     assert!(leader.terminate(Duration::from_secs(30)).await, "the leader stops on SIGTERM");
     eventually("the follower to take over", WAIT, || async { (role(follower).await == Some("leader")).then_some(()) })
         .await;
-    let taken_over = env.discovery(follower).await;
+    let taken_over = env.discovery(follower, 1).await;
     taken_over
         .lease(LeaseOptions::for_target("example.com"))
         .await
