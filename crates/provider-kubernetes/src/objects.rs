@@ -204,16 +204,7 @@ mod tests {
     use super::*;
 
     fn request() -> CreateRequest {
-        CreateRequest {
-            name: "px-abc".into(),
-            zone: None,
-            machine_type: None,
-            image: None,
-            cloud_init: None,
-            port: 3128,
-            credentials: None,
-            tags: Tags::gc_contract("prod", "0b6f6a2e-uid", "340e470e78ddee5a"),
-        }
+        CreateRequest::new("px-abc", 3128, Tags::gc_contract("prod", "0b6f6a2e-uid", "340e470e78ddee5a"))
     }
 
     #[test]

@@ -36,16 +36,7 @@ fn provider(ns: &TestNamespace) -> KubernetesProvider {
 /// A request as the reconciler would make it for the Proxy `uid`.
 fn request(uid: &str) -> CreateRequest {
     let hash = "340e470e78ddee5a";
-    CreateRequest {
-        name: instance_name(uid, hash),
-        zone: None,
-        machine_type: None,
-        image: None,
-        cloud_init: None,
-        port: 3128,
-        credentials: None,
-        tags: Tags::gc_contract(CLUSTER, uid, hash),
-    }
+    CreateRequest::new(instance_name(uid, hash), 3128, Tags::gc_contract(CLUSTER, uid, hash))
 }
 
 /// Waits until the instance runs; a pod the node agent reports Failed ends the wait with the agent's message.

@@ -106,14 +106,8 @@ mod tests {
 
     fn request(cloud_init: Option<&str>) -> CreateRequest {
         CreateRequest {
-            name: "px-a".into(),
-            zone: None,
-            machine_type: None,
-            image: None,
             cloud_init: cloud_init.map(|text| Sensitive::new(text.as_bytes().to_vec())),
-            port: 3128,
-            credentials: None,
-            tags: Tags::gc_contract("c1", "uid", "hash"),
+            ..CreateRequest::new("px-a", 3128, Tags::gc_contract("c1", "uid", "hash"))
         }
     }
 

@@ -93,14 +93,8 @@ fn isoinfo(args: &[&str], path: &str) -> Vec<u8> {
 
 fn request(name: &str) -> CreateRequest {
     CreateRequest {
-        name: name.into(),
-        zone: None,
-        machine_type: None,
-        image: None,
         cloud_init: Some(Sensitive::new(b"#cloud-config\nhostname: from-the-proxy\n".to_vec())),
-        port: 3128,
-        credentials: None,
-        tags: Tags::gc_contract("c1", &format!("uid-{name}"), "hash"),
+        ..CreateRequest::new(name, 3128, Tags::gc_contract("c1", &format!("uid-{name}"), "hash"))
     }
 }
 

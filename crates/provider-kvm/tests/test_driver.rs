@@ -76,14 +76,8 @@ fn volumes(conn: &Connect) -> Vec<String> {
 
 fn request(name: &str, cluster: &str) -> CreateRequest {
     CreateRequest {
-        name: name.into(),
         zone: Some("lab".into()),
-        machine_type: None,
-        image: None,
-        cloud_init: None,
-        port: 3128,
-        credentials: None,
-        tags: Tags::gc_contract(cluster, &format!("uid-{name}"), "abc"),
+        ..CreateRequest::new(name, 3128, Tags::gc_contract(cluster, &format!("uid-{name}"), "abc"))
     }
 }
 

@@ -78,16 +78,7 @@ mod tests {
     use super::*;
 
     fn request() -> CreateRequest {
-        CreateRequest {
-            name: "px-a".into(),
-            zone: None,
-            machine_type: None,
-            image: None,
-            cloud_init: None,
-            port: 3128,
-            credentials: None,
-            tags: Tags::new(),
-        }
+        CreateRequest::new("px-a", 3128, Tags::new())
     }
 
     #[test]

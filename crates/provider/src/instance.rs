@@ -116,6 +116,23 @@ pub struct CreateRequest {
     pub tags: Tags,
 }
 
+impl CreateRequest {
+    /// A request for instance `name` listening on `port` with `tags`, and every placement, cloud-init and
+    /// credential left to the provider's defaults (set the public fields to change them).
+    pub fn new(name: impl Into<String>, port: u16, tags: Tags) -> Self {
+        Self {
+            name: name.into(),
+            zone: None,
+            machine_type: None,
+            image: None,
+            cloud_init: None,
+            port,
+            credentials: None,
+            tags,
+        }
+    }
+}
+
 /// String tags on an instance. The GC contract keys say who owns it; backends map them onto labels, metadata or
 /// whatever the platform offers.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -212,17 +229,12 @@ mod tests {
     #[test]
     fn secrets_do_not_show_in_debug_output() {
         let request = CreateRequest {
-            name: "px-a".into(),
-            zone: None,
-            machine_type: None,
-            image: None,
             cloud_init: Some(Sensitive::new(b"#cloud-config\npassword: hunter2\n".to_vec())),
-            port: 3128,
             credentials: Some(ProxyCredentials {
                 username: "crawler".into(),
                 password: Sensitive::new("s3cret".into()),
             }),
-            tags: Tags::new(),
+            ..CreateRequest::new("px-a", 3128, Tags::new())
         };
         let shown = format!("{request:?}");
         assert!(!shown.contains("hunter2") && !shown.contains("s3cret"), "{shown}");

@@ -69,14 +69,5 @@ pub async fn provider(fake: &FakeCompute) -> GcpProvider {
 }
 
 pub fn request(name: &str, cluster: &str) -> CreateRequest {
-    CreateRequest {
-        name: name.into(),
-        zone: None,
-        machine_type: None,
-        image: None,
-        cloud_init: None,
-        port: 3128,
-        credentials: None,
-        tags: Tags::gc_contract(cluster, &format!("uid-{name}"), "340e470e78ddee5a"),
-    }
+    CreateRequest::new(name, 3128, Tags::gc_contract(cluster, &format!("uid-{name}"), "340e470e78ddee5a"))
 }
