@@ -29,7 +29,10 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
-use crate::squid::{START_TIMEOUT, Wrapped, next_loopback_address, read_tail, squid_binary, wait_accepting};
+use crate::squid::{
+    START_TIMEOUT, Wrapped, next_loopback_address, read_tail, remove_shared_memory, service_name, squid_binary,
+    wait_accepting,
+};
 
 /// The node every agent binds pods to.
 pub const NODE_NAME: &str = "egress-local";
@@ -51,6 +54,7 @@ impl Running {
     fn stop(self) {
         self.process.stop();
         let _ = fs::remove_dir_all(&self.dir);
+        remove_shared_memory(&service_name(&self.dir));
     }
 }
 
@@ -353,14 +357,12 @@ async fn prepare(client: &Client, pod: &Pod, namespace: &str, name: &str) -> Res
             fs::write(&conf, rewrite_squid_config(&text, ip, &dir, &rewrites))?;
         }
     }
-    let mut command: Vec<String> =
+    let command: Vec<String> =
         container.command.iter().flatten().chain(container.args.iter().flatten()).cloned().collect();
     if command.is_empty() {
         bail!("the container has no command; the local node agent does not know the image's entrypoint");
     }
-    for part in &mut command {
-        *part = apply_rewrites(part, &rewrites);
-    }
+    let command = rewrite_command(&command, &rewrites, &service_name(&dir));
     let script = command.iter().map(|part| shell_quote(part)).collect::<Vec<_>>().join(" ");
     Ok(Some(Prepared {
         namespace: namespace.into(),
@@ -371,6 +373,15 @@ async fn prepare(client: &Client, pod: &Pod, namespace: &str, name: &str) -> Res
         dir,
         script,
     }))
+}
+
+/// The pod's command with its mount paths rewritten, and each `squid -N` given the service name `service` (so
+/// its shared-memory segments do not collide with another pod's, as standalone test Squids do).
+fn rewrite_command(command: &[String], rewrites: &[(String, String)], service: &str) -> Vec<String> {
+    command
+        .iter()
+        .map(|part| apply_rewrites(part, rewrites).replace("squid -N ", &format!("squid -N -n {service} ")))
+        .collect()
 }
 
 fn cleanup_and_wait(dir: &Path) -> Result<Option<Prepared>> {
@@ -507,6 +518,21 @@ mod tests {
         assert!(out.contains("pid_filename /tmp/p/squid.pid\n"));
         assert!(out.contains("coredump_dir /tmp/p\n"));
         assert!(out.contains("cache deny all\n"), "other lines are untouched");
+    }
+
+    #[test]
+    fn each_pod_squid_gets_its_own_service_name() {
+        let mounts = vec![("/etc/squid-egress".to_owned(), "/tmp/egress-pod-ab12/root/etc/squid-egress".to_owned())];
+        let command = [
+            "sh".to_owned(),
+            "-c".to_owned(),
+            "ulimit -n 16384 && exec squid -N -f /etc/squid-egress/squid.conf".to_owned(),
+        ];
+        let rewritten = rewrite_command(&command, &mounts, "egresspodab12");
+        assert_eq!(
+            rewritten[2],
+            "ulimit -n 16384 && exec squid -N -n egresspodab12 -f /tmp/egress-pod-ab12/root/etc/squid-egress/squid.conf"
+        );
     }
 
     #[test]

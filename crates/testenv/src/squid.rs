@@ -181,12 +181,7 @@ impl Squid {
         fs::write(&conf_path, conf)?;
         fs::set_permissions(&conf_path, fs::Permissions::from_mode(0o644))?;
         let log = dir.join("output.log");
-        // A service name of its own: Squid names its shared-memory segments after it (`/squid-cf__metadata.shm` by
-        // default), so two test Squids starting at once could otherwise refuse each other with "File exists".
-        let service: String = dir
-            .file_name()
-            .map(|name| name.to_string_lossy().chars().filter(char::is_ascii_alphanumeric).collect())
-            .unwrap_or_default();
+        let service = service_name(&dir);
         let process =
             Wrapped::spawn(&format!("'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()), &log)?;
         if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
@@ -216,13 +211,29 @@ impl Drop for Squid {
             process.stop();
         }
         let _ = fs::remove_dir_all(&self.dir);
-        // A killed Squid leaves its shared-memory segments behind.
-        if let Ok(entries) = fs::read_dir("/dev/shm") {
-            let prefix = format!("{}-", self.service);
-            for entry in entries.flatten() {
-                if entry.file_name().to_string_lossy().starts_with(&prefix) {
-                    let _ = fs::remove_file(entry.path());
-                }
+        remove_shared_memory(&self.service);
+    }
+}
+
+/// A Squid service name (`-n`) of its own, from the Squid's temp directory. Squid names its shared-memory segments
+/// after the service (`/squid-cf__metadata.shm` by default), so two test Squids starting at once could otherwise
+/// refuse each other with "File exists".
+pub(crate) fn service_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|name| name.to_string_lossy().chars().filter(char::is_ascii_alphanumeric).collect())
+        .unwrap_or_default()
+}
+
+/// Removes the shared-memory segments of Squid service `service`, which a killed Squid leaves behind.
+pub(crate) fn remove_shared_memory(service: &str) {
+    if service.is_empty() {
+        return;
+    }
+    if let Ok(entries) = fs::read_dir("/dev/shm") {
+        let prefix = format!("{service}-");
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = fs::remove_file(entry.path());
             }
         }
     }
