@@ -73,22 +73,8 @@ pub fn build(label: &str, files: &[File]) -> Result<Vec<u8>, IsoError> {
     let total_sectors = next;
     let (primary_root, joliet_root) = (FIRST_DATA - 2, FIRST_DATA - 1);
 
-    let mut primary_dir = Vec::new();
-    primary_dir.extend(record(primary_root, SECTOR, true, &[0]));
-    primary_dir.extend(record(primary_root, SECTOR, true, &[1]));
-    let mut by_primary: Vec<&Entry> = entries.iter().collect();
-    by_primary.sort_by(|a, b| a.primary.cmp(&b.primary));
-    for entry in by_primary {
-        primary_dir.extend(record(entry.sector, entry.data.len(), false, &entry.primary));
-    }
-    let mut joliet_dir = Vec::new();
-    joliet_dir.extend(record(joliet_root, SECTOR, true, &[0]));
-    joliet_dir.extend(record(joliet_root, SECTOR, true, &[1]));
-    let mut by_joliet: Vec<&Entry> = entries.iter().collect();
-    by_joliet.sort_by(|a, b| a.joliet.cmp(&b.joliet));
-    for entry in by_joliet {
-        joliet_dir.extend(record(entry.sector, entry.data.len(), false, &entry.joliet));
-    }
+    let primary_dir = directory(primary_root, &entries, |entry| entry.primary.as_slice());
+    let joliet_dir = directory(joliet_root, &entries, |entry| entry.joliet.as_slice());
     if primary_dir.len() > SECTOR || joliet_dir.len() > SECTOR {
         return Err(IsoError::TooManyFiles);
     }
@@ -111,6 +97,19 @@ pub fn build(label: &str, files: &[File]) -> Result<Vec<u8>, IsoError> {
         put(entry.sector, entry.data);
     }
     Ok(image)
+}
+
+/// A root directory at `sector`: `.`, `..`, then the entries sorted by the name `name` picks.
+fn directory<'a>(sector: usize, entries: &'a [Entry<'a>], name: impl Fn(&'a Entry<'a>) -> &'a [u8]) -> Vec<u8> {
+    let mut directory = Vec::new();
+    directory.extend(record(sector, SECTOR, true, &[0]));
+    directory.extend(record(sector, SECTOR, true, &[1]));
+    let mut sorted: Vec<&'a Entry<'a>> = entries.iter().collect();
+    sorted.sort_by(|a, b| name(a).cmp(name(b)));
+    for entry in sorted {
+        directory.extend(record(entry.sector, entry.data.len(), false, name(entry)));
+    }
+    directory
 }
 
 struct Entry<'a> {

@@ -150,14 +150,7 @@ impl ControlPlane {
         let started = Instant::now();
         let config = Kubeconfig::read_from(kubeconfig)
             .with_context(|| format!("reading the external cluster's kubeconfig {}", kubeconfig.display()))?;
-        let context_name = config.current_context.clone().context("the kubeconfig has no current-context")?;
-        let cluster_name = config
-            .contexts
-            .iter()
-            .find(|context| context.name == context_name)
-            .and_then(|context| context.context.as_ref())
-            .map(|context| context.cluster.clone())
-            .with_context(|| format!("the kubeconfig has no context {context_name:?}"))?;
+        let cluster_name = current_context(&config)?.cluster.clone();
         let server_url = config
             .clusters
             .iter()
@@ -195,13 +188,8 @@ impl ControlPlane {
     pub fn write_kubeconfig_as(&self, path: &Path, user: &str, groups: &[&str]) -> Result<()> {
         let mut config = Kubeconfig::read_from(&self.kubeconfig_path)
             .with_context(|| format!("reading {}", self.kubeconfig_path.display()))?;
-        let context_name = config.current_context.clone().context("the kubeconfig has no current-context")?;
-        let user_name = config
-            .contexts
-            .iter()
-            .find(|context| context.name == context_name)
-            .and_then(|context| context.context.as_ref()?.user.clone())
-            .with_context(|| format!("the kubeconfig's context {context_name:?} names no user"))?;
+        let context = current_context(&config)?;
+        let user_name = context.user.clone().context("the kubeconfig's current context names no user")?;
         let auth = config
             .auth_infos
             .iter_mut()
@@ -329,6 +317,17 @@ impl Drop for Local {
         }
         let _ = fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The kubeconfig's current context.
+fn current_context(config: &Kubeconfig) -> Result<&kube::config::Context> {
+    let name = config.current_context.as_deref().context("the kubeconfig has no current-context")?;
+    config
+        .contexts
+        .iter()
+        .find(|context| context.name == name)
+        .and_then(|context| context.context.as_ref())
+        .with_context(|| format!("the kubeconfig has no context {name:?}"))
 }
 
 /// The workspace's `crds/` directory.
