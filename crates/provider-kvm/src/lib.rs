@@ -285,28 +285,40 @@ impl Provider for KvmProvider {
                 created_unix: unix_now(),
             };
             let definition = xml::domain(&spec);
-            let host_name = host.name.clone();
             host.call("domainDefineAndStart", &request.name, move |conn| {
                 let domain = Domain::define_xml(conn, &definition)?;
                 if let Err(error) = domain.create() {
                     let _ = domain.undefine_flags(undefine_flags());
                     return Err(error);
                 }
-                observe(&domain, &host_name)
+                Ok(())
             })
             .await
         }
         .await;
-        match made {
-            Ok(observed) => observed.into_instance().map_err(ProviderError::permanent),
-            Err(error) => {
-                // Never leave a half-made guest: what this call created goes again.
-                if let Err(cleanup) = self.delete_volumes(&host, &request.name).await {
-                    tracing::warn!(host = %host.name, instance = %request.name, error = %cleanup.chain(),
-                        "removing the volumes of a failed create");
+        if let Err(error) = made {
+            // Never leave a half-made guest: what this call created goes again, unless a domain exists after all
+            // (a call that timed out may still have defined it), which owns the volumes now.
+            match self.read(&host, &request.name).await {
+                Ok(None) => {
+                    if let Err(cleanup) = self.delete_volumes(&host, &request.name).await {
+                        tracing::warn!(host = %host.name, instance = %request.name, error = %cleanup.chain(),
+                            "removing the volumes of a failed create");
+                    }
                 }
-                Err(error)
+                Ok(Some(_)) => {}
+                Err(read) => tracing::warn!(host = %host.name, instance = %request.name, error = %read.chain(),
+                    "a failed create's volumes are left until the domain's state is known"),
             }
+            return Err(error);
+        }
+        // The guest runs; a failure to read it back now is for the next reconcile's get, never a reason to clean up.
+        match self.read(&host, &request.name).await? {
+            Some(instance) => Ok(instance),
+            None => Err(ProviderError::transient(format!(
+                "domain {} on host {} was started but is gone again",
+                request.name, host.name
+            ))),
         }
     }
 
