@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use egress_provider::ProviderError;
 use egress_provider::config::KvmImage;
@@ -30,6 +32,32 @@ const READ_BUFFER: usize = 256 * 1024;
 pub struct ImageCache {
     http: reqwest::Client,
     locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Background downloads started by [`ImageCache::ready_or_start`], by `<host>/<base volume>`.
+    jobs: std::sync::Mutex<HashMap<String, Job>>,
+}
+
+/// A background download.
+enum Job {
+    Running {
+        started: Instant,
+        received: Arc<AtomicU64>,
+    },
+    /// Its error, handed to the next caller (who may start it again).
+    Failed(ProviderError),
+}
+
+/// Whether an image can be used on a host yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// The verified base volume's path.
+    Ready(String),
+    /// Being downloaded in the background.
+    Downloading {
+        /// Bytes received so far.
+        received: u64,
+        /// Seconds since the download started.
+        seconds: u64,
+    },
 }
 
 /// What the pool holds for one image.
@@ -42,11 +70,76 @@ struct Cached {
 impl ImageCache {
     /// A cache downloading with `http`.
     pub fn new(http: reqwest::Client) -> Self {
-        Self { http, locks: std::sync::Mutex::default() }
+        Self { http, locks: std::sync::Mutex::default(), jobs: std::sync::Mutex::default() }
+    }
+
+    /// The base volume's path when the image is cached on `host`; otherwise starts (or reports on) a background
+    /// download, so a create never waits minutes for one. A failed download's error is returned once, to the
+    /// next caller, and the call after that starts over.
+    pub async fn ready_or_start(
+        self: &Arc<Self>,
+        host: &Arc<Host>,
+        key: &str,
+        image: &KvmImage,
+    ) -> Result<Readiness, ProviderError> {
+        let base = names::base_volume(key, &image.sha256);
+        let job_key = format!("{}/{base}", host.name);
+        // Taken out in a statement of its own: the guard must be gone before the arms lock again.
+        let job = self.jobs.lock().expect("image jobs").remove(&job_key);
+        match job {
+            Some(Job::Failed(error)) => return Err(error),
+            Some(Job::Running { started, received }) => {
+                let progress = Readiness::Downloading {
+                    received: received.load(Ordering::Relaxed),
+                    seconds: started.elapsed().as_secs(),
+                };
+                self.jobs.lock().expect("image jobs").insert(job_key, Job::Running { started, received });
+                return Ok(progress);
+            }
+            None => {}
+        }
+        let cached = inspect(host, &base, &names::marker_volume(key, &image.sha256)).await?;
+        if let Cached { base_path: Some(path), marked: true, .. } = cached {
+            return Ok(Readiness::Ready(path));
+        }
+        let received = Arc::new(AtomicU64::new(0));
+        let mut jobs = self.jobs.lock().expect("image jobs");
+        if jobs.contains_key(&job_key) {
+            // Another caller started it while this one looked at the pool.
+            return Ok(Readiness::Downloading { received: 0, seconds: 0 });
+        }
+        jobs.insert(job_key.clone(), Job::Running { started: Instant::now(), received: received.clone() });
+        drop(jobs);
+        let (cache, host, key, image) = (self.clone(), host.clone(), key.to_owned(), image.clone());
+        tokio::spawn(async move {
+            let outcome = cache.ensure_counting(&host, &key, &image, &received).await;
+            let mut jobs = cache.jobs.lock().expect("image jobs");
+            match outcome {
+                Ok(_) => {
+                    jobs.remove(&job_key);
+                }
+                Err(error) => {
+                    tracing::warn!(host = %host.name, image = %key, error = %error.chain(), "an image download failed");
+                    jobs.insert(job_key, Job::Failed(error));
+                }
+            }
+        });
+        Ok(Readiness::Downloading { received: 0, seconds: 0 })
     }
 
     /// The path of the verified base volume for image `key` on `host`, downloading it first when needed.
     pub async fn ensure(&self, host: &Arc<Host>, key: &str, image: &KvmImage) -> Result<String, ProviderError> {
+        self.ensure_counting(host, key, image, &AtomicU64::new(0)).await
+    }
+
+    /// [`ImageCache::ensure`], counting the bytes received in `received`.
+    async fn ensure_counting(
+        &self,
+        host: &Arc<Host>,
+        key: &str,
+        image: &KvmImage,
+        received: &AtomicU64,
+    ) -> Result<String, ProviderError> {
         let base = names::base_volume(key, &image.sha256);
         let lock = {
             let mut locks = self.locks.lock().expect("image locks");
@@ -76,13 +169,19 @@ impl ImageCache {
             }
             Cached { base_path: None, .. } => {}
         }
-        let path = self.download(host, &base, image).await?;
+        let path = self.download(host, &base, image, received).await?;
         create_marker(host, key, image).await?;
         Ok(path)
     }
 
     /// Streams `image` into a new volume `base`, verifying its checksum; on any failure the volume is deleted.
-    async fn download(&self, host: &Arc<Host>, base: &str, image: &KvmImage) -> Result<String, ProviderError> {
+    async fn download(
+        &self,
+        host: &Arc<Host>,
+        base: &str,
+        image: &KvmImage,
+        received: &AtomicU64,
+    ) -> Result<String, ProviderError> {
         tracing::info!(host = %host.name, volume = base, url = %image.url, "downloading an image into the pool");
         let response = self.http.get(&image.url).send().await.map_err(|error| {
             ProviderError::transient(format!("downloading {}: {error}", image.url)).with_source(error)
@@ -142,6 +241,7 @@ impl ImageCache {
         loop {
             match response.chunk().await {
                 Ok(Some(chunk)) => {
+                    received.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                     if sender.send(chunk.to_vec()).await.is_err() {
                         break; // the upload failed; its error is reported below
                     }

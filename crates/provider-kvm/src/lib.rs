@@ -44,7 +44,7 @@ const DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 pub struct KvmProvider {
     config: KvmConfig,
     hosts: BTreeMap<String, Arc<Host>>,
-    images: ImageCache,
+    images: Arc<ImageCache>,
 }
 
 impl KvmProvider {
@@ -56,7 +56,7 @@ impl KvmProvider {
     pub fn new(config: KvmConfig) -> Result<Self, ProviderError> {
         let hosts =
             config.hosts.iter().map(|host| (host.name.clone(), Arc::new(Host::new(host, &config.ssh)))).collect();
-        Ok(Self { images: ImageCache::new(http_client()?), hosts, config })
+        Ok(Self { images: Arc::new(ImageCache::new(http_client()?)), hosts, config })
     }
 
     /// The registry's constructor for `type: kvm`.
@@ -262,7 +262,17 @@ impl Provider for KvmProvider {
         }
         tracing::debug!(host = %host.name, instance = %request.name, image = image_key, "creating a guest");
 
-        let base = self.images.ensure(&host, image_key, image).await?;
+        let base = match self.images.ready_or_start(&host, image_key, image).await? {
+            images::Readiness::Ready(path) => path,
+            images::Readiness::Downloading { received, seconds } => {
+                return Err(ProviderError::transient(format!(
+                    "image {image_key} is being downloaded to host {} ({} MiB after {seconds} s); the guest is \
+                     created once it is cached",
+                    host.name,
+                    received >> 20
+                )));
+            }
+        };
         let seed = seed::image(request, self.config.vendor_data.as_deref())
             .map_err(|error| ProviderError::permanent("building the seed ISO").with_source(error))?;
         let capacity = u64::from(machine.disk_gib) << 30;

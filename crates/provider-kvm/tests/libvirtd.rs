@@ -9,13 +9,13 @@ use std::process::Command;
 use std::sync::Arc;
 
 use egress_provider::config::{KvmConfig, KvmHost, KvmImage, KvmSsh};
-use egress_provider::{Checker, CreateRequest, ErrorClass, Provider, Sensitive, Tags};
+use egress_provider::{Checker, CreateRequest, ErrorClass, Provider, ProviderError, Sensitive, Tags};
 use egress_provider_kvm::conn::Host;
 use egress_provider_kvm::images::{self, ImageCache};
 use egress_provider_kvm::{KvmProvider, names, seed};
 use support::{ImageServer, Libvirtd, Sshd, exclusive, hex, pool_volumes};
 
-const POOL: &str = "egress-test";
+const POOL: &str = "egress-test-pool";
 
 fn image(url: &str, sha256: &str) -> KvmImage {
     KvmImage { url: url.into(), sha256: sha256.into(), format: "raw".into(), firmware: "bios".into() }
@@ -98,6 +98,22 @@ fn request(name: &str) -> CreateRequest {
     }
 }
 
+/// Calls `create` every 50 ms, for at most 30 s, until its error satisfies `done`; returns that error.
+async fn until<F, Fut>(create: F, done: impl Fn(&ProviderError) -> bool) -> ProviderError
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<egress_provider::Instance, ProviderError>>,
+{
+    for _ in 0..600 {
+        match create().await {
+            Ok(instance) => panic!("no guest can start here, yet {instance:?}"),
+            Err(error) if done(&error) => return error,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
+    panic!("the create still waited for its image after 30 s");
+}
+
 #[tokio::test]
 async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     let _serial = exclusive().await;
@@ -148,25 +164,49 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     assert_eq!(error.class(), ErrorClass::Permanent, "{error}");
 
     // The seed: a cidata ISO with the Proxy's user data byte for byte, meta-data and vendor-data.
-    let request = request("px-seed");
-    let seed_path = images::put_volume(
-        &host,
-        "px-seed-seed.iso",
-        seed::image(&request, Some("#!/bin/sh\necho hi\n")).expect("iso"),
-    )
-    .await
-    .expect("the seed volume");
+    let seeded = request("px-seed");
+    let seed_path =
+        images::put_volume(&host, "px-seed-seed.iso", seed::image(&seeded, Some("#!/bin/sh\necho hi\n")).expect("iso"))
+            .await
+            .expect("the seed volume");
     let header = String::from_utf8_lossy(&isoinfo(&["-d"], &seed_path)).into_owned();
     assert!(header.contains("Volume id: cidata"), "{header}");
     assert!(header.contains("Joliet"), "{header}");
     assert_eq!(
         isoinfo(&["-J", "-x", "/user-data"], &seed_path),
-        request.cloud_init.as_ref().expect("set").expose().as_slice()
+        seeded.cloud_init.as_ref().expect("set").expose().as_slice()
     );
     let meta = String::from_utf8(isoinfo(&["-J", "-x", "/meta-data"], &seed_path)).expect("utf-8");
     assert_eq!(meta, "instance-id: px-seed\nlocal-hostname: px-seed\n");
     let vendor = String::from_utf8(isoinfo(&["-J", "-x", "/vendor-data"], &seed_path)).expect("utf-8");
     assert!(vendor.contains("qemu-guest-agent") && vendor.contains("echo hi"), "{vendor}");
+
+    // A create on a host without its image starts a background download and says so, as a Transient error; once
+    // the image is cached the create goes past it (and here fails at the guest's start, see below). A background
+    // download that fails hands its error to the next create.
+    let (late_url, late_sha) = server.put("late.img", image_bytes(2 << 20, 4));
+    let background = KvmProvider::new(config(
+        vec![local_host(&daemon, POOL)],
+        ssh(None),
+        BTreeMap::from([
+            ("late".to_owned(), image(&late_url, &late_sha)),
+            ("wrong".to_owned(), image(&bad_url, &bad_sha)),
+        ]),
+    ))
+    .expect("provider");
+    let late = CreateRequest { image: Some("late".into()), ..request("px-late") };
+    let first = background.create(&late).await.expect_err("not cached yet");
+    assert_eq!(first.class(), ErrorClass::Transient, "{first}");
+    assert!(first.to_string().contains("image late is being downloaded to host local"), "{first}");
+    let past = until(|| background.create(&late), |error| !error.to_string().contains("being downloaded")).await;
+    assert!(!past.to_string().contains("image"), "{past}");
+    assert!(pool_volumes(&uri, POOL).contains(&names::marker_volume("late", &late_sha)));
+    assert_eq!(server.hits("late.img"), 1);
+    let wrong = CreateRequest { image: Some("wrong".into()), ..request("px-wrong") };
+    assert_eq!(background.create(&wrong).await.expect_err("started").class(), ErrorClass::Transient);
+    let failed = until(|| background.create(&wrong), |error| error.class() != ErrorClass::Transient).await;
+    assert_eq!(failed.class(), ErrorClass::Permanent, "{failed}");
+    assert!(failed.to_string().contains("sha256"), "{failed}");
 
     // A create that cannot start a guest (no KVM here) leaves neither a domain nor its volumes.
     let provider = KvmProvider::new(config(
@@ -175,7 +215,7 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
         BTreeMap::from([("good".to_owned(), good.clone())]),
     ))
     .expect("provider");
-    let error = provider.create(&request).await.expect_err("no guest can be defined or started here");
+    let error = provider.create(&seeded).await.expect_err("no guest can be defined or started here");
     assert_ne!(error.class(), ErrorClass::NotFound, "{error}");
     let left = pool_volumes(&uri, POOL);
     assert!(!left.iter().any(|name| name.starts_with("px-seed.")), "no overlay left: {left:?}");

@@ -28,6 +28,9 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     LOCK.lock().await
 }
 
+/// What the names of the tests' pools start with.
+pub const POOL_PREFIX: &str = "egress-test-";
+
 /// A libvirtd of this test's own; dropping it stops the daemon.
 pub struct Libvirtd {
     dir: tempfile::TempDir,
@@ -53,6 +56,15 @@ impl Libvirtd {
             ),
         )
         .expect("libvirtd.conf");
+        // A test run that was killed leaves the state of its transient pools behind, and libvirtd would load them
+        // again: remove what earlier runs of these tests left (their pools all start with `POOL_PREFIX`).
+        if let Ok(entries) = std::fs::read_dir("/run/libvirt/storage") {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(POOL_PREFIX) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
         let mut daemon = Self { dir, child: None, pools: Vec::new() };
         daemon.spawn();
         daemon
