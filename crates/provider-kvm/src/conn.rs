@@ -26,19 +26,35 @@ pub const CALL_DEADLINE: Duration = Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: i32 = 5;
 const KEEPALIVE_COUNT: u32 = 3;
 
-/// A connection that closes when dropped.
-pub struct Live(Connect);
+/// A connection that closes when dropped: on a blocking thread when dropped inside the Tokio runtime, since closing
+/// a remote connection is a round trip.
+pub struct Live(Option<Connect>);
 
 impl Live {
+    fn new(connect: Connect) -> Self {
+        Self(Some(connect))
+    }
+
     /// The libvirt connection.
     pub fn connect(&self) -> &Connect {
-        &self.0
+        self.0.as_ref().expect("a live connection until dropped")
     }
 }
 
 impl Drop for Live {
     fn drop(&mut self) {
-        let _ = self.0.close();
+        if let Some(mut connect) = self.0.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn_blocking(move || {
+                        let _ = connect.close();
+                    });
+                }
+                Err(_) => {
+                    let _ = connect.close();
+                }
+            }
+        }
     }
 }
 
@@ -159,7 +175,7 @@ impl Host {
         let uri = self.uri.clone();
         let name = self.name.clone();
         let started = Instant::now();
-        let task = tokio::task::spawn_blocking(move || Connect::open(Some(&uri)).map(Live));
+        let task = tokio::task::spawn_blocking(move || Connect::open(Some(&uri)).map(Live::new));
         match tokio::time::timeout(HANDSHAKE_DEADLINE, task).await {
             Ok(Ok(Ok(live))) => {
                 // Keepalives need the event loop; drivers without them (test, local) refuse, which is fine.
