@@ -385,11 +385,21 @@ impl Provider for KvmProvider {
     async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError> {
         let mut found = Vec::new();
         for host in self.hosts.values() {
-            let host_name = host.name.clone();
+            let (host_name, wanted) = (host.name.clone(), tags.clone());
             let observed = host
                 .call("listAllDomains", "", move |conn: &Connect| {
                     let mut observed = Vec::new();
                     for domain in conn.list_all_domains(0)? {
+                        // The metadata first: only matching domains cost a state and address query.
+                        let matches = match domain.get_xml_desc(0) {
+                            Ok(description) => xml::domain_facts(&description)
+                                .is_ok_and(|facts| facts.ours && facts.tags.contains_all(&wanted)),
+                            Err(error) if error.code() == ErrorNumber::NoDomain => false,
+                            Err(error) => return Err(error),
+                        };
+                        if !matches {
+                            continue;
+                        }
                         match observe(&domain, &host_name) {
                             Ok(one) => observed.push(one),
                             // Gone between the list and the read.
@@ -400,12 +410,7 @@ impl Provider for KvmProvider {
                     Ok(observed)
                 })
                 .await?;
-            found.extend(
-                observed
-                    .into_iter()
-                    .filter(|one| one.facts.ours && one.facts.tags.contains_all(tags))
-                    .filter_map(|one| one.into_instance().ok()),
-            );
+            found.extend(observed.into_iter().filter_map(|one| one.into_instance().ok()));
         }
         Ok(found)
     }
