@@ -319,6 +319,46 @@ async fn create_marker(host: &Arc<Host>, key: &str, image: &KvmImage) -> Result<
     .await
 }
 
+/// Deletes the base images (and their markers) in the host's pool that are an older checksum of a configured image
+/// key and that no volume is backed by: what a changed checksum leaves behind. `configured` holds the current base
+/// volume name of each configured key. Bases of keys this provider does not configure are left alone: another
+/// provider may share the pool. Returns the names of the bases removed.
+pub async fn collect_unused(host: &Arc<Host>, configured: Vec<String>) -> Result<Vec<String>, ProviderError> {
+    let pool = host.pool.clone();
+    host.call("imageCollect", "", move |conn| {
+        let pool = StoragePool::lookup_by_name(conn, &pool)?;
+        let volumes = pool.list_all_volumes(0)?;
+        let mut backing = Vec::new();
+        let mut bases = Vec::new();
+        for volume in &volumes {
+            let name = volume.get_name()?;
+            if let Some(path) = volume.get_xml_desc(0).ok().and_then(|description| backing_path(&description)) {
+                backing.push(path);
+            }
+            if name.starts_with(names::BASE_PREFIX) && !name.ends_with(names::MARKER_SUFFIX) {
+                bases.push((name, volume.get_path()?));
+            }
+        }
+        let mut removed = Vec::new();
+        // `egress-image-<key>-<16 hex>`: the same key with another checksum is an older version.
+        let key_of = |name: &str| name.rsplit_once('-').map(|(key, _)| key.to_owned());
+        let keys: Vec<String> = configured.iter().filter_map(|name| key_of(name)).collect();
+        for (name, path) in bases {
+            let outdated = key_of(&name).is_some_and(|key| keys.contains(&key)) && !configured.contains(&name);
+            if !outdated || backing.contains(&path) {
+                continue;
+            }
+            if let Ok(marker) = StorageVol::lookup_by_name(&pool, &format!("{name}{}", names::MARKER_SUFFIX)) {
+                marker.delete(0)?;
+            }
+            StorageVol::lookup_by_name(&pool, &name)?.delete(0)?;
+            removed.push(name);
+        }
+        Ok(removed)
+    })
+    .await
+}
+
 /// Deletes a volume of the host's pool; a missing one is fine.
 pub async fn delete_volume(host: &Arc<Host>, name: &str) -> Result<(), ProviderError> {
     let (pool, name) = (host.pool.clone(), name.to_owned());

@@ -136,6 +136,19 @@ impl KvmProvider {
         images::delete_volume(host, &names::overlay_volume(name)).await?;
         images::delete_volume(host, &names::seed_volume(name)).await
     }
+
+    /// Removes older checksums of this config's images once nothing uses them; a failure is only logged (the next
+    /// delete tries again).
+    async fn collect_images(&self, host: &Arc<Host>) {
+        let configured = self.config.images.iter().map(|(key, image)| names::base_volume(key, &image.sha256)).collect();
+        match images::collect_unused(host, configured).await {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(host = %host.name, removed = ?removed, "removed outdated base images no guest uses");
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(host = %host.name, error = %error.chain(), "collecting unused base images"),
+        }
+    }
 }
 
 /// The HTTP client image downloads use: rustls with ring and the system's roots (no process-wide TLS provider is
@@ -379,7 +392,10 @@ impl Provider for KvmProvider {
                  alone"
             )));
         }
-        self.delete_volumes(&host, name).await
+        self.delete_volumes(&host, name).await?;
+        // The guest's overlay is gone, so an outdated base it used may be free now.
+        self.collect_images(&host).await;
+        Ok(())
     }
 
     async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError> {

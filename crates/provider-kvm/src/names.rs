@@ -30,15 +30,20 @@ pub fn seed_volume(name: &str) -> String {
     format!("{name}-seed.iso")
 }
 
+/// What every cached base image's volume name starts with.
+pub const BASE_PREFIX: &str = "egress-image-";
+/// What a base's marker volume adds to the base's name.
+pub const MARKER_SUFFIX: &str = ".done";
+
 /// The cached base image for an image key and checksum: the checksum is in the name, so a changed checksum is a
 /// new volume and a base in use is never overwritten.
 pub fn base_volume(key: &str, sha256: &str) -> String {
-    format!("egress-image-{key}-{}", &sha256[..16.min(sha256.len())])
+    format!("{BASE_PREFIX}{key}-{}", &sha256[..16.min(sha256.len())])
 }
 
 /// The marker that says the base volume is complete and verified.
 pub fn marker_volume(key: &str, sha256: &str) -> String {
-    format!("{}.done", base_volume(key, sha256))
+    format!("{}{MARKER_SUFFIX}", base_volume(key, sha256))
 }
 
 #[cfg(test)]

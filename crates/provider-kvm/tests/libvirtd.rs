@@ -119,7 +119,7 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     let _serial = exclusive().await;
     let mut daemon = Libvirtd::start();
     let uri = daemon.uri();
-    daemon.dir_pool(POOL);
+    let pool_dir = daemon.dir_pool(POOL);
     let server = ImageServer::start().await;
     let (good_url, good_sha) = server.put("good.img", image_bytes(3 << 20, 1));
     let (bad_url, _) = server.put("bad.img", image_bytes(1 << 20, 2));
@@ -207,6 +207,23 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     let failed = until(|| background.create(&wrong), |error| error.class() != ErrorClass::Transient).await;
     assert_eq!(failed.class(), ErrorClass::Permanent, "{failed}");
     assert!(failed.to_string().contains("sha256"), "{failed}");
+
+    // A delete collects older checksums of the provider's images once no guest uses them, and nothing else.
+    let stale = names::base_volume("late", &"1".repeat(64));
+    let stale_in_use = names::base_volume("late", &"2".repeat(64));
+    let foreign = names::base_volume("other", &"3".repeat(64));
+    for name in [&stale, &stale_in_use, &foreign] {
+        images::put_volume(&host, name, vec![7; 4096]).await.expect("a stale base");
+        images::put_volume(&host, &format!("{name}.done"), Vec::new()).await.expect("its marker");
+    }
+    let in_use_path = pool_dir.join(&stale_in_use).display().to_string();
+    images::create_overlay(&host, "px-keep.qcow2", &in_use_path, "raw", 1 << 20).await.expect("an overlay on it");
+    background.delete("hosts/local/domains/px-nothing").await.expect("delete");
+    let left = pool_volumes(&uri, POOL);
+    assert!(!left.contains(&stale) && !left.contains(&format!("{stale}.done")), "the outdated base goes: {left:?}");
+    for kept in [&stale_in_use, &foreign, &names::base_volume("late", &late_sha), &base_name] {
+        assert!(left.contains(kept), "{kept} stays: {left:?}");
+    }
 
     // A create that cannot start a guest (no KVM here) leaves neither a domain nor its volumes.
     let provider = KvmProvider::new(config(

@@ -56,6 +56,8 @@ fn config(hosts: Vec<KvmHost>) -> KvmConfig {
 
 /// The test driver cannot upload, so the cached image is put in place directly: base and marker.
 fn preseed() -> Connect {
+    // libvirt prints every error to stderr by default; the races below expect some.
+    virt::error::clear_error_callback();
     let conn = Connect::open(Some("test:///default")).expect("the test driver");
     let pool = StoragePool::lookup_by_name(&conn, POOL).expect("the test driver's pool");
     for name in [names::base_volume("tiny", SHA), names::marker_volume("tiny", SHA)] {
