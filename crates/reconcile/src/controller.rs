@@ -382,7 +382,12 @@ async fn apply(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
                 Err(error) if error.class() == ErrorClass::Permanent => {
                     return latch(proxy, context, &facts, &error).await;
                 }
-                Err(error) => return Err(error.into()),
+                Err(error) => {
+                    // Say why on the object; the error backoff decides when to try again.
+                    let status = decide::on_transient_failure(&facts, &error.chain());
+                    write_status(proxy, context, &facts.status, &status).await?;
+                    return Err(error.into());
+                }
             }
         }
         (decide::Action::Delete { provider_id }, Some(provider)) => match provider.delete(provider_id).await {

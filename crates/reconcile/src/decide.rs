@@ -371,6 +371,17 @@ pub fn quota_backoff(consecutive: u32) -> Duration {
     QUOTA_BACKOFF_MIN.saturating_mul(factor).min(QUOTA_BACKOFF_MAX)
 }
 
+/// The status while creating keeps failing transiently (the provider unreachable, an image still downloading):
+/// still Pending (or Replacing), with the provider's message on the conditions so users see why without the
+/// operator's log. The reconcile is retried with the error backoff; no Event, since every retry would add one.
+pub fn on_transient_failure(facts: &Facts, message: &str) -> ProxyStatus {
+    let mut status = facts.status.clone();
+    status.phase = Some(if status.previous_instance.is_some() { ProxyPhase::Replacing } else { ProxyPhase::Pending });
+    let mut decision = Decision { action: Action::Nothing, status, events: Vec::new(), requeue: Requeue::AwaitChange };
+    finish_with_reason(facts, &mut decision, Some(("ProviderRetrying", message)));
+    decision.status
+}
+
 /// The status after a provider call failed permanently: latched until the spec or the `retry` annotation changes.
 pub fn on_permanent_failure(facts: &Facts, message: &str) -> (ProxyStatus, EventSpec) {
     let mut status = facts.status.clone();

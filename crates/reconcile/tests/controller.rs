@@ -271,6 +271,30 @@ async fn quota_exceeded_backs_off_without_a_hot_loop() {
 }
 
 #[tokio::test]
+async fn a_transient_create_failure_is_shown_and_retried() {
+    let harness = Harness::new("rc-transient").await;
+    harness.provider.next(Op::Create, Behavior::Fail(ErrorClass::Transient));
+    harness.provider.next(Op::Create, Behavior::Fail(ErrorClass::Transient));
+    create(&harness, "p", "zone-a").await;
+    let retrying = wait_for(&harness.proxies(), "p", "the reason on the Provisioned condition", |p| {
+        p.status
+            .as_ref()
+            .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == "Provisioned" && c.reason == "ProviderRetrying"))
+    })
+    .await;
+    assert_eq!(phase(&retrying), Some(ProxyPhase::Pending));
+    let message = retrying
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Provisioned").map(|c| c.message.clone()))
+        .unwrap_or_default();
+    assert!(message.contains("scripted Create failure"), "{message}");
+    // The error backoff (1 s, then 2 s) brings the third attempt, which succeeds.
+    wait_for(&harness.proxies(), "p", "Running after the retries", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    assert_eq!(harness.provider.calls(Op::Create), 3);
+}
+
+#[tokio::test]
 async fn an_instance_removed_behind_the_back_is_recreated() {
     let harness = Harness::new("rc-lost").await;
     let proxy = ready(&harness, "p", "zone-a").await;

@@ -266,6 +266,17 @@ fn quota_exceeded_backs_off() {
     assert_eq!(backoffs, [60, 120, 240, 480, 900, 900]);
 }
 
+// Row: Create → Transient: phase Pending, the provider's message on the conditions, no Event (retried by backoff).
+#[test]
+fn a_transient_create_failure_is_shown_on_the_conditions() {
+    let status = on_transient_failure(&facts(), "image debian12 is being downloaded to host rack1 (3 MiB after 2 s)");
+    assert_eq!(status.phase, Some(ProxyPhase::Pending));
+    let provisioned = condition(&status, "Provisioned");
+    assert_eq!((provisioned.status.as_str(), provisioned.reason.as_str()), ("False", "ProviderRetrying"));
+    assert!(provisioned.message.contains("being downloaded"), "{provisioned:?}");
+    assert_eq!(condition(&status, "Ready").reason, "ProviderRetrying");
+}
+
 // Row: any call → Permanent: latch Failed with status.failure and an Event.
 #[test]
 fn permanent_failure_latches() {
