@@ -101,6 +101,11 @@ impl Host {
         &self.uri
     }
 
+    /// Whether this host is libvirt's test driver, which runs only `type="test"` domains and cannot upload.
+    pub fn is_test_driver(&self) -> bool {
+        self.uri.starts_with("test:")
+    }
+
     /// Runs `call` on this host's connection, dialling first when there is none. `op` and `ids` name the call in
     /// the debug log.
     pub async fn call<T, F>(self: &Arc<Self>, op: &'static str, ids: &str, call: F) -> Result<T, ProviderError>

@@ -293,7 +293,7 @@ impl Provider for KvmProvider {
             let overlay = names::overlay_volume(&request.name);
             let disk_path = images::create_overlay(&host, &overlay, &base, &image.format, capacity).await?;
             let seed_path = images::put_volume(&host, &names::seed_volume(&request.name), seed).await?;
-            let domain_type = if host.uri().starts_with("test:") { "test" } else { self.config.domain_type.as_str() };
+            let domain_type = if host.is_test_driver() { "test" } else { self.config.domain_type.as_str() };
             let spec = DomainSpec {
                 name: request.name.clone(),
                 domain_type: domain_type.to_owned(),
