@@ -182,13 +182,15 @@ impl ImageCache {
         image: &KvmImage,
         received: &AtomicU64,
     ) -> Result<String, ProviderError> {
-        tracing::info!(host = %host.name, volume = base, url = %image.url, "downloading an image into the pool");
+        let shown = shown_url(&image.url);
+        tracing::info!(host = %host.name, volume = base, url = %shown, "downloading an image into the pool");
         let response = self.http.get(&image.url).send().await.map_err(|error| {
-            ProviderError::transient(format!("downloading {}: {error}", image.url)).with_source(error)
+            let error = error.without_url();
+            ProviderError::transient(format!("downloading {shown}: {error}")).with_source(error)
         })?;
         let status = response.status();
         if !status.is_success() {
-            let message = format!("downloading {}: the server answered {status}", image.url);
+            let message = format!("downloading {shown}: the server answered {status}");
             return Err(if status.is_client_error() {
                 ProviderError::permanent(message)
             } else {
@@ -248,9 +250,9 @@ impl ImageCache {
                 }
                 Ok(None) => break,
                 Err(error) => {
-                    download_error = Some(
-                        ProviderError::transient(format!("downloading {}: {error}", image.url)).with_source(error),
-                    );
+                    let error = error.without_url();
+                    download_error =
+                        Some(ProviderError::transient(format!("downloading {shown}: {error}")).with_source(error));
                     break;
                 }
             }
@@ -456,6 +458,21 @@ async fn read_back_sha256(host: &Arc<Host>, name: &str) -> Result<String, Provid
     .map_err(|join| ProviderError::transient("reading a volume back panicked").with_source(join))?
 }
 
+/// An image URL as logs and errors show it: without user info, query or fragment, which may carry credentials
+/// (basic auth, a signed URL's signature).
+pub fn shown_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) => {
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            parsed.set_query(None);
+            parsed.set_fragment(None);
+            parsed.to_string()
+        }
+        Err(_) => "<an unparsable URL>".to_owned(),
+    }
+}
+
 fn send_all(stream: &Stream, mut data: &[u8]) -> Result<(), virt::error::Error> {
     while !data.is_empty() {
         let sent = stream.send(data)?;
@@ -471,6 +488,16 @@ fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_urls_are_shown_without_credentials() {
+        assert_eq!(
+            shown_url("https://user:pa55@images.example/d.qcow2?X-Amz-Signature=abc#x"),
+            "https://images.example/d.qcow2"
+        );
+        assert_eq!(shown_url("http://127.0.0.1:9/plain.img"), "http://127.0.0.1:9/plain.img");
+        assert_eq!(shown_url("not a url"), "<an unparsable URL>");
+    }
 
     #[test]
     fn the_backing_path_is_read_from_volume_xml() {
