@@ -168,11 +168,13 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings));
     let providers =
         egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn egress_provider::Provider>);
-    let board = egress_reconcile::HealthBoard::new();
+    let verdicts = egress_reconcile::ProxyVerdicts::new();
+    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(client.clone(), None);
     let context = Arc::new(egress_reconcile::Context::new(
         client.clone(),
         Arc::new(providers),
-        board.clone(),
+        verdicts.clone(),
+        credentials.clone(),
         egress_reconcile::ControllerConfig::new("envtest"),
         egress_reconcile::ReconcileMetrics::default(),
     ));
@@ -182,26 +184,25 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
         tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
     let origin = egress_testenv::LocalOrigin::start().await?;
     let tls = egress_health::tls_connector(b"")?;
-    let (engine, transitions) = egress_health::HealthEngine::start(
+    let (engine, transitions) = egress_health::HealthEngine::start_with(
         egress_health::EngineConfig::default(),
         tls,
         egress_health::HealthMetrics::default(),
+        verdicts,
     );
-    let feed_config =
-        egress_reconcile::health_feed::HealthFeedConfig { default_probe_url: origin.ip_url(), namespace: None };
+    let feed_config = egress_reconcile::health_feed::HealthFeedConfig { default_probe_url: origin.ip_url() };
     let feed = tokio::spawn(egress_reconcile::health_feed::run_health_feed(
-        client,
         proxies,
+        credentials,
         feed_config,
         Arc::new(engine),
         transitions,
-        board,
         triggers,
         futures::future::pending(),
     ));
     println!("reconciler running with provider `pods` (Squid processes on 127.1.x.y via the local node agent)");
     println!("health engine probing {} through every proxy", origin.ip_url());
-    Ok(RunningController { _agent: agent, _origin: origin, tasks: vec![watch, controller, feed] })
+    Ok(RunningController { _agent: agent, _origin: origin, tasks: vec![watch, secret_watch, controller, feed] })
 }
 
 #[cfg(test)]

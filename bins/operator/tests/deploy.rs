@@ -25,7 +25,7 @@ const USED: &[(&str, &str, &[&str])] = &[
     ("crawl.example.com", "providerhealths", &["get", "list", "create", "delete"]),
     ("crawl.example.com", "providerhealths/status", &["patch"]),
     ("events.k8s.io", "events", &["create", "patch"]),
-    ("", "secrets", &["get", "create", "delete"]),
+    ("", "secrets", &["get", "list", "watch", "create", "patch", "delete"]),
     ("", "pods", &["get", "list", "create", "delete"]),
     ("", "configmaps", &["create", "delete"]),
 ];

@@ -1,23 +1,12 @@
 //! The client against a real discovery server over a socket.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, TokenFile, router, serve};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
-
-struct View(RwLock<Vec<ProxyRecord>>);
-
-impl ProxyView for View {
-    fn synced(&self) -> bool {
-        true
-    }
-    fn proxies(&self) -> Vec<ProxyRecord> {
-        self.0.read().unwrap().clone()
-    }
-}
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
@@ -38,22 +27,24 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
 struct Fixture {
     url: String,
     state: Arc<Discovery>,
-    view: Arc<View>,
+    records: Vec<ProxyRecord>,
     _tokens: tempfile::NamedTempFile,
 }
 
 async fn start(records: Vec<ProxyRecord>) -> Fixture {
     let tokens = tempfile::NamedTempFile::new().expect("token file");
     std::fs::write(tokens.path(), "read read-token-0123456789\nlease lease-token-0123456789\n").expect("tokens");
-    let view = Arc::new(View(RwLock::new(records)));
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
-    let state = Arc::new(Discovery::new(view.clone(), store, auth, DiscoveryMetrics::default()));
-    state.sync();
+    let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
+    for record in &records {
+        state.upsert(record.clone());
+    }
+    state.mark_synced();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("address"));
     tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
-    Fixture { url, state, view, _tokens: tokens }
+    Fixture { url, state, records, _tokens: tokens }
 }
 
 fn lease_client(fixture: &Fixture) -> DiscoveryClient {
@@ -135,8 +126,9 @@ async fn errors_are_typed() {
     ));
 
     // Revocation: the proxy turns unhealthy.
-    fixture.view.0.write().unwrap()[0].healthy = false;
-    fixture.state.sync();
+    let mut unhealthy = fixture.records[0].clone();
+    unhealthy.healthy = false;
+    fixture.state.upsert(unhealthy);
     let mut held = held;
     assert!(matches!(held.renew(None).await, Err(ClientError::Gone(_))));
 

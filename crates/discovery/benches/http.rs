@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, router, serve};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, router, serve};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
@@ -19,17 +19,6 @@ use tokio::net::TcpListener;
 
 const CLIENTS: usize = 64;
 const PHASE: Duration = Duration::from_secs(5);
-
-struct View(RwLock<Vec<ProxyRecord>>);
-
-impl ProxyView for View {
-    fn synced(&self) -> bool {
-        true
-    }
-    fn proxies(&self) -> Vec<ProxyRecord> {
-        self.0.read().expect("view").clone()
-    }
-}
 
 async fn discovery_server() -> SocketAddr {
     let records = (0..100)
@@ -46,11 +35,13 @@ async fn discovery_server() -> SocketAddr {
             healthy: true,
             credentials: None,
         })
-        .collect();
-    let view = Arc::new(View(RwLock::new(records)));
+        .collect::<Vec<_>>();
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
-    let state = Arc::new(Discovery::new(view, store, Auth::Disabled, DiscoveryMetrics::default()));
-    state.sync();
+    let state = Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()));
+    for record in records {
+        state.upsert(record);
+    }
+    state.mark_synced();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     tokio::spawn(serve(listener, router(state), std::future::pending()));

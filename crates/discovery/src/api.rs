@@ -221,28 +221,35 @@ async fn list_proxies(
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
     let now = SystemTime::now();
-    let loads = state.store.loads(query.get("target").map(String::as_str), now).map_err(lease_problem)?;
-    let loads: BTreeMap<String, _> = loads.into_iter().map(|load| (load.id.clone(), load)).collect();
-    let records = state.records.read().expect("record lock").clone();
-    let entries: Vec<ProxyEntry> = records
+    // Only the matching records are copied (as `Arc`s), and only their loads are looked up: the answer costs what
+    // it returns.
+    let matching: Vec<Arc<ProxyRecord>> = state
+        .records
+        .read()
+        .expect("record lock")
         .values()
         .filter(|record| record.healthy && selector.matches(&record.labels))
-        .map(|record| {
-            let load = loads.get(&record.id());
-            ProxyEntry {
-                namespace: record.namespace.clone(),
-                name: record.name.clone(),
-                host: record.host.clone(),
-                port: record.port,
-                url: proxy_url(record, scope),
-                egress_ip: record.egress_ip.clone(),
-                labels: record.labels.clone(),
-                zone: record.zone.clone(),
-                provider: record.provider.clone(),
-                active_leases: load.map_or(0, |load| load.active_leases),
-                max_leases: record.max_leases,
-                cooling_down_until: load.and_then(|load| load.cooling_down_until).map(timestamp),
-            }
+        .cloned()
+        .collect();
+    let ids: Vec<String> = matching.iter().map(|record| record.id()).collect();
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let loads = state.store.loads_of(&id_refs, query.get("target").map(String::as_str), now).map_err(lease_problem)?;
+    let entries: Vec<ProxyEntry> = matching
+        .iter()
+        .zip(loads)
+        .map(|(record, load)| ProxyEntry {
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+            host: record.host.clone(),
+            port: record.port,
+            url: proxy_url(record, scope),
+            egress_ip: record.egress_ip.clone(),
+            labels: record.labels.clone(),
+            zone: record.zone.clone(),
+            provider: record.provider.clone(),
+            active_leases: load.as_ref().map_or(0, |load| load.active_leases),
+            max_leases: record.max_leases,
+            cooling_down_until: load.and_then(|load| load.cooling_down_until).map(timestamp),
         })
         .collect();
     Ok(Json(json!({ "proxies": entries })).into_response())

@@ -1,9 +1,10 @@
 //! The discovery HTTP API that crawlers call: list proxies, lease one for a target, renew, release, and report a
 //! ban, which cools that proxy down for that site only.
 //!
-//! No Kubernetes here: proxies come from a [`ProxyView`] the operator adapts its Proxy store to, and leases live in
-//! an [`egress_lease::LeaseStore`]. [`router`] builds the whole API (so tests drive it in-process or over a real
-//! socket); [`Discovery::sync`] copies the view into the lease store and is run by [`run_sync`] in the background.
+//! No Kubernetes here: the operator tells the [`Discovery`] state of each proxy that changes
+//! ([`Discovery::upsert`], [`Discovery::remove`]), one at a time, and leases live in an
+//! [`egress_lease::LeaseStore`]. [`router`] builds the whole API (so tests drive it in-process or over a real
+//! socket); [`run_expiry`] releases expired leases in the background.
 
 mod api;
 pub mod auth;
@@ -60,14 +61,6 @@ impl ProxyRecord {
     }
 }
 
-/// A read-only view of the proxies, which the operator backs with its Proxy store.
-pub trait ProxyView: Send + Sync {
-    /// Whether the view has seen the whole set at least once (until then `/readyz` says not ready).
-    fn synced(&self) -> bool;
-    /// Every proxy with an endpoint.
-    fn proxies(&self) -> Vec<ProxyRecord>;
-}
-
 /// Why the server refuses to serve leases at the moment (for example: this replica is not the leader).
 pub trait Gate: Send + Sync {
     /// `None` when serving; otherwise the reason, sent with 503.
@@ -85,26 +78,24 @@ impl Gate for AlwaysServe {
 
 /// The API's state.
 pub struct Discovery {
-    view: Arc<dyn ProxyView>,
     store: Arc<dyn LeaseStore>,
     auth: Auth,
     gate: Arc<dyn Gate>,
     metrics: DiscoveryMetrics,
-    records: std::sync::RwLock<BTreeMap<String, ProxyRecord>>,
-    synced_once: AtomicBool,
+    records: std::sync::RwLock<BTreeMap<String, Arc<ProxyRecord>>>,
+    synced: AtomicBool,
 }
 
 impl Discovery {
-    /// State over a view and a store.
-    pub fn new(view: Arc<dyn ProxyView>, store: Arc<dyn LeaseStore>, auth: Auth, metrics: DiscoveryMetrics) -> Self {
+    /// State over a lease store, with no proxies yet.
+    pub fn new(store: Arc<dyn LeaseStore>, auth: Auth, metrics: DiscoveryMetrics) -> Self {
         Self {
-            view,
             store,
             auth,
             gate: Arc::new(AlwaysServe),
             metrics,
             records: std::sync::RwLock::default(),
-            synced_once: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
         }
     }
 
@@ -114,44 +105,69 @@ impl Discovery {
         self
     }
 
-    /// Copies the view into the lease store: new and changed proxies are upserted (an unhealthy one has its
-    /// leases revoked), vanished ones removed; then expired leases are released.
-    pub fn sync(&self) {
-        if !self.view.synced() {
+    /// Adds or changes one proxy. The lease store hears of it only when what it keeps changed (health, cap,
+    /// labels); an unhealthy proxy has its leases revoked there. Costs O(log n), whatever the fleet's size.
+    pub fn upsert(&self, record: ProxyRecord) {
+        let id = record.id();
+        let mut records = self.records.write().expect("record lock");
+        let previous = records.get(&id);
+        if previous.is_some_and(|previous| **previous == record) {
             return;
         }
-        let current: BTreeMap<String, ProxyRecord> =
-            self.view.proxies().into_iter().map(|record| (record.id(), record)).collect();
-        let mut records = self.records.write().expect("record lock");
-        for (id, record) in &current {
-            if records.get(id) != Some(record) {
-                self.store.upsert_proxy(ProxyInfo {
-                    id: id.clone(),
-                    healthy: record.healthy,
-                    max_leases: record.max_leases,
-                    labels: record.labels.clone(),
-                });
-            }
+        let store_changed = previous.is_none_or(|previous| {
+            previous.healthy != record.healthy
+                || previous.max_leases != record.max_leases
+                || previous.labels != record.labels
+        });
+        if store_changed {
+            self.store.upsert_proxy(ProxyInfo {
+                id: id.clone(),
+                healthy: record.healthy,
+                max_leases: record.max_leases,
+                labels: record.labels.clone(),
+            });
         }
-        for id in records.keys() {
-            if !current.contains_key(id) {
-                self.store.remove_proxy(id);
-            }
-        }
-        *records = current;
-        drop(records);
-        let now = SystemTime::now();
-        let expired = self.store.expire(now);
-        self.metrics.expired(expired);
-        if let Ok(loads) = self.store.loads(None, now) {
-            self.metrics.set_active(loads.iter().map(|load| u64::from(load.active_leases)).sum());
-        }
-        self.synced_once.store(true, Ordering::SeqCst);
+        records.insert(id, Arc::new(record));
     }
 
-    /// Whether the first sync has happened.
+    /// Removes one proxy (by `namespace/name`) and revokes its leases.
+    pub fn remove(&self, id: &str) {
+        if self.records.write().expect("record lock").remove(id).is_some() {
+            self.store.remove_proxy(id);
+        }
+    }
+
+    /// The identifiers of every proxy known, for a caller that compares its own view against this one.
+    pub fn ids(&self) -> Vec<String> {
+        self.records.read().expect("record lock").keys().cloned().collect()
+    }
+
+    /// How many proxies are known.
+    pub fn len(&self) -> usize {
+        self.records.read().expect("record lock").len()
+    }
+
+    /// Whether no proxy is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Says that every proxy has been given at least once: from now on `/readyz` is ready.
+    pub fn mark_synced(&self) {
+        self.synced.store(true, Ordering::SeqCst);
+    }
+
+    /// Releases expired leases and refreshes the active-lease gauge; cheap whatever the fleet's size (it costs
+    /// what expired).
+    pub fn expire(&self) {
+        let expired = self.store.expire(SystemTime::now());
+        self.metrics.expired(expired);
+        self.metrics.set_active(u64::try_from(self.store.active_leases()).unwrap_or(u64::MAX));
+    }
+
+    /// Whether every proxy has been given at least once.
     pub fn ready(&self) -> bool {
-        self.synced_once.load(Ordering::SeqCst)
+        self.synced.load(Ordering::SeqCst)
     }
 }
 
@@ -160,13 +176,13 @@ pub fn router(state: Arc<Discovery>) -> Router {
     api::routes(state)
 }
 
-/// Runs [`Discovery::sync`] every `interval` until `shutdown` resolves.
-pub async fn run_sync(state: Arc<Discovery>, interval: Duration, shutdown: impl Future<Output = ()>) {
+/// Runs [`Discovery::expire`] every `interval` until `shutdown` resolves.
+pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: impl Future<Output = ()>) {
     let rounds = async {
         let mut tick = tokio::time::interval(interval);
         loop {
             tick.tick().await;
-            state.sync();
+            state.expire();
         }
     };
     tokio::select! {

@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, ProxyView, TokenFile, router, serve};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -15,22 +15,6 @@ use serde_json::{Value, json};
 
 const READ: &str = "read-token-0123456789";
 const LEASE: &str = "lease-token-0123456789";
-
-/// A view the test controls.
-#[derive(Default)]
-struct TestView {
-    records: RwLock<Vec<ProxyRecord>>,
-    synced: RwLock<bool>,
-}
-
-impl ProxyView for TestView {
-    fn synced(&self) -> bool {
-        *self.synced.read().unwrap()
-    }
-    fn proxies(&self) -> Vec<ProxyRecord> {
-        self.records.read().unwrap().clone()
-    }
-}
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
@@ -51,15 +35,12 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
 struct Server {
     address: SocketAddr,
     state: Arc<Discovery>,
-    view: Arc<TestView>,
+    records: Vec<ProxyRecord>,
     tokens: Option<tempfile::NamedTempFile>,
 }
 
 impl Server {
     async fn start(records: Vec<ProxyRecord>, auth: bool) -> Self {
-        let view = Arc::new(TestView::default());
-        *view.records.write().unwrap() = records;
-        *view.synced.write().unwrap() = true;
         let (auth, tokens) = if auth {
             let file = tempfile::NamedTempFile::new().expect("token file");
             std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\n")).expect("write tokens");
@@ -68,12 +49,15 @@ impl Server {
             (Auth::Disabled, None)
         };
         let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
-        let state = Arc::new(Discovery::new(view.clone(), store, auth, DiscoveryMetrics::default()));
-        state.sync();
+        let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
+        for record in &records {
+            state.upsert(record.clone());
+        }
+        state.mark_synced();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address");
         tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
-        Self { address, state, view, tokens }
+        Self { address, state, records, tokens }
     }
 
     async fn call(
@@ -261,8 +245,9 @@ async fn every_error_status_is_a_problem_document() {
 
     // 410: the proxy turns unhealthy, its lease is revoked.
     let (_, other) = server.lease(json!({ "target": "y.com" })).await;
-    server.view.records.write().unwrap()[0].healthy = false;
-    server.state.sync();
+    let mut unhealthy = server.records[0].clone();
+    unhealthy.healthy = false;
+    server.state.upsert(unhealthy);
     let (status, headers, gone) =
         server.call("POST", &format!("/v1/leases/{}/renew", other["id"].as_str().unwrap()), Some(LEASE), None).await;
     assert_eq!(status, 410, "{gone}");
@@ -313,20 +298,18 @@ async fn the_token_file_is_reloaded_when_it_changes() {
 
 #[tokio::test]
 async fn readyz_waits_for_the_first_sync() {
-    let view = Arc::new(TestView::default());
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
-    let state = Arc::new(Discovery::new(view.clone(), store, Auth::Disabled, DiscoveryMetrics::default()));
+    let state = Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
-    let server = Server { address, state: state.clone(), view: view.clone(), tokens: None };
+    let server = Server { address, state: state.clone(), records: Vec::new(), tokens: None };
     let (status, headers, body) = server.call("GET", "/readyz", None, None).await;
     assert_eq!(status, 503);
     assert_problem(&headers, &body, 503);
-    state.sync();
-    assert_eq!(server.call("GET", "/readyz", None, None).await.0, 503, "the view itself has not synced");
-    *view.synced.write().unwrap() = true;
-    state.sync();
+    state.upsert(record("a", 1));
+    assert_eq!(server.call("GET", "/readyz", None, None).await.0, 503, "a proxy given is not the whole set");
+    state.mark_synced();
     assert_eq!(server.call("GET", "/readyz", None, None).await.0, 200);
 }
 

@@ -5,10 +5,12 @@
 //! at most `concurrency` probes at once, and applies each probe's result to that target's counters; a result for a
 //! target that changed or was removed meanwhile is dropped by generation number.
 
+use std::borrow::Borrow;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::hash::Hash;
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{Semaphore, mpsc};
@@ -20,12 +22,13 @@ use tracing::{Instrument, debug, info_span};
 use crate::metrics::HealthMetrics;
 use crate::probe::{Credentials, FailureReason, ProbeSuccess, ProbeUrl, probe};
 use crate::thresholds::{Counters, Verdict as Threshold};
+use crate::verdicts::{CurrentVerdict, TargetKey, Verdicts};
 
-/// What to probe and how.
+/// What to probe and how, for a target identified by `K`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Target {
-    /// A stable identifier chosen by the caller (the operator uses `namespace/name@host:port`).
-    pub id: String,
+pub struct Target<K = String> {
+    /// A stable identifier chosen by the caller (the operator uses a typed Proxy reference and address).
+    pub id: K,
     /// The proxy's host name or IP address.
     pub proxy_host: String,
     /// The proxy's port.
@@ -46,9 +49,9 @@ pub struct Target {
 
 /// A change of verdict.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transition {
+pub struct Transition<K = String> {
     /// The target's identifier.
-    pub id: String,
+    pub id: K,
     /// The new verdict.
     pub healthy: bool,
     /// Why the last probe failed (for an unhealthy verdict).
@@ -59,19 +62,6 @@ pub struct Transition {
     pub at: SystemTime,
 }
 
-/// The current verdict of a target that has one.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CurrentVerdict {
-    /// Whether probes get through.
-    pub healthy: bool,
-    /// When that last changed.
-    pub since: SystemTime,
-    /// Why the last failing probe failed.
-    pub last_error: Option<FailureReason>,
-    /// The last egress IP seen.
-    pub egress_ip: Option<IpAddr>,
-}
-
 /// Settings of the engine.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -79,57 +69,72 @@ pub struct EngineConfig {
     pub concurrency: usize,
     /// How many transitions may wait for the consumer before the scheduler waits for it.
     pub transition_capacity: usize,
+    /// The first probe of a new target starts within this window (jittered), instead of within one interval: a
+    /// restarted operator learns the state of its fleet in seconds, spread out, not after a whole interval.
+    /// `None` uses one interval.
+    pub first_probe_within: Option<Duration>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { concurrency: 64, transition_capacity: 1024 }
+        Self { concurrency: 64, transition_capacity: 1024, first_probe_within: None }
     }
 }
 
-enum Command {
-    Upsert(Target),
-    Remove(String),
+enum Command<K> {
+    Upsert(Arc<Target<K>>),
+    Remove(K),
 }
 
 struct Outcome {
-    id: Arc<str>,
     generation: u64,
     result: Result<ProbeSuccess, FailureReason>,
 }
 
-struct Entry {
-    target: Arc<Target>,
+struct Entry<K> {
+    target: Arc<Target<K>>,
     generation: u64,
     counters: Counters,
     in_flight: bool,
 }
 
 /// A running engine. Dropping it stops every probe.
-pub struct HealthEngine {
-    commands: mpsc::UnboundedSender<Command>,
-    verdicts: Arc<RwLock<HashMap<String, CurrentVerdict>>>,
-    /// The targets as last given, so an unchanged upsert costs nothing (callers re-send every target on every
-    /// change of their source).
-    known: std::sync::Mutex<HashMap<String, Target>>,
+pub struct HealthEngine<K: TargetKey = String> {
+    commands: mpsc::UnboundedSender<Command<K>>,
+    verdicts: Verdicts<K>,
+    /// The targets as last given, so an unchanged upsert costs nothing.
+    known: std::sync::Mutex<HashMap<K, Arc<Target<K>>>>,
     task: JoinHandle<()>,
 }
 
-impl HealthEngine {
-    /// Starts the engine; transitions arrive on the returned receiver.
+impl<K: TargetKey> HealthEngine<K> {
+    /// Starts the engine with a verdict store of its own; transitions arrive on the returned receiver.
     pub fn start(
         config: EngineConfig,
         tls: TlsConnector,
         metrics: HealthMetrics,
-    ) -> (Self, mpsc::Receiver<Transition>) {
+    ) -> (Self, mpsc::Receiver<Transition<K>>) {
+        Self::start_with(config, tls, metrics, Verdicts::new())
+    }
+
+    /// Starts the engine writing into `verdicts`, a store others read too; transitions arrive on the returned
+    /// receiver. A verdict already in the store for a target (seeded) stands until the probes overturn it by the
+    /// thresholds, and the engine starts that target's counters from it.
+    pub fn start_with(
+        config: EngineConfig,
+        tls: TlsConnector,
+        metrics: HealthMetrics,
+        verdicts: Verdicts<K>,
+    ) -> (Self, mpsc::Receiver<Transition<K>>) {
         let (commands, command_receiver) = mpsc::unbounded_channel();
         let (transitions, transition_receiver) = mpsc::channel(config.transition_capacity.max(1));
-        let verdicts = Arc::new(RwLock::new(HashMap::new()));
         let scheduler = Scheduler {
             targets: HashMap::new(),
+            keys: HashMap::new(),
             queue: BinaryHeap::new(),
             next_generation: 0,
             jitter: Jitter::seeded(),
+            first_probe_within: config.first_probe_within,
             semaphore: Arc::new(Semaphore::new(config.concurrency.max(1))),
             tls,
             metrics,
@@ -143,37 +148,71 @@ impl HealthEngine {
 
     /// Adds a target, or changes it; a changed target restarts its counters and loses its verdict. Giving an
     /// unchanged target again does nothing.
-    pub fn upsert(&self, target: Target) {
+    pub fn upsert(&self, target: Target<K>) {
         let mut known = self.known.lock().expect("known targets");
-        if known.get(&target.id) == Some(&target) {
+        if known.get(&target.id).is_some_and(|old| **old == target) {
             return;
         }
+        let changed = known.contains_key(&target.id);
+        let target = Arc::new(target);
         known.insert(target.id.clone(), target.clone());
-        self.verdicts.write().expect("verdict map").remove(&target.id);
+        if changed {
+            self.verdicts.remove::<K>(&target.id);
+        }
         let _ = self.commands.send(Command::Upsert(target));
     }
 
     /// Stops probing a target at once and forgets its verdict.
-    pub fn remove(&self, id: &str) {
-        if self.known.lock().expect("known targets").remove(id).is_none() {
-            return;
-        }
-        self.verdicts.write().expect("verdict map").remove(id);
-        let _ = self.commands.send(Command::Remove(id.to_owned()));
+    pub fn remove<Q>(&self, id: &Q)
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let Some((key, _)) = self.known.lock().expect("known targets").remove_entry(id) else { return };
+        self.verdicts.remove::<K>(&key);
+        let _ = self.commands.send(Command::Remove(key));
+    }
+
+    /// Whether `id` is being probed.
+    pub fn contains<Q>(&self, id: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.known.lock().expect("known targets").contains_key(id)
     }
 
     /// The identifiers of every target being probed.
-    pub fn target_ids(&self) -> Vec<String> {
+    pub fn target_ids(&self) -> Vec<K> {
         self.known.lock().expect("known targets").keys().cloned().collect()
     }
 
+    /// How many targets are probed.
+    pub fn len(&self) -> usize {
+        self.known.lock().expect("known targets").len()
+    }
+
+    /// Whether no target is probed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The current verdict of a target, once it has one.
-    pub fn verdict(&self, id: &str) -> Option<CurrentVerdict> {
-        self.verdicts.read().expect("verdict map").get(id).cloned()
+    pub fn verdict<Q>(&self, id: &Q) -> Option<CurrentVerdict>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.verdicts.get(id)
+    }
+
+    /// The store the engine writes its verdicts into.
+    pub fn verdicts(&self) -> &Verdicts<K> {
+        &self.verdicts
     }
 }
 
-impl Drop for HealthEngine {
+impl<K: TargetKey> Drop for HealthEngine<K> {
     fn drop(&mut self) {
         self.task.abort();
     }
@@ -199,17 +238,20 @@ impl Jitter {
     }
 }
 
-struct Scheduler {
-    targets: HashMap<Arc<str>, Entry>,
-    /// Due time, generation and target: the earliest first.
-    queue: BinaryHeap<Reverse<(Instant, u64, Arc<str>)>>,
+struct Scheduler<K: TargetKey> {
+    targets: HashMap<K, Entry<K>>,
+    /// Which target each live generation belongs to: the queue holds generations only, so it never clones keys.
+    keys: HashMap<u64, K>,
+    /// Due time and generation: the earliest first.
+    queue: BinaryHeap<Reverse<(Instant, u64)>>,
     next_generation: u64,
     jitter: Jitter,
+    first_probe_within: Option<Duration>,
     semaphore: Arc<Semaphore>,
     tls: TlsConnector,
     metrics: HealthMetrics,
-    verdicts: Arc<RwLock<HashMap<String, CurrentVerdict>>>,
-    transitions: mpsc::Sender<Transition>,
+    verdicts: Verdicts<K>,
+    transitions: mpsc::Sender<Transition<K>>,
     /// Targets by verdict (healthy, unhealthy, unknown), kept up to date incrementally for the gauges.
     counts: [i64; 3],
 }
@@ -222,11 +264,11 @@ fn slot(verdict: Threshold) -> usize {
     }
 }
 
-impl Scheduler {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+impl<K: TargetKey> Scheduler<K> {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command<K>>) {
         let (outcome_sender, mut outcomes) = mpsc::unbounded_channel::<Outcome>();
         loop {
-            let next_due = self.queue.peek().map(|Reverse((due, _, _))| *due);
+            let next_due = self.queue.peek().map(|Reverse((due, _))| *due);
             tokio::select! {
                 command = commands.recv() => match command {
                     Some(command) => self.command(command),
@@ -238,31 +280,36 @@ impl Scheduler {
         }
     }
 
-    fn command(&mut self, command: Command) {
+    fn command(&mut self, command: Command<K>) {
         match command {
             Command::Upsert(target) => {
-                let id: Arc<str> = Arc::from(target.id.as_str());
-                if self.targets.get(&id).is_some_and(|entry| *entry.target == target) {
+                if self.targets.get(&target.id).is_some_and(|entry| *entry.target == *target) {
                     return;
                 }
                 self.next_generation += 1;
                 let generation = self.next_generation;
-                // A random first offset within one interval spreads a fleet's probes over time.
-                let first = Instant::now() + self.jitter.below(target.interval);
-                self.queue.push(Reverse((first, generation, id.clone())));
-                self.verdicts.write().expect("verdict map").remove(&target.id);
-                let entry =
-                    Entry { target: Arc::new(target), generation, counters: Counters::default(), in_flight: false };
-                self.counts[slot(Threshold::Unknown)] += 1;
-                if let Some(replaced) = self.targets.insert(id, entry) {
+                // A random first offset spreads a fleet's probes over time.
+                let window = self.first_probe_within.unwrap_or(target.interval).min(target.interval);
+                let first = Instant::now() + self.jitter.below(window);
+                self.queue.push(Reverse((first, generation)));
+                self.keys.insert(generation, target.id.clone());
+                // A seeded verdict starts the counters where it stands, so the thresholds apply from there.
+                let counters = match self.verdicts.get(&target.id) {
+                    Some(seeded) => Counters::seeded(seeded.healthy),
+                    None => Counters::default(),
+                };
+                self.counts[slot(counters.verdict())] += 1;
+                let entry = Entry { target: target.clone(), generation, counters, in_flight: false };
+                if let Some(replaced) = self.targets.insert(target.id.clone(), entry) {
                     self.counts[slot(replaced.counters.verdict())] -= 1;
+                    self.keys.remove(&replaced.generation);
                 }
             }
             Command::Remove(id) => {
-                if let Some(removed) = self.targets.remove(id.as_str()) {
+                if let Some(removed) = self.targets.remove(&id) {
                     self.counts[slot(removed.counters.verdict())] -= 1;
+                    self.keys.remove(&removed.generation);
                 }
-                self.verdicts.write().expect("verdict map").remove(&id);
             }
         }
         self.publish_counts();
@@ -270,17 +317,15 @@ impl Scheduler {
 
     async fn start_due(&mut self, outcomes: &mpsc::UnboundedSender<Outcome>) {
         let now = Instant::now();
-        while let Some(Reverse((due, generation, id))) = self.queue.peek().cloned() {
+        while let Some(Reverse((due, generation))) = self.queue.peek().copied() {
             if due > now {
                 break;
             }
             self.queue.pop();
-            let Some(entry) = self.targets.get_mut(&id) else { continue };
-            if entry.generation != generation {
-                continue;
-            }
+            let Some(id) = self.keys.get(&generation) else { continue };
+            let Some(entry) = self.targets.get_mut(id) else { continue };
             let interval = entry.target.interval.max(Duration::from_secs(1));
-            self.queue.push(Reverse((due + interval, generation, id.clone())));
+            self.queue.push(Reverse((due + interval, generation)));
             if entry.in_flight {
                 // The previous probe is still running (it has its own timeout); skip this round.
                 continue;
@@ -290,7 +335,7 @@ impl Scheduler {
             let permit = self.semaphore.clone().acquire_owned().await.expect("the semaphore is never closed");
             let tls = self.tls.clone();
             let outcomes = outcomes.clone();
-            let span = info_span!("health_probe", target = %target.id);
+            let span = info_span!("health_probe", target = ?target.id);
             tokio::spawn(
                 async move {
                     let result = probe(
@@ -303,7 +348,7 @@ impl Scheduler {
                     )
                     .await;
                     drop(permit);
-                    let _ = outcomes.send(Outcome { id, generation, result });
+                    let _ = outcomes.send(Outcome { generation, result });
                 }
                 .instrument(span),
             );
@@ -316,10 +361,8 @@ impl Scheduler {
             Err(reason) => (reason.kind(), None),
         };
         self.metrics.probe(kind, latency);
-        let Some(entry) = self.targets.get_mut(&outcome.id) else { return };
-        if entry.generation != outcome.generation {
-            return;
-        }
+        let Some(id) = self.keys.get(&outcome.generation) else { return };
+        let Some(entry) = self.targets.get_mut(id) else { return };
         entry.in_flight = false;
         let success = outcome.result.is_ok();
         let before = entry.counters.verdict();
@@ -329,49 +372,28 @@ impl Scheduler {
             Err(reason) => (Some(reason), None),
         };
         if let Some(reason) = &reason {
-            debug!(target = %outcome.id, %reason, "probe failed");
+            debug!(target = ?id, %reason, "probe failed");
         }
         let now = SystemTime::now();
-        {
-            let mut verdicts = self.verdicts.write().expect("verdict map");
-            match changed {
-                Some(verdict) => {
-                    verdicts.insert(
-                        outcome.id.to_string(),
-                        CurrentVerdict {
-                            healthy: verdict == Threshold::Healthy,
-                            since: now,
-                            last_error: reason.clone(),
-                            egress_ip,
-                        },
-                    );
-                }
-                None => {
-                    if let Some(current) = verdicts.get_mut(&*outcome.id) {
-                        if reason.is_some() {
-                            current.last_error = reason.clone();
-                        }
-                        if egress_ip.is_some() {
-                            current.egress_ip = egress_ip;
-                        }
-                    }
-                }
-            }
+        let Some(verdict) = changed else {
+            self.verdicts.update_details(id, reason, egress_ip);
+            return;
+        };
+        let id = id.clone();
+        let healthy = verdict == Threshold::Healthy;
+        // A transition that only confirms a seeded verdict keeps the seed's time; its details are refreshed.
+        match self.verdicts.get(&id) {
+            Some(seeded) if seeded.healthy == healthy => self.verdicts.update_details(&id, reason.clone(), egress_ip),
+            _ => self
+                .verdicts
+                .set(id.clone(), CurrentVerdict { healthy, since: now, last_error: reason.clone(), egress_ip }),
         }
-        if let Some(verdict) = changed {
-            self.counts[slot(before)] -= 1;
-            self.counts[slot(verdict)] += 1;
-            self.publish_counts();
-            let transition = Transition {
-                id: outcome.id.to_string(),
-                healthy: verdict == Threshold::Healthy,
-                reason,
-                egress_ip,
-                at: now,
-            };
-            // Back-pressure: a slow consumer slows probing rather than losing a transition.
-            let _ = self.transitions.send(transition).await;
-        }
+        self.counts[slot(before)] -= 1;
+        self.counts[slot(verdict)] += 1;
+        self.publish_counts();
+        let transition = Transition { id, healthy, reason, egress_ip, at: now };
+        // Back-pressure: a slow consumer slows probing rather than losing a transition.
+        let _ = self.transitions.send(transition).await;
     }
 
     fn publish_counts(&self) {

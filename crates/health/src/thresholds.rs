@@ -27,6 +27,12 @@ impl Default for Counters {
 }
 
 impl Counters {
+    /// Counters that start from a verdict known from elsewhere (a status written before a restart): the next
+    /// `unhealthyThreshold` failures overturn a healthy seed, as they would a verdict the probes had formed.
+    pub fn seeded(healthy: bool) -> Self {
+        Self { verdict: if healthy { Verdict::Healthy } else { Verdict::Unhealthy }, successes: 0, failures: 0 }
+    }
+
     /// Records one probe result; returns the new verdict when it changed.
     pub fn record(&mut self, success: bool, healthy_threshold: u32, unhealthy_threshold: u32) -> Option<Verdict> {
         if success {
@@ -92,5 +98,17 @@ mod tests {
         assert_eq!(counters.record(true, 1, 1), None);
         assert_eq!(counters.record(false, 1, 1), Some(Verdict::Unhealthy));
         assert_eq!(counters.record(false, 1, 1), None);
+    }
+
+    #[test]
+    fn a_seeded_verdict_is_overturned_by_the_thresholds_only() {
+        let mut counters = Counters::seeded(true);
+        assert_eq!(counters.record(true, 2, 3), None, "a confirming probe is no transition");
+        assert_eq!(counters.record(false, 2, 3), None);
+        assert_eq!(counters.record(false, 2, 3), None);
+        assert_eq!(counters.record(false, 2, 3), Some(Verdict::Unhealthy));
+        let mut counters = Counters::seeded(false);
+        assert_eq!(counters.record(true, 2, 3), None);
+        assert_eq!(counters.record(true, 2, 3), Some(Verdict::Healthy));
     }
 }

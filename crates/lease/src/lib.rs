@@ -200,4 +200,14 @@ pub trait LeaseStore: Send + Sync {
     fn cooldowns(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;
     /// The load of every known proxy, with its cooldown for `target` when one is given.
     fn loads(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<ProxyLoad>, LeaseError>;
+    /// The load of each of `ids` (`None` for one the store does not know), in the same order, under one lock: a
+    /// listing costs what it returns, not the fleet.
+    fn loads_of(
+        &self,
+        ids: &[&str],
+        target: Option<&str>,
+        now: SystemTime,
+    ) -> Result<Vec<Option<ProxyLoad>>, LeaseError>;
+    /// How many leases are active, without looking at each.
+    fn active_leases(&self) -> usize;
 }

@@ -501,6 +501,33 @@ impl LeaseStore for InMemoryLeaseStore {
         loads.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(loads)
     }
+
+    fn loads_of(
+        &self,
+        ids: &[&str],
+        target: Option<&str>,
+        now: SystemTime,
+    ) -> Result<Vec<Option<ProxyLoad>>, LeaseError> {
+        let target = target.map(|target| normalize(target, self.config.target_mode)).transpose()?;
+        let mut inner = self.lock();
+        inner.expire(now);
+        Ok(ids
+            .iter()
+            .map(|id| {
+                let proxy = inner.proxies.get(*id)?;
+                Some(ProxyLoad {
+                    id: proxy.info.id.clone(),
+                    active_leases: proxy.active,
+                    max_leases: proxy.info.max_leases,
+                    cooling_down_until: target.as_ref().and_then(|target| inner.cooling_until(id, target, now)),
+                })
+            })
+            .collect())
+    }
+
+    fn active_leases(&self) -> usize {
+        self.lock().leases.len()
+    }
 }
 
 /// Why no proxy was eligible. Only reached on refusal, so it may look at every proxy.

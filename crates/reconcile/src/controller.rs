@@ -27,8 +27,8 @@ use tracing::{Instrument, debug, info, info_span, instrument, warn};
 
 use crate::Error;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
-use crate::feed::ProxyFeed;
-use crate::health::HealthBoard;
+use crate::feed::{AUTH_SECRET_LABEL, Change, CredentialStore, ProxyFeed};
+use crate::health::{ProxyVerdicts, verdict_of};
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
 use crate::status::time;
@@ -65,7 +65,8 @@ impl ControllerConfig {
 pub struct Context {
     client: Client,
     providers: Arc<dyn Providers>,
-    health: HealthBoard,
+    health: ProxyVerdicts,
+    credentials: CredentialStore,
     config: ControllerConfig,
     recorder: Recorder,
     metrics: ReconcileMetrics,
@@ -85,7 +86,8 @@ impl Context {
     pub fn new(
         client: Client,
         providers: Arc<dyn Providers>,
-        health: HealthBoard,
+        health: ProxyVerdicts,
+        credentials: CredentialStore,
         config: ControllerConfig,
         metrics: ReconcileMetrics,
     ) -> Self {
@@ -95,6 +97,7 @@ impl Context {
             client,
             providers,
             health,
+            credentials,
             config,
             recorder,
             metrics,
@@ -137,10 +140,12 @@ impl Context {
     }
 }
 
-/// A channel for health triggers: send `(namespace, name)` to reconcile that Proxy; the receiving stream goes to
-/// [`run`].
-pub fn trigger_channel()
--> (tokio::sync::mpsc::UnboundedSender<(String, String)>, impl Stream<Item = (String, String)> + Send + 'static) {
+/// A reconcile trigger: the Proxy to look at.
+pub type Trigger = ObjectRef<DeserializeGuard<Proxy>>;
+
+/// A channel for health triggers: send a Proxy's reference to reconcile it; the receiving stream goes to [`run`].
+pub fn trigger_channel() -> (tokio::sync::mpsc::UnboundedSender<Trigger>, impl Stream<Item = Trigger> + Send + 'static)
+{
     let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
     let stream =
         futures::stream::unfold(
@@ -152,13 +157,15 @@ pub fn trigger_channel()
 
 /// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
 ///
-/// The controller reads the feed's store and is woken by its changes, so the operator lists and watches Proxies
-/// once. It starts only after the feed's initial list: kube's runner waits on the store's readiness, and that wait
-/// loses its wake-up when other tasks wait on it too (see [`ProxyFeed::ready`]).
+/// The controller runs on kube's shared-stream API over the feed's store and is woken by the feed's changes, so the
+/// operator lists and watches Proxies once. Each change costs one store lookup; a resync (the start of a term, a
+/// relist) hands the controller every stored `Arc`, which its scheduler deduplicates. It starts only after the
+/// feed's initial list: kube's runner waits on the store's readiness, and that wait loses its wake-up when other
+/// tasks wait on it too (see [`crate::feed::Fanout::ready`]).
 pub async fn run(
     context: Arc<Context>,
     feed: ProxyFeed,
-    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
+    health_triggers: impl Stream<Item = Trigger> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let shutdown = shutdown.shared();
@@ -170,17 +177,24 @@ pub async fn run(
         warn!("the Proxy watch ended before its first list; the controller does not start");
         return;
     }
-    drive(Controller::for_stream(feed.subscribe().map(Ok), feed.store()), context, health_triggers, shutdown).await;
+    let store = feed.store();
+    let changed = feed.subscribe().flat_map(move |change| {
+        futures::stream::iter(match change {
+            Change::Object(reference) => store.get(&reference).into_iter().collect(),
+            Change::Resync => store.state(),
+        })
+    });
+    drive(Controller::for_shared_stream(changed, feed.store()), context, health_triggers, shutdown).await;
 }
 
 /// Configures and runs a controller over Proxies, whatever feeds it.
 async fn drive(
     controller: Controller<DeserializeGuard<Proxy>>,
     context: Arc<Context>,
-    health_triggers: impl Stream<Item = (String, String)> + Send + 'static,
+    health_triggers: impl Stream<Item = Trigger> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let triggers = health_triggers.map(|(namespace, name)| ObjectRef::new(&name).within(&namespace));
+    let triggers = health_triggers;
     let concurrency = context.config.concurrency;
     controller
         .with_config(RuntimeConfig::default().concurrency(concurrency))
@@ -310,19 +324,55 @@ async fn observe(
             };
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
-            let address = egress_api::Endpoint { host: ip.clone(), port: facts.port }.address();
-            facts.health = context.health.get(&namespace, &name, &address);
+            let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
+            facts.health = verdict_of(&context.health, &namespace, &name, &endpoint);
         }
     }
     if proxy.spec.mode == ProxyMode::External
         && let Some(endpoint) = &proxy.spec.endpoint
     {
-        facts.health = context.health.get(&namespace, &name, &endpoint.address());
+        facts.health = verdict_of(&context.health, &namespace, &name, endpoint);
     }
     Ok(facts)
 }
 
+/// How soon a Proxy whose auth Secret does not exist yet is looked at again: an unlabelled Secret is not watched,
+/// so its creation wakes nothing.
+const MISSING_AUTH_SECRET_RECHECK: Duration = Duration::from_secs(15);
+
 async fn apply(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+    let auth_secret_exists = ensure_auth_label(proxy, context).await?;
+    let action = apply_spec(proxy, context).await?;
+    Ok(if auth_secret_exists { action } else { Action::requeue(MISSING_AUTH_SECRET_RECHECK) })
+}
+
+/// Puts the credential store's label on the Proxy's auth Secret, so creates, probes and discovery all see it
+/// through the one watch. Returns whether the Secret exists (or no Secret is named).
+async fn ensure_auth_label(proxy: &Proxy, context: &Context) -> Result<bool, Error> {
+    let Some(auth) = &proxy.spec.auth else { return Ok(true) };
+    let namespace = proxy.namespace().unwrap_or_default();
+    let name = &auth.secret_ref.name;
+    if context.credentials.holds(&namespace, name) {
+        return Ok(true);
+    }
+    let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
+    // A merge patch, not server-side apply: apply would create a Secret that does not exist yet.
+    let patch = serde_json::json!({ "metadata": { "labels": { AUTH_SECRET_LABEL: "true" } } });
+    let params = PatchParams { field_manager: Some(AUTH_LABEL_MANAGER.into()), ..PatchParams::default() };
+    match secrets.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(_) => {
+            debug!(secret = %name, "labelled the auth Secret for the credential store");
+            Ok(true)
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// The field manager that owns only the auth Secret's credential-store label.
+const AUTH_LABEL_MANAGER: &str = "egress-operator-auth-label";
+
+async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
     let uid = proxy.uid().unwrap_or_default();
     let provider = match (proxy.spec.mode, provider_name(proxy)) {
         (ProxyMode::Managed, Some(name)) => match context.providers.provider(name).await {
@@ -460,15 +510,17 @@ async fn create_request(proxy: &Proxy, context: &Context, facts: &Facts) -> Resu
         },
         None => None,
     };
+    // From the credential store that probes and discovery read too, so all three use the same password.
     let credentials = match &proxy.spec.auth {
         Some(auth) => {
-            let name = auth.secret_ref.name.clone();
-            let username = read_key(name.clone(), "username".into()).await?;
-            let password = read_key(name, "password".into()).await?;
-            Some(ProxyCredentials {
-                username: String::from_utf8_lossy(&username).into_owned(),
-                password: Sensitive::new(String::from_utf8_lossy(&password).into_owned()),
-            })
+            let name = &auth.secret_ref.name;
+            let found = context.credentials.credentials(&namespace, name).ok_or_else(|| {
+                Error::Provider(ProviderError::transient(format!(
+                    "auth Secret {namespace}/{name} is missing, lacks the keys username and password, or has not \
+                     reached the operator's credential store yet"
+                )))
+            })?;
+            Some(ProxyCredentials { username: found.username, password: Sensitive::new(found.password) })
         }
         None => None,
     };

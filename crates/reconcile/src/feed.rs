@@ -1,79 +1,120 @@
-//! One reflector store of Proxies for the whole operator, and a fan-out of its changes.
+//! One reflector store per kind the operator reads (Proxies, and their auth Secrets), and an incremental fan-out of
+//! its changes.
 //!
-//! The controller, the health feed and the discovery view all read the same `Store` and are woken by the same
-//! watch: one list-and-watch against the apiserver, not three. Changes fan out on a broadcast channel that never
-//! blocks the watch; a subscriber that falls behind is handed every stored object again, which is safe because
-//! every consumer is level-triggered.
+//! Every consumer (the controller, the health feed, the discovery view) reads the same `Store` and is told which
+//! object changed: the fan-out carries object references only, never objects, so a change costs each consumer one
+//! lookup of an `Arc` in the store, whatever the fleet's size. A consumer treats a reference it can no longer find as
+//! a deletion, so deletions need no event of their own and a late lookup always sees the newest object. When the
+//! watch relists (after a restart of the watch, or the first list) or a consumer falls behind the channel, the
+//! consumer is told to [`Change::Resync`]: it compares its own entries against the store, visiting `Arc`s without
+//! cloning objects; that costs O(n) once, never O(n) per change.
 //!
-//! Readiness: wait on [`ProxyFeed::ready`], never on `Store::wait_until_ready` of a store that is not yet ready.
-//! kube-runtime keeps a store's readiness in a one-shot channel that holds one waker, so when several tasks wait
-//! on it at once only the last one to poll is woken; the others wait forever (the controller's runner among them,
-//! which is how a controller on this store once never reconciled). The feed flips its own `watch` flag when the
-//! reflector reports the initial list done, which wakes every waiter; whoever waits on the store after that finds
-//! the value already sent.
+//! Objects are trimmed before they are stored (managed fields and the last-applied annotation go), so the store
+//! holds only what the operator reads.
+//!
+//! Why not kube's own shared-stream dispatcher (`reflect_shared` with `Writer::subscribe`): it announces no
+//! deletions, a subscriber can only be made from the writer (which the watch owns once it runs, while the leader's
+//! controller subscribes anew each term), a subscriber that is not being polled holds the watch back, and a handle
+//! whose object was deleted before it looked it up returns `Pending` without a wake-up. The controller still runs on
+//! kube's shared-stream API (`Controller::for_shared_stream`), fed from this fan-out.
+//!
+//! Readiness: wait on [`Fanout::ready`], never on `Store::wait_until_ready` of a store that is not yet ready.
+//! kube-runtime keeps a store's readiness in a one-shot channel that holds one waker, so when several tasks wait on
+//! it at once only the last one to poll is woken. The fan-out flips its own `watch` flag when the reflector reports
+//! the initial list done, which wakes every waiter.
 
+use std::collections::{HashMap, HashSet};
+use std::fmt::Debug;
 use std::sync::Arc;
 
 use egress_api::Proxy;
 use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
-use kube::runtime::reflector::{self, Store, reflector};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
 use tokio::sync::{broadcast, watch as flag};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info_span};
 
-/// How many changes may wait for the slowest subscriber before it is resynchronised from the store.
-const FAN_OUT_CAPACITY: usize = 4096;
+/// How many changes may wait for the slowest consumer before it is told to resynchronise.
+const FAN_OUT_CAPACITY: usize = 16_384;
 
 /// The watched Proxies.
 pub type GuardedProxy = DeserializeGuard<Proxy>;
 
-/// The shared store and its change fan-out. Cloning shares both.
-#[derive(Clone)]
-pub struct ProxyFeed {
-    store: Store<GuardedProxy>,
-    changes: broadcast::Sender<Arc<GuardedProxy>>,
+/// What a consumer is told.
+#[derive(Debug)]
+pub enum Change<K: Resource<DynamicType = ()>> {
+    /// This object changed or is gone: look it up in the store.
+    Object(ObjectRef<K>),
+    /// Compare everything against the store (after a relist, or after falling behind).
+    Resync,
+}
+
+impl<K: Resource<DynamicType = ()>> Clone for Change<K> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Object(reference) => Self::Object(reference.clone()),
+            Self::Resync => Self::Resync,
+        }
+    }
+}
+
+/// A reflector store and its change fan-out. Cloning shares both.
+pub struct Fanout<K: Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    changes: broadcast::Sender<Change<K>>,
     ready: flag::Receiver<bool>,
 }
 
-impl ProxyFeed {
-    /// Starts watching Proxies (in `namespace`, or all) into one store; the returned task drives the watch.
-    pub fn start(client: Client, namespace: Option<&str>) -> (Self, JoinHandle<()>) {
-        let api: Api<GuardedProxy> = match namespace {
-            Some(namespace) => Api::namespaced(client, namespace),
-            None => Api::all(client),
-        };
-        Self::spawn(watcher(api, watcher::Config::default()).default_backoff())
+impl<K: Resource<DynamicType = ()> + 'static> Clone for Fanout<K> {
+    fn clone(&self) -> Self {
+        Self { store: self.store.clone(), changes: self.changes.clone(), ready: self.ready.clone() }
     }
+}
 
-    /// Keeps a store from a stream of watch events; the returned task drives the stream.
-    fn spawn(
-        events: impl Stream<Item = Result<watcher::Event<GuardedProxy>, watcher::Error>> + Send + 'static,
+impl<K> Fanout<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + Send + Sync + 'static,
+{
+    /// Keeps a store from a stream of watch events, each object passed through `trim` first; the returned task
+    /// drives the stream.
+    pub fn spawn(
+        events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+        trim: fn(&mut K),
+        name: &'static str,
     ) -> (Self, JoinHandle<()>) {
-        let (store, writer) = reflector::store();
+        let (store, mut writer) = reflector::store();
         let (changes, _) = broadcast::channel(FAN_OUT_CAPACITY);
         let sender = changes.clone();
         let (ready_sender, ready) = flag::channel(false);
-        let watch = reflector(writer, events)
-            .inspect(move |event| {
-                // The reflector has applied the event to the store before it yields it.
-                if matches!(event, Ok(watcher::Event::InitDone)) {
-                    ready_sender.send_replace(true);
+        let watch = events.for_each(move |event| {
+            match event {
+                Ok(event) => {
+                    let event = event.modify(trim);
+                    writer.apply_watcher_event(&event);
+                    // Announced after the store holds the change. No consumer is fine: the store is still kept.
+                    match &event {
+                        watcher::Event::Apply(object) | watcher::Event::Delete(object) => {
+                            drop(sender.send(Change::Object(reference_of(object))));
+                        }
+                        watcher::Event::InitDone => {
+                            drop(sender.send(Change::Resync));
+                            ready_sender.send_replace(true);
+                        }
+                        watcher::Event::Init | watcher::Event::InitApply(_) => {}
+                    }
                 }
-            })
-            .applied_objects()
-            .for_each(move |object| {
-                match object {
-                    // No subscriber is fine (a follower, or before the first term): the store is still kept.
-                    Ok(object) => drop(sender.send(Arc::new(object))),
-                    Err(error) => debug!(%error, "Proxy watch error; the watcher retries"),
-                }
-                async {}
-            });
-        let task = tokio::spawn(watch.instrument(info_span!("proxy_store")));
+                Err(error) => debug!(%error, kind = name, "watch error; the watcher retries"),
+            }
+            async {}
+        });
+        let task = tokio::spawn(watch.instrument(info_span!("store", kind = name)));
         (Self { store, changes, ready }, task)
     }
 
@@ -83,47 +124,213 @@ impl ProxyFeed {
         wait_ready(self.ready.clone()).await
     }
 
+    /// Whether the store holds the initial list.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
     /// The shared store.
-    pub fn store(&self) -> Store<GuardedProxy> {
+    pub fn store(&self) -> Store<K> {
         self.store.clone()
     }
 
-    /// Every stored object, then every change from now on; after falling behind, every stored object once more.
-    ///
-    /// The stream first waits for the store's initial list to complete, then replays it: a subscriber that arrives
-    /// after the list (a controller starting when this replica becomes leader) would otherwise never hear of
-    /// objects that do not change, and one that arrives during it would look them up before the store has them.
-    /// The receiver is subscribed at once, so nothing that changes meanwhile is lost.
-    pub fn subscribe(&self) -> impl Stream<Item = GuardedProxy> + Send + 'static {
+    /// The changes from now on, starting with a [`Change::Resync`] once the store is ready, so a consumer that
+    /// arrives late (a controller starting when this replica becomes leader) still hears of every object. A
+    /// consumer that falls behind gets a `Resync` in place of what it missed. The stream ends with the watch.
+    pub fn subscribe(&self) -> impl Stream<Item = Change<K>> + Send + 'static {
+        // Subscribed at once, so nothing that changes while the consumer waits for the list is lost.
         let receiver = self.changes.subscribe();
-        // The stream holds no sender of its own, so it ends when the feed is gone.
-        let state = (receiver, self.store.clone(), self.ready.clone());
-        futures::stream::unfold(
-            (state, None::<Vec<Arc<GuardedProxy>>>),
-            |((mut receiver, store, ready), backlog)| async move {
-                let mut backlog = match backlog {
-                    Some(backlog) => backlog,
-                    None => {
-                        // A feed whose watch is gone never becomes ready; then there is nothing to replay.
-                        wait_ready(ready.clone()).await;
-                        store.state()
-                    }
-                };
-                loop {
-                    if let Some(object) = backlog.pop() {
-                        return Some(((*object).clone(), ((receiver, store, ready), Some(backlog))));
-                    }
-                    match receiver.recv().await {
-                        Ok(object) => return Some(((*object).clone(), ((receiver, store, ready), Some(backlog)))),
-                        Err(broadcast::error::RecvError::Lagged(missed)) => {
-                            debug!(missed, "a Proxy change subscriber fell behind; replaying the store");
-                            backlog = store.state();
-                        }
-                        Err(broadcast::error::RecvError::Closed) => return None,
-                    }
+        let ready = self.ready.clone();
+        futures::stream::unfold((receiver, ready, false), |(mut receiver, ready, started)| async move {
+            if !started {
+                // A fan-out whose watch is gone never becomes ready; then there is nothing to hear.
+                if !wait_ready(ready.clone()).await {
+                    return None;
                 }
-            },
-        )
+                return Some((Change::Resync, (receiver, ready, true)));
+            }
+            match receiver.recv().await {
+                Ok(change) => Some((change, (receiver, ready, true))),
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    debug!(missed, "a change consumer fell behind; it resynchronises");
+                    Some((Change::Resync, (receiver, ready, true)))
+                }
+                Err(broadcast::error::RecvError::Closed) => None,
+            }
+        })
+    }
+}
+
+/// A reference to `object` by namespace and name only, the way the store keys it (no resource version or UID to
+/// carry around in long-lived maps).
+pub fn reference_of<K: Resource<DynamicType = ()>>(object: &K) -> ObjectRef<K> {
+    let mut reference = ObjectRef::new(&object.name_any());
+    reference.namespace = object.namespace();
+    reference
+}
+
+/// The operator's Proxy store.
+pub type ProxyFeed = Fanout<GuardedProxy>;
+
+/// Drops what no consumer reads, so the store holds a small object: managed fields, and the copy of the whole
+/// object that `kubectl apply` keeps in an annotation.
+fn trim_metadata<K: Resource>(object: &mut K) {
+    let metadata = object.meta_mut();
+    metadata.managed_fields = None;
+    if let Some(annotations) = metadata.annotations.as_mut() {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+        if annotations.is_empty() {
+            metadata.annotations = None;
+        }
+    }
+}
+
+fn trim_proxy(object: &mut GuardedProxy) {
+    if let Ok(proxy) = object.0.as_mut() {
+        trim_metadata(proxy);
+    }
+}
+
+/// Watches `K` (in `namespace`, or all) with `config`, with kube's default watch backoff.
+fn watch<K>(
+    client: Client,
+    namespace: Option<&str>,
+    config: watcher::Config,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + 'static,
+{
+    let api: Api<K> = match namespace {
+        Some(namespace) => Api::namespaced(client, namespace),
+        None => Api::all(client),
+    };
+    watcher(api, config).default_backoff()
+}
+
+impl ProxyFeed {
+    /// Starts watching Proxies (in `namespace`, or all) into one store; the returned task drives the watch.
+    pub fn start(client: Client, namespace: Option<&str>) -> (Self, JoinHandle<()>) {
+        Self::spawn(watch(client, namespace, watcher::Config::default()), trim_proxy, "Proxy")
+    }
+
+    /// The valid Proxy behind a reference, when the store holds one.
+    pub fn proxy(&self, reference: &ObjectRef<GuardedProxy>) -> Option<Arc<GuardedProxy>> {
+        self.store.get(reference)
+    }
+}
+
+/// The label that puts a Secret into the operator's credential store. The operator sets it on every auth Secret a
+/// Proxy names, so users need not.
+pub const AUTH_SECRET_LABEL: &str = "egress.crawl.example.com/proxy-auth";
+
+/// A proxy's user name and password, as read from its auth Secret (`username`, `password`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthCredentials {
+    /// The user name.
+    pub username: String,
+    /// The password.
+    pub password: String,
+}
+
+impl Debug for AuthCredentials {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("AuthCredentials").field("username", &self.username).finish_non_exhaustive()
+    }
+}
+
+/// The one store of proxy auth Secrets, shared by creates, probes and discovery, so all three always agree and a
+/// rotated Secret reaches them in one event.
+pub type CredentialStore = Fanout<Secret>;
+
+/// Keeps only the two keys the operator reads from an auth Secret.
+fn trim_secret(secret: &mut Secret) {
+    trim_metadata(secret);
+    secret.string_data = None;
+    if let Some(data) = secret.data.as_mut() {
+        data.retain(|key, _| key == "username" || key == "password");
+    }
+}
+
+impl CredentialStore {
+    /// Starts watching the labelled auth Secrets (in `namespace`, or all); the returned task drives the watch.
+    pub fn start(client: Client, namespace: Option<&str>) -> (Self, JoinHandle<()>) {
+        let config = watcher::Config::default().labels(&format!("{AUTH_SECRET_LABEL}=true"));
+        Self::spawn(watch(client, namespace, config), trim_secret, "Secret")
+    }
+
+    /// The credentials in `namespace/name`, when the store holds that Secret with both keys.
+    pub fn credentials(&self, namespace: &str, name: &str) -> Option<AuthCredentials> {
+        let secret = self.store.get(&ObjectRef::new(name).within(namespace))?;
+        let data = secret.data.as_ref()?;
+        let field = |key: &str| data.get(key).map(|value| String::from_utf8_lossy(&value.0).into_owned());
+        Some(AuthCredentials { username: field("username")?, password: field("password")? })
+    }
+
+    /// Whether the store holds `namespace/name` (labelled and seen).
+    pub fn holds(&self, namespace: &str, name: &str) -> bool {
+        self.store.get(&ObjectRef::new(name).within(namespace)).is_some()
+    }
+}
+
+/// The reference of a Secret as the credential store keys it.
+pub fn secret_ref(namespace: &str, name: &str) -> ObjectRef<Secret> {
+    ObjectRef::new(name).within(namespace)
+}
+
+/// The auth Secret a Proxy names, as a store reference.
+pub fn auth_secret_of(proxy: &Proxy) -> Option<ObjectRef<Secret>> {
+    let auth = proxy.spec.auth.as_ref()?;
+    Some(secret_ref(&proxy.namespace().unwrap_or_default(), &auth.secret_ref.name))
+}
+
+/// Which auth Secret each Proxy names, and which Proxies each Secret serves: what a consumer of both stores needs
+/// to recompute exactly the Proxies a changed Secret affects.
+#[derive(Default)]
+pub struct SecretIndex {
+    secret_of: HashMap<ObjectRef<GuardedProxy>, ObjectRef<Secret>>,
+    users_of: HashMap<ObjectRef<Secret>, HashSet<ObjectRef<GuardedProxy>>>,
+}
+
+impl SecretIndex {
+    /// Records that `proxy` names `secret` (or none, or is gone).
+    pub fn set(&mut self, proxy: &ObjectRef<GuardedProxy>, secret: Option<ObjectRef<Secret>>) {
+        let previous = match secret.clone() {
+            Some(secret) => self.secret_of.insert(proxy.clone(), secret),
+            None => self.secret_of.remove(proxy),
+        };
+        if previous == secret {
+            return;
+        }
+        if let Some(previous) = previous
+            && let Some(users) = self.users_of.get_mut(&previous)
+        {
+            users.remove(proxy);
+            if users.is_empty() {
+                self.users_of.remove(&previous);
+            }
+        }
+        if let Some(secret) = secret {
+            self.users_of.entry(secret).or_default().insert(proxy.clone());
+        }
+    }
+
+    /// The Proxies a change of the credential store affects: those naming the changed Secret, or on a resync all
+    /// that name one.
+    pub fn affected(&self, change: &Change<Secret>) -> Vec<ObjectRef<GuardedProxy>> {
+        match change {
+            Change::Object(secret) => self.users_of.get(secret).into_iter().flatten().cloned().collect(),
+            Change::Resync => self.secret_of.keys().cloned().collect(),
+        }
+    }
+
+    /// Every Proxy that names a Secret.
+    pub fn proxies(&self) -> impl Iterator<Item = &ObjectRef<GuardedProxy>> {
+        self.secret_of.keys()
     }
 }
 
@@ -135,7 +342,6 @@ async fn wait_ready(mut ready: flag::Receiver<bool>) -> bool {
 mod tests {
     use std::time::Duration;
 
-    use kube::ResourceExt;
     use kube::api::ObjectMeta;
     use tokio::sync::mpsc;
     use tokio::time::timeout;
@@ -146,7 +352,15 @@ mod tests {
 
     fn proxy(name: &str) -> GuardedProxy {
         let mut proxy = Proxy::new(name, serde_json::from_value(serde_json::json!({"mode": "External"})).unwrap());
-        proxy.metadata = ObjectMeta { name: Some(name.into()), namespace: Some("ns".into()), ..ObjectMeta::default() };
+        proxy.metadata = ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            annotations: Some(
+                [("kubectl.kubernetes.io/last-applied-configuration".to_owned(), "{}".to_owned())].into(),
+            ),
+            managed_fields: Some(Vec::new()),
+            ..ObjectMeta::default()
+        };
         DeserializeGuard(Ok(proxy))
     }
 
@@ -157,7 +371,7 @@ mod tests {
         let stream = futures::stream::unfold(receiver, |mut receiver| async move {
             receiver.recv().await.map(|event| (event, receiver))
         });
-        let (feed, task) = ProxyFeed::spawn(stream);
+        let (feed, task) = ProxyFeed::spawn(stream, trim_proxy, "Proxy");
         (feed, events, task)
     }
 
@@ -167,8 +381,15 @@ mod tests {
         }
     }
 
-    /// Why the feed has its own readiness flag: kube's store wakes only the last of several concurrent waiters.
-    /// If this starts failing, kube fixed it and `ProxyFeed::ready` could go back to `Store::wait_until_ready`.
+    fn name(change: &Change<GuardedProxy>) -> String {
+        match change {
+            Change::Object(reference) => reference.name.clone(),
+            Change::Resync => "<resync>".into(),
+        }
+    }
+
+    /// Why the fan-out has its own readiness flag: kube's store wakes only the last of several concurrent waiters.
+    /// If this starts failing, kube fixed it and `Fanout::ready` could go back to `Store::wait_until_ready`.
     #[tokio::test(flavor = "current_thread")]
     async fn kube_store_readiness_wakes_only_the_last_of_concurrent_waiters() {
         let (store, mut writer) = reflector::store::<GuardedProxy>();
@@ -198,7 +419,6 @@ mod tests {
                 let feed = feed.clone();
                 tokio::spawn(async move {
                     let ready = feed.ready().await;
-                    // After the feed is ready, the store's own wait returns at once, for every caller.
                     let store_ready = feed.store().wait_until_ready().await.is_ok();
                     (index, ready && store_ready, feed.store().state().len())
                 })
@@ -216,30 +436,48 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn subscribers_replay_the_initial_list_then_follow_changes() {
+    async fn consumers_start_with_a_resync_then_hear_each_change_by_reference() {
         let (feed, events, _task) = feed();
         let mut early = feed.subscribe().boxed();
         events.send(Ok(watcher::Event::Init)).unwrap();
         events.send(Ok(watcher::Event::InitApply(proxy("a")))).unwrap();
         events.send(Ok(watcher::Event::InitDone)).unwrap();
-        let first = timeout(PATIENCE, early.next()).await.expect("replay").expect("an object");
-        assert_eq!(first.name_any(), "a");
-        // A subscriber that arrives after the list still hears of the object that never changes again.
+        assert_eq!(name(&timeout(PATIENCE, early.next()).await.unwrap().unwrap()), "<resync>");
+        // A consumer that arrives after the list starts with a resync too.
         let mut late = feed.subscribe().boxed();
-        assert_eq!(timeout(PATIENCE, late.next()).await.expect("replay").expect("an object").name_any(), "a");
+        assert_eq!(name(&timeout(PATIENCE, late.next()).await.unwrap().unwrap()), "<resync>");
         events.send(Ok(watcher::Event::Apply(proxy("b")))).unwrap();
-        for subscriber in [&mut early, &mut late] {
-            // One that subscribed during the list may hear of "a" twice (replay and change); consumers are
-            // level-triggered, so repeats are harmless, but nothing may be missed.
-            loop {
-                let next = timeout(PATIENCE, subscriber.next()).await.expect("a change").expect("an object");
-                match next.name_any().as_str() {
-                    "b" => break,
-                    "a" => {}
-                    other => panic!("unexpected object {other}"),
-                }
+        events.send(Ok(watcher::Event::Delete(proxy("a")))).unwrap();
+        for consumer in [&mut early, &mut late] {
+            let mut heard = Vec::new();
+            while heard.len() < 3 && !heard.contains(&"a".to_owned()) {
+                heard.push(name(&timeout(PATIENCE, consumer.next()).await.unwrap().unwrap()));
             }
+            // The early consumer also hears the InitDone resync it was subscribed for.
+            heard.retain(|name| name != "<resync>");
+            assert_eq!(heard, ["b", "a"]);
         }
+        let stored = feed.proxy(&ObjectRef::new("b").within("ns")).expect("b is stored");
+        let stored = stored.0.as_ref().unwrap();
+        assert!(stored.metadata.managed_fields.is_none() && stored.metadata.annotations.is_none(), "trimmed");
+        assert!(feed.proxy(&ObjectRef::new("a").within("ns")).is_none(), "a deletion is a reference not found");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_consumer_that_falls_behind_is_told_to_resync() {
+        let (feed, events, _task) = feed();
+        events.send(Ok(watcher::Event::Init)).unwrap();
+        events.send(Ok(watcher::Event::InitDone)).unwrap();
+        let mut slow = feed.subscribe().boxed();
+        assert_eq!(name(&timeout(PATIENCE, slow.next()).await.unwrap().unwrap()), "<resync>");
+        for index in 0..FAN_OUT_CAPACITY + 10 {
+            events.send(Ok(watcher::Event::Apply(proxy(&format!("p{index}"))))).unwrap();
+        }
+        // Let the watch task apply everything before the slow consumer reads again.
+        while feed.store().state().len() < FAN_OUT_CAPACITY + 10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(name(&timeout(PATIENCE, slow.next()).await.unwrap().unwrap()), "<resync>");
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -248,5 +486,6 @@ mod tests {
         drop(events);
         task.await.unwrap();
         assert!(!timeout(PATIENCE, feed.ready()).await.expect("ready resolves when the watch is gone"));
+        assert!(feed.subscribe().boxed().next().await.is_none());
     }
 }

@@ -1,26 +1,37 @@
-//! Health verdicts as the reconciler reads them: a shared board keyed by Proxy and endpoint.
+//! Health verdicts as the operator keys them: one [`Verdicts`] store, keyed by Proxy and probed endpoint.
 //!
-//! The health engine writes verdicts here and sends the Proxy's reference on a channel that triggers a reconcile
-//! (`Controller::reconcile_on`); the reconciler reads the verdict for the endpoint it is deciding about. Keying by
-//! endpoint as well as Proxy matters during a replacement: the new instance is probed, and must be healthy, before
-//! the Proxy's endpoint switches to it.
+//! The health engine writes the store; the reconciler and the discovery view read the same one, so they cannot
+//! disagree. Keying by endpoint as well as Proxy matters during a replacement: the new instance is probed, and must be
+//! healthy, before the Proxy's endpoint switches to it.
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-/// Which proxy endpoint a verdict is about.
+use egress_api::Endpoint;
+use egress_health::{CurrentVerdict, Verdicts};
+use kube::runtime::reflector::ObjectRef;
+
+use crate::feed::GuardedProxy;
+
+/// Which endpoint of which Proxy a verdict is about.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct HealthKey {
-    /// The Proxy's namespace.
-    pub namespace: String,
-    /// The Proxy's name.
-    pub name: String,
-    /// `host:port` that was probed.
-    pub address: String,
+pub struct ProbeKey {
+    /// The Proxy.
+    pub proxy: ObjectRef<GuardedProxy>,
+    /// The endpoint that is probed.
+    pub endpoint: Endpoint,
 }
 
-/// The health engine's current verdict for one endpoint.
+impl ProbeKey {
+    /// The key of `endpoint` of the Proxy `namespace/name`.
+    pub fn new(namespace: &str, name: &str, endpoint: Endpoint) -> Self {
+        Self { proxy: ObjectRef::new(name).within(namespace), endpoint }
+    }
+}
+
+/// The operator's one verdict store.
+pub type ProxyVerdicts = Verdicts<ProbeKey>;
+
+/// A verdict as the state machine reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verdict {
     /// Whether probes get through (after the thresholds).
@@ -33,29 +44,18 @@ pub struct Verdict {
     pub egress_ip: Option<String>,
 }
 
-/// The shared verdict map. Cloning shares it.
-#[derive(Clone, Default)]
-pub struct HealthBoard(Arc<RwLock<HashMap<HealthKey, Verdict>>>);
-
-impl HealthBoard {
-    /// An empty board.
-    pub fn new() -> Self {
-        Self::default()
+impl From<CurrentVerdict> for Verdict {
+    fn from(verdict: CurrentVerdict) -> Self {
+        Self {
+            healthy: verdict.healthy,
+            since: verdict.since,
+            last_error: verdict.last_error.map(|reason| reason.to_string()),
+            egress_ip: verdict.egress_ip.map(|ip| ip.to_string()),
+        }
     }
+}
 
-    /// Records a verdict.
-    pub fn set(&self, key: HealthKey, verdict: Verdict) {
-        self.0.write().expect("health board lock").insert(key, verdict);
-    }
-
-    /// Forgets a verdict (the endpoint is no longer probed).
-    pub fn remove(&self, key: &HealthKey) {
-        self.0.write().expect("health board lock").remove(key);
-    }
-
-    /// The current verdict for one endpoint of one Proxy.
-    pub fn get(&self, namespace: &str, name: &str, address: &str) -> Option<Verdict> {
-        let key = HealthKey { namespace: namespace.to_owned(), name: name.to_owned(), address: address.to_owned() };
-        self.0.read().expect("health board lock").get(&key).cloned()
-    }
+/// The verdict for `endpoint` of the Proxy `namespace/name`.
+pub fn verdict_of(verdicts: &ProxyVerdicts, namespace: &str, name: &str, endpoint: &Endpoint) -> Option<Verdict> {
+    verdicts.get(&ProbeKey::new(namespace, name, endpoint.clone())).map(Verdict::from)
 }

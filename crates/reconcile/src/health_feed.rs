@@ -1,52 +1,41 @@
-//! Feeds the health engine from the Proxies and its transitions back into the reconciler.
+//! Feeds the health engine from the Proxies, one Proxy per change, and its transitions back into the reconciler.
 //!
 //! Targets follow the Proxies: each Proxy's published endpoint (Managed: the instance address; External: the
 //! spec's), and during a replacement also the new instance's address, so it can be proven healthy before the
 //! endpoint switches. Probe settings come from `spec.healthCheck` with the operator's default probe URL, and
-//! credentials from the Proxy's auth Secret. Each transition updates the [`HealthBoard`] and triggers one reconcile
-//! of its Proxy, which writes the status: one write per transition, none per probe.
+//! credentials from the [`CredentialStore`], the one the reconciler and discovery read too.
+//!
+//! Work per change is O(1) in the fleet: a changed Proxy recomputes its own targets only, and a changed auth Secret
+//! recomputes the Proxies that name it (an index kept here). A resync (the first list, a relist, or after falling
+//! behind) compares every Proxy without cloning one, yielding to the runtime as it goes. Each transition triggers one
+//! reconcile of its Proxy, which writes the status: one write per transition, none per probe. The verdicts
+//! themselves live in the engine's [`egress_health::Verdicts`] store, which everyone reads.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use egress_api::{Endpoint, InstanceState, Proxy, ProxyMode, ProxyPhase};
 use egress_health::{Credentials, HealthEngine, ProbeUrl, Target, Transition};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::Api;
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::feed::ProxyFeed;
-use crate::health::{HealthBoard, HealthKey, Verdict};
+use crate::controller::Trigger;
+use crate::feed::{Change, CredentialStore, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of};
+use crate::health::ProbeKey;
 
-/// How long a read auth Secret is reused before it is read again.
-const CREDENTIALS_TTL: Duration = Duration::from_secs(60);
-
-/// How often the targets are recomputed even without a Proxy change (to pick up rotated credentials).
-const RESYNC: Duration = Duration::from_secs(30);
+/// How many Proxies a resync handles before it lets other tasks run.
+const YIELD_EVERY: usize = 256;
 
 /// Settings of the feed.
 #[derive(Clone, Debug)]
 pub struct HealthFeedConfig {
     /// The probe URL for Proxies that set none (`--default-probe-url`).
     pub default_probe_url: String,
-    /// Watch only this namespace; `None` watches all.
-    pub namespace: Option<String>,
-}
-
-/// The target identifier of one endpoint of one Proxy: `namespace/name@host:port`.
-pub fn target_id(namespace: &str, name: &str, address: &str) -> String {
-    format!("{namespace}/{name}@{address}")
-}
-
-fn parse_target_id(id: &str) -> Option<HealthKey> {
-    let (proxy, address) = id.rsplit_once('@')?;
-    let (namespace, name) = proxy.split_once('/')?;
-    Some(HealthKey { namespace: namespace.to_owned(), name: name.to_owned(), address: address.to_owned() })
 }
 
 /// The addresses of a Proxy worth probing.
@@ -54,7 +43,12 @@ pub fn probe_endpoints(proxy: &Proxy) -> Vec<Endpoint> {
     if proxy.metadata.deletion_timestamp.is_some() {
         return Vec::new();
     }
-    let status = proxy.status.clone().unwrap_or_default();
+    let Some(status) = proxy.status.as_ref() else {
+        return match proxy.spec.mode {
+            ProxyMode::External => proxy.spec.endpoint.iter().cloned().collect(),
+            ProxyMode::Managed => Vec::new(),
+        };
+    };
     if status.phase == Some(ProxyPhase::Failed) {
         return Vec::new();
     }
@@ -63,10 +57,10 @@ pub fn probe_endpoints(proxy: &Proxy) -> Vec<Endpoint> {
         ProxyMode::External => endpoints.extend(proxy.spec.endpoint.clone()),
         ProxyMode::Managed => {
             endpoints.extend(status.endpoint.as_ref().map(Endpoint::from));
-            if let Some(instance) = status.instance.filter(|instance| instance.state == InstanceState::Running)
-                && let Some(ip) = instance.ip
+            if let Some(instance) = status.instance.as_ref().filter(|instance| instance.state == InstanceState::Running)
+                && let Some(ip) = &instance.ip
             {
-                let candidate = Endpoint { host: ip, port: proxy.spec.port };
+                let candidate = Endpoint { host: ip.clone(), port: proxy.spec.port };
                 if !endpoints.contains(&candidate) {
                     endpoints.push(candidate);
                 }
@@ -76,149 +70,144 @@ pub fn probe_endpoints(proxy: &Proxy) -> Vec<Endpoint> {
     endpoints
 }
 
-struct CachedCredentials {
-    credentials: Option<Credentials>,
-    read_at: Instant,
+/// The feed's own bookkeeping: which targets each Proxy has, and which Proxies each auth Secret serves.
+struct Targets {
+    feed: ProxyFeed,
+    credentials: CredentialStore,
+    config: HealthFeedConfig,
+    engine: Arc<HealthEngine<ProbeKey>>,
+    of_proxy: HashMap<ObjectRef<GuardedProxy>, Vec<ProbeKey>>,
+    secrets: SecretIndex,
 }
 
-/// Runs the feed on a shared [`ProxyFeed`] until `shutdown` resolves.
-#[allow(clippy::too_many_arguments)]
+impl Targets {
+    /// Brings one Proxy's targets in line with the store.
+    fn apply(&mut self, reference: &ObjectRef<GuardedProxy>) {
+        let stored = self.feed.proxy(reference);
+        let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
+        let wanted = proxy.map(|proxy| self.targets_of(reference, proxy)).unwrap_or_default();
+        let keys: Vec<ProbeKey> = wanted.iter().map(|target| target.id.clone()).collect();
+        if let Some(previous) = self.of_proxy.remove(reference) {
+            for key in previous.iter().filter(|key| !keys.contains(key)) {
+                self.engine.remove(key);
+            }
+        }
+        for target in wanted {
+            self.engine.upsert(target);
+        }
+        if !keys.is_empty() {
+            self.of_proxy.insert(reference.clone(), keys);
+        }
+        self.secrets.set(reference, proxy.and_then(auth_secret_of));
+    }
+
+    fn targets_of(&self, reference: &ObjectRef<GuardedProxy>, proxy: &Proxy) -> Vec<Target<ProbeKey>> {
+        let endpoints = probe_endpoints(proxy);
+        if endpoints.is_empty() {
+            return Vec::new();
+        }
+        let check = proxy.spec.health_check.effective(&self.config.default_probe_url);
+        let probe_url = match ProbeUrl::parse(&check.probe_url) {
+            Ok(url) => url,
+            Err(error) => {
+                warn!(proxy = %reference, %error, "not probing a Proxy with an unusable probe URL");
+                return Vec::new();
+            }
+        };
+        // A Secret not in the store probes without credentials; the proxy answers 407, and the failure names it.
+        let credentials = proxy.spec.auth.as_ref().and_then(|auth| {
+            let namespace = proxy.namespace().unwrap_or_default();
+            self.credentials
+                .credentials(&namespace, &auth.secret_ref.name)
+                .map(|found| Credentials { username: found.username, password: found.password })
+        });
+        endpoints
+            .into_iter()
+            .filter_map(|endpoint| {
+                let port = u16::try_from(endpoint.port).ok()?;
+                Some(Target {
+                    proxy_host: endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned(),
+                    proxy_port: port,
+                    id: ProbeKey { proxy: reference.clone(), endpoint },
+                    credentials: credentials.clone(),
+                    probe_url: probe_url.clone(),
+                    interval: check.interval,
+                    timeout: check.timeout,
+                    healthy_threshold: check.healthy_threshold,
+                    unhealthy_threshold: check.unhealthy_threshold,
+                })
+            })
+            .collect()
+    }
+
+    /// Every Proxy compared against the store, and targets of Proxies no longer stored removed.
+    async fn resync(&mut self) {
+        let stored = self.feed.store().state();
+        for (index, object) in stored.iter().enumerate() {
+            self.apply(&reference_of(object.as_ref()));
+            if index % YIELD_EVERY == YIELD_EVERY - 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let store = self.feed.store();
+        let gone: Vec<_> = self
+            .secrets
+            .proxies()
+            .chain(self.of_proxy.keys())
+            .filter(|key| store.get(key).is_none())
+            .cloned()
+            .collect();
+        for reference in gone {
+            self.apply(&reference);
+        }
+    }
+
+    /// Recomputes the Proxies that name a changed auth Secret (all that name one, on a resync of the Secrets).
+    async fn secret_changed(&mut self, change: Change<Secret>) {
+        let users = self.secrets.affected(&change);
+        for (index, reference) in users.iter().enumerate() {
+            self.apply(reference);
+            if index % YIELD_EVERY == YIELD_EVERY - 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+/// Runs the feed until `shutdown` resolves.
 pub async fn run_health_feed(
-    client: Client,
     feed: ProxyFeed,
+    credentials: CredentialStore,
     config: HealthFeedConfig,
-    engine: Arc<HealthEngine>,
-    mut transitions: mpsc::Receiver<Transition>,
-    board: HealthBoard,
-    triggers: mpsc::UnboundedSender<(String, String)>,
+    engine: Arc<HealthEngine<ProbeKey>>,
+    mut transitions: mpsc::Receiver<Transition<ProbeKey>>,
+    triggers: mpsc::UnboundedSender<Trigger>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let store = feed.store();
     let mut changes = feed.subscribe().boxed();
-    let mut credentials: HashMap<(String, String), CachedCredentials> = HashMap::new();
-    let mut resync = tokio::time::interval(RESYNC);
+    let mut secret_changes = credentials.subscribe().boxed();
+    let mut targets =
+        Targets { feed, credentials, config, engine, of_proxy: HashMap::new(), secrets: SecretIndex::default() };
     let work = async {
         loop {
             tokio::select! {
-                change = changes.next() => {
-                    if change.is_none() {
-                        return;
-                    }
-                }
-                _ = resync.tick() => {}
+                change = changes.next() => match change {
+                    Some(Change::Object(reference)) => targets.apply(&reference),
+                    Some(Change::Resync) => targets.resync().await,
+                    None => return,
+                },
+                Some(change) = secret_changes.next() => targets.secret_changed(change).await,
                 Some(transition) = transitions.recv() => {
-                    apply_transition(&board, &triggers, transition);
-                    continue;
+                    debug!(target = ?transition.id, healthy = transition.healthy, "health transition");
+                    let _ = triggers.send(transition.id.proxy);
                 }
             }
-            let proxies: Vec<Proxy> =
-                store.state().iter().filter_map(|object| object.0.as_ref().ok().cloned()).collect();
-            sync_targets(&client, &config, &engine, &board, &proxies, &mut credentials).await;
         }
     };
     tokio::select! {
         () = work.instrument(info_span!("health_feed")) => {}
         () = shutdown => {}
     }
-}
-
-fn apply_transition(board: &HealthBoard, triggers: &mpsc::UnboundedSender<(String, String)>, transition: Transition) {
-    let Some(key) = parse_target_id(&transition.id) else {
-        warn!(id = %transition.id, "a health transition for a target this feed did not make");
-        return;
-    };
-    debug!(target = %transition.id, healthy = transition.healthy, "health transition");
-    let verdict = Verdict {
-        healthy: transition.healthy,
-        since: transition.at,
-        last_error: transition.reason.map(|reason| reason.to_string()),
-        egress_ip: transition.egress_ip.map(|ip| ip.to_string()),
-    };
-    let proxy = (key.namespace.clone(), key.name.clone());
-    board.set(key, verdict);
-    let _ = triggers.send(proxy);
-}
-
-async fn sync_targets(
-    client: &Client,
-    config: &HealthFeedConfig,
-    engine: &HealthEngine,
-    board: &HealthBoard,
-    proxies: &[Proxy],
-    credentials: &mut HashMap<(String, String), CachedCredentials>,
-) {
-    let mut wanted = HashSet::new();
-    for proxy in proxies {
-        let namespace = proxy.namespace().unwrap_or_default();
-        let name = proxy.name_any();
-        let check = proxy.spec.health_check.effective(&config.default_probe_url);
-        let probe_url = match ProbeUrl::parse(&check.probe_url) {
-            Ok(url) => url,
-            Err(error) => {
-                warn!(proxy = %format!("{namespace}/{name}"), %error, "not probing a Proxy with an unusable probe URL");
-                continue;
-            }
-        };
-        let auth = match &proxy.spec.auth {
-            Some(auth) => read_credentials(client, &namespace, &auth.secret_ref.name, credentials).await,
-            None => None,
-        };
-        for endpoint in probe_endpoints(proxy) {
-            let Ok(port) = u16::try_from(endpoint.port) else { continue };
-            let id = target_id(&namespace, &name, &endpoint.address());
-            wanted.insert(id.clone());
-            engine.upsert(Target {
-                id,
-                proxy_host: endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned(),
-                proxy_port: port,
-                credentials: auth.clone(),
-                probe_url: probe_url.clone(),
-                interval: check.interval,
-                timeout: check.timeout,
-                healthy_threshold: check.healthy_threshold,
-                unhealthy_threshold: check.unhealthy_threshold,
-            });
-        }
-    }
-    for id in engine.target_ids() {
-        if !wanted.contains(&id) {
-            engine.remove(&id);
-            if let Some(key) = parse_target_id(&id) {
-                board.remove(&key);
-            }
-        }
-    }
-}
-
-/// The Proxy's credentials from its auth Secret (`username`, `password`), cached for a minute. A missing Secret
-/// probes without credentials, which the proxy answers with 407: the failure then names the cause.
-async fn read_credentials(
-    client: &Client,
-    namespace: &str,
-    secret: &str,
-    cache: &mut HashMap<(String, String), CachedCredentials>,
-) -> Option<Credentials> {
-    let key = (namespace.to_owned(), secret.to_owned());
-    if let Some(cached) = cache.get(&key)
-        && cached.read_at.elapsed() < CREDENTIALS_TTL
-    {
-        return cached.credentials.clone();
-    }
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
-    let credentials = match secrets.get_opt(secret).await {
-        Ok(Some(secret)) => {
-            let data = secret.data.unwrap_or_default();
-            let field = |name: &str| data.get(name).map(|value| String::from_utf8_lossy(&value.0).into_owned());
-            field("username").zip(field("password")).map(|(username, password)| Credentials { username, password })
-        }
-        Ok(None) => None,
-        Err(error) => {
-            warn!(namespace, secret, %error, "reading a proxy auth Secret for probes failed");
-            None
-        }
-    };
-    cache.insert(key, CachedCredentials { credentials: credentials.clone(), read_at: Instant::now() });
-    credentials
 }
 
 #[cfg(test)]
@@ -285,15 +274,5 @@ mod tests {
             },
         );
         assert_eq!(addresses(&external), ["[::1]:8080"]);
-    }
-
-    #[test]
-    fn target_ids_round_trip() {
-        let id = target_id("ns", "p", "[::1]:8080");
-        assert_eq!(
-            parse_target_id(&id),
-            Some(HealthKey { namespace: "ns".into(), name: "p".into(), address: "[::1]:8080".into() })
-        );
-        assert_eq!(parse_target_id("garbage"), None);
     }
 }

@@ -10,7 +10,7 @@
 mod controller;
 pub mod decide;
 mod error;
-mod feed;
+pub mod feed;
 pub mod gc;
 mod health;
 pub mod health_feed;
@@ -19,9 +19,12 @@ pub mod monitor;
 mod providers;
 mod status;
 
-pub use controller::{Context, ControllerConfig, run, trigger_channel};
+pub use controller::{Context, ControllerConfig, Trigger, run, trigger_channel};
 pub use error::Error;
-pub use feed::{GuardedProxy, ProxyFeed};
-pub use health::{HealthBoard, HealthKey, Verdict};
+pub use feed::{
+    AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedProxy, ProxyFeed, SecretIndex,
+    auth_secret_of, reference_of,
+};
+pub use health::{ProbeKey, ProxyVerdicts, Verdict, verdict_of};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};

@@ -383,10 +383,12 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     let providers = egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn Provider>);
     let mut config = egress_reconcile::ControllerConfig::new(ns.name());
     config.namespace = Some(ns.name().to_owned());
+    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(ns.client(), Some(ns.name()));
     let context = Arc::new(egress_reconcile::Context::new(
         ns.client(),
         Arc::new(providers),
-        egress_reconcile::HealthBoard::new(),
+        egress_reconcile::ProxyVerdicts::new(),
+        credentials,
         config,
         egress_reconcile::ReconcileMetrics::default(),
     ));
@@ -412,4 +414,5 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     assert!(pods.get_opt(&instance.name).await.expect("get").is_none(), "the pod is deleted with the Proxy");
     controller.abort();
     watch.abort();
+    secret_watch.abort();
 }

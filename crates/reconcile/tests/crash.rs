@@ -46,7 +46,7 @@ async fn report_health(harness: &Harness) {
             continue;
         };
         let address = format!("{ip}:3128");
-        if harness.health.get(harness.ns.name(), &proxy.name_any(), &address).is_none() {
+        if harness.health.get(&harness.probe_key(&proxy.name_any(), &address)).is_none() {
             harness.feed_health(&proxy.name_any(), &address, true);
         }
     }

@@ -11,7 +11,9 @@ use egress_provider::Provider;
 use egress_provider::config::{ProviderSettings, ProvidersConfig};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
-use egress_reconcile::{Context, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics, StaticProviders};
+use egress_reconcile::{
+    Context, ControllerConfig, CredentialStore, ProxyFeed, ProxyVerdicts, ReconcileMetrics, StaticProviders,
+};
 use egress_testenv::{LocalOrigin, NodeAgent, eventually};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
@@ -34,13 +36,15 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     let config = ProvidersConfig::parse(&text, "test").expect("config");
     let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
     let provider = Arc::new(KubernetesProvider::new(ns.client(), settings)) as Arc<dyn Provider>;
-    let board = HealthBoard::new();
+    let verdicts = ProxyVerdicts::new();
+    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     let mut controller_config = ControllerConfig::new(ns.name());
     controller_config.namespace = Some(ns.name().to_owned());
     let context = Arc::new(Context::new(
         ns.client(),
         Arc::new(StaticProviders::new().with("pods", provider)),
-        board.clone(),
+        verdicts.clone(),
+        credentials.clone(),
         controller_config,
         ReconcileMetrics::default(),
     ));
@@ -52,15 +56,14 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
 
     let metrics = HealthMetrics::default();
     let (engine, transitions) =
-        HealthEngine::start(EngineConfig::default(), tls_connector(b"").expect("TLS"), metrics.clone());
-    let feed_config = HealthFeedConfig { default_probe_url: origin.url(), namespace: Some(ns.name().to_owned()) };
+        HealthEngine::start_with(EngineConfig::default(), tls_connector(b"").expect("TLS"), metrics.clone(), verdicts);
+    let feed_config = HealthFeedConfig { default_probe_url: origin.url() };
     let feed = tokio::spawn(run_health_feed(
-        ns.client(),
         proxies,
+        credentials,
         feed_config,
         Arc::new(engine),
         transitions,
-        board,
         triggers,
         futures::future::pending(),
     ));

@@ -14,9 +14,11 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use egress_api::{Proxy, ProxyMode, ProxySpec};
+use egress_health::CurrentVerdict;
 use egress_provider::{CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags};
 use egress_reconcile::{
-    Context, ControllerConfig, HealthBoard, HealthKey, ProxyFeed, ReconcileMetrics, StaticProviders, Verdict,
+    Context, ControllerConfig, CredentialStore, ProbeKey, ProxyFeed, ProxyVerdicts, ReconcileMetrics, StaticProviders,
+    Trigger,
 };
 use egress_testenv::TestNamespace;
 use futures::StreamExt;
@@ -206,10 +208,10 @@ impl Provider for ScriptedProvider {
 pub struct Harness {
     pub ns: TestNamespace,
     pub provider: Arc<ScriptedProvider>,
-    pub health: HealthBoard,
+    pub health: ProxyVerdicts,
     pub cluster_id: String,
-    triggers: mpsc::UnboundedSender<(String, String)>,
-    receiver: Option<mpsc::UnboundedReceiver<(String, String)>>,
+    triggers: mpsc::UnboundedSender<Trigger>,
+    receiver: Option<mpsc::UnboundedReceiver<Trigger>>,
     /// The Proxy watch, a second reader of its store (as the operator's health feed is), and the controller.
     tasks: Vec<JoinHandle<()>>,
     pub metrics: ReconcileMetrics,
@@ -223,7 +225,7 @@ impl Harness {
         let mut harness = Self {
             ns,
             provider: ScriptedProvider::new(),
-            health: HealthBoard::new(),
+            health: ProxyVerdicts::new(),
             cluster_id,
             triggers,
             receiver: Some(receiver),
@@ -241,12 +243,13 @@ impl Harness {
         config
     }
 
-    pub fn context(&self) -> Arc<Context> {
+    pub fn context(&self, credentials: CredentialStore) -> Arc<Context> {
         let providers = StaticProviders::new().with("scripted", self.provider.clone() as Arc<dyn Provider>);
         Arc::new(Context::new(
             self.ns.client(),
             Arc::new(providers),
             self.health.clone(),
+            credentials,
             self.config(),
             self.metrics.clone(),
         ))
@@ -254,7 +257,8 @@ impl Harness {
 
     /// Starts (or restarts) the controller with a fresh context, as a restarted operator would have.
     pub fn start(&mut self) {
-        let context = self.context();
+        let (credentials, secret_watch) = CredentialStore::start(self.ns.client(), Some(self.ns.name()));
+        let context = self.context(credentials);
         let receiver = self.receiver.take().unwrap_or_else(|| {
             let (triggers, receiver) = mpsc::unbounded_channel();
             self.triggers = triggers;
@@ -276,7 +280,7 @@ impl Harness {
         let before = reader(feed.clone());
         let controller = tokio::spawn(egress_reconcile::run(context, feed.clone(), stream, futures::future::pending()));
         let after = reader(feed);
-        self.tasks = vec![watch, before, controller, after];
+        self.tasks = vec![watch, secret_watch, before, controller, after];
     }
 
     /// Kills the controller mid-flight, as SIGKILL would.
@@ -293,16 +297,26 @@ impl Harness {
 
     /// Records a verdict for a Proxy's endpoint and triggers its reconcile, as the health engine does.
     pub fn feed_health(&self, name: &str, address: &str, healthy: bool) {
-        let key =
-            HealthKey { namespace: self.ns.name().to_owned(), name: name.to_owned(), address: address.to_owned() };
-        let verdict = Verdict {
+        let key = self.probe_key(name, address);
+        let verdict = CurrentVerdict {
             healthy,
             since: SystemTime::now(),
-            last_error: (!healthy).then(|| "connect refused".into()),
+            last_error: (!healthy).then_some(egress_health::FailureReason::ConnectRefused),
             egress_ip: None,
         };
+        let proxy = key.proxy.clone();
         self.health.set(key, verdict);
-        let _ = self.triggers.send((self.ns.name().to_owned(), name.to_owned()));
+        let _ = self.triggers.send(proxy);
+    }
+
+    /// The verdict key of `host:port` of the Proxy `name` in this namespace.
+    pub fn probe_key(&self, name: &str, address: &str) -> ProbeKey {
+        let (host, port) = address.rsplit_once(':').expect("host:port");
+        let endpoint = egress_api::Endpoint {
+            host: host.trim_start_matches('[').trim_end_matches(']').to_owned(),
+            port: port.parse().expect("a port"),
+        };
+        ProbeKey::new(self.ns.name(), name, endpoint)
     }
 
     /// Reasons of the Events published about a Proxy.

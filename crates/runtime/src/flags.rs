@@ -95,23 +95,41 @@ pub enum LogFormat {
 /// Validated settings.
 #[derive(Debug)]
 pub struct Settings {
+    /// The providers file, validated.
     pub providers: ProvidersConfig,
+    /// `--cluster-id`.
     pub cluster_id: String,
+    /// Where the discovery API listens.
     pub discovery_addr: SocketAddr,
+    /// Where `/metrics` listens.
     pub metrics_addr: SocketAddr,
+    /// Where `/livez` and `/readyz` listen.
     pub health_addr: SocketAddr,
+    /// Whether replicas elect a leader (otherwise this one leads).
     pub leader_elect: bool,
+    /// The namespace of the leader Lease.
     pub leader_election_namespace: String,
+    /// The bearer-token file, or `None` with `--discovery-auth=none`.
     pub discovery_tokens: Option<PathBuf>,
+    /// The probe URL for Proxies that set none.
     pub default_probe_url: String,
+    /// Extra CA certificates for probes (PEM).
     pub probe_ca_pem: Vec<u8>,
+    /// How many probes run at once.
     pub probe_concurrency: usize,
+    /// How often the orphan collector runs.
     pub gc_interval: Duration,
+    /// How old an orphan must be before it is deleted.
     pub gc_grace: Duration,
+    /// How often providers are checked, or `None` for never.
     pub provider_check_interval: Option<Duration>,
+    /// How long one provider check may take.
     pub provider_check_timeout: Duration,
+    /// Watch only this namespace; `None` watches all.
     pub watch_namespace: Option<String>,
+    /// Text or JSON logs.
     pub log_format: LogFormat,
+    /// Where spans are exported, when set.
     pub otlp_endpoint: Option<http::Uri>,
 }
 

@@ -18,17 +18,23 @@ use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
-use egress_reconcile::{Context as ReconcileContext, ControllerConfig, HealthBoard, ProxyFeed, ReconcileMetrics};
+use egress_reconcile::{
+    Context as ReconcileContext, ControllerConfig, CredentialStore, ProxyFeed, ProxyVerdicts, ReconcileMetrics,
+};
 use kube::Client;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{info, warn};
 
+use crate::discovery_feed::run_discovery_feed;
 use crate::flags::Settings;
-use crate::view::StoreView;
+
+/// A new target's first probe starts within this window (jittered), not within a whole interval: a new Proxy, or
+/// every Proxy after a restart or a change of leader, is looked at within seconds, spread out.
+const FIRST_PROBE_WITHIN: Duration = Duration::from_secs(2);
 
 /// The provider types this binary can run, by `type` in the providers file.
-fn constructors() -> Constructors {
+pub fn constructors() -> Constructors {
     Constructors::new()
         .register("kubernetes", KubernetesProvider::construct)
         .register("gcp", egress_provider_gcp::GcpProvider::construct)
@@ -70,6 +76,7 @@ async fn shutdown_signal() {
     }
 }
 
+/// Runs the operator with `settings` until SIGTERM (or Ctrl-C), then shuts down in order.
 pub async fn run(settings: Settings) -> Result<()> {
     let client = Client::try_default().await.context("connecting to the Kubernetes API (in-cluster or kubeconfig)")?;
     let mut registry = Registry::with_prefix("egress");
@@ -88,12 +95,11 @@ pub async fn run(settings: Settings) -> Result<()> {
     let (stop_sender, stop) = watch::channel(false);
     let (leader_sender, leader) = watch::channel(!settings.leader_elect);
 
-    // The one Proxy store, kept on every replica: the discovery view reads it, and while this replica leads the
-    // controller and the health feed read and subscribe to it too.
-    let board = HealthBoard::new();
+    // The one Proxy store, the one credential store and the one verdict store, kept on every replica: discovery
+    // reads them, and while this replica leads the controller, the health engine and its feed do too.
+    let verdicts = ProxyVerdicts::new();
     let (feed, _watch) = ProxyFeed::start(client.clone(), settings.watch_namespace.as_deref());
-    let view = Arc::new(StoreView::new(feed.clone(), board.clone()));
-    tokio::spawn(view.clone().run(client.clone(), Duration::from_secs(30)).instrument(info_span!("discovery_view")));
+    let (credentials, _secret_watch) = CredentialStore::start(client.clone(), settings.watch_namespace.as_deref());
 
     let auth = match &settings.discovery_tokens {
         Some(path) => Auth::Tokens(TokenFile::load(path)?),
@@ -106,10 +112,11 @@ pub async fn run(settings: Settings) -> Result<()> {
     };
     let lease_store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let discovery = Arc::new(
-        Discovery::new(view.clone(), lease_store, auth, discovery_metrics)
+        Discovery::new(lease_store, auth, discovery_metrics)
             .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone()))),
     );
-    tokio::spawn(egress_discovery::run_sync(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
+    tokio::spawn(run_discovery_feed(feed.clone(), verdicts.clone(), credentials.clone(), discovery.clone()));
+    tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
 
     let servers = serve_all(&settings, registry, discovery, leader.clone(), stop.clone()).await?;
 
@@ -147,8 +154,16 @@ pub async fn run(settings: Settings) -> Result<()> {
         None
     };
 
-    let parts =
-        Leading { client: client.clone(), feed, providers, board, reconcile_metrics, health_metrics, monitor_metrics };
+    let parts = Leading {
+        client: client.clone(),
+        feed,
+        credentials,
+        providers,
+        verdicts,
+        reconcile_metrics,
+        health_metrics,
+        monitor_metrics,
+    };
     let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
     let leading = tokio::spawn(leading_loop);
 
@@ -233,8 +248,9 @@ async fn serve_all(
 struct Leading {
     client: Client,
     feed: ProxyFeed,
+    credentials: CredentialStore,
     providers: Arc<ProviderSet>,
-    board: HealthBoard,
+    verdicts: ProxyVerdicts,
     reconcile_metrics: ReconcileMetrics,
     health_metrics: HealthMetrics,
     monitor_metrics: MonitorMetrics,
@@ -247,7 +263,8 @@ async fn lead_while_elected(
     mut leader: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
 ) {
-    let Leading { client, feed, providers, board, reconcile_metrics, health_metrics, monitor_metrics } = parts;
+    let Leading { client, feed, credentials, providers, verdicts, reconcile_metrics, health_metrics, monitor_metrics } =
+        parts;
     loop {
         tokio::select! {
             result = leader.wait_for(|leading| *leading) => if result.is_err() { return },
@@ -263,7 +280,8 @@ async fn lead_while_elected(
         let context = Arc::new(ReconcileContext::new(
             client.clone(),
             providers.clone(),
-            board.clone(),
+            verdicts.clone(),
+            credentials.clone(),
             config,
             reconcile_metrics.clone(),
         ));
@@ -277,19 +295,21 @@ async fn lead_while_elected(
 
         match egress_health::tls_connector(&settings.probe_ca_pem) {
             Ok(tls) => {
-                let engine_config = EngineConfig { concurrency: settings.probe_concurrency, ..EngineConfig::default() };
-                let (engine, transitions) = HealthEngine::start(engine_config, tls, health_metrics.clone());
-                let feed_config = HealthFeedConfig {
-                    default_probe_url: settings.default_probe_url.clone(),
-                    namespace: settings.watch_namespace.clone(),
+                let engine_config = EngineConfig {
+                    concurrency: settings.probe_concurrency,
+                    first_probe_within: Some(FIRST_PROBE_WITHIN),
+                    ..EngineConfig::default()
                 };
+                // Verdicts from an earlier term stay in the store; the new engine starts each target from them.
+                let (engine, transitions) =
+                    HealthEngine::start_with(engine_config, tls, health_metrics.clone(), verdicts.clone());
+                let feed_config = HealthFeedConfig { default_probe_url: settings.default_probe_url.clone() };
                 tasks.push(tokio::spawn(run_health_feed(
-                    client.clone(),
                     feed.clone(),
+                    credentials.clone(),
                     feed_config,
                     Arc::new(engine),
                     transitions,
-                    board.clone(),
                     triggers,
                     until_true(term.clone()),
                 )));

@@ -1,0 +1,153 @@
+//! Keeps the discovery API's proxies in line with the Proxy store, the verdict store and the credential store, one
+//! Proxy per change.
+//!
+//! A changed Proxy, a flipped verdict of one of its endpoints, or a changed auth Secret recomputes that Proxy's
+//! [`ProxyRecord`] (or removes it) and hands it to [`Discovery::upsert`]; nothing copies the fleet. A resync (the
+//! first list, a relist, a consumer that fell behind) compares every stored Proxy, yielding as it goes, and removes
+//! records whose Proxy is gone. Discovery reports ready once the Proxies and the auth Secrets have both been listed
+//! and every Proxy was handed over once.
+
+use std::sync::Arc;
+
+use egress_api::Proxy;
+use egress_discovery::{Discovery, ProxyRecord};
+use egress_reconcile::{
+    Change, CredentialStore, GuardedProxy, ProbeKey, ProxyFeed, ProxyVerdicts, SecretIndex, auth_secret_of,
+    reference_of,
+};
+use futures::StreamExt;
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::broadcast::error::RecvError;
+use tracing::{Instrument, debug, info_span};
+
+/// How many Proxies a resync handles before it lets other tasks run.
+const YIELD_EVERY: usize = 256;
+
+/// The record discovery shows for a Proxy, or `None` when it has nothing to show (no endpoint yet, being deleted,
+/// or invalid).
+pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &CredentialStore) -> Option<ProxyRecord> {
+    if proxy.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let endpoint = proxy.effective_endpoint()?;
+    let port = u16::try_from(endpoint.port).ok()?;
+    let namespace = proxy.namespace().unwrap_or_default();
+    let name = proxy.name_any();
+    let host = endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    // The verdict store has the newest verdict, ahead of the status write it triggers.
+    let healthy = verdicts.is_healthy(&ProbeKey::new(&namespace, &name, endpoint));
+    let credentials = proxy.spec.auth.as_ref().and_then(|auth| {
+        credentials.credentials(&namespace, &auth.secret_ref.name).map(|found| (found.username, found.password))
+    });
+    Some(ProxyRecord {
+        credentials,
+        egress_ip: proxy.status.as_ref().and_then(|status| status.egress_ip.clone()),
+        labels: proxy.metadata.labels.clone().unwrap_or_default(),
+        zone: proxy.spec.placement.as_ref().and_then(|placement| placement.zone.clone()),
+        provider: proxy.spec.provider.clone(),
+        max_leases: proxy.spec.max_leases(),
+        host,
+        port,
+        healthy,
+        namespace,
+        name,
+    })
+}
+
+struct Records {
+    feed: ProxyFeed,
+    verdicts: ProxyVerdicts,
+    credentials: CredentialStore,
+    discovery: Arc<Discovery>,
+    secrets: SecretIndex,
+}
+
+impl Records {
+    fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
+        let stored = self.feed.proxy(reference);
+        let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
+        self.secrets.set(reference, proxy.and_then(auth_secret_of));
+        match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials)) {
+            Some(record) => self.discovery.upsert(record),
+            None => self.discovery.remove(&id_of(reference)),
+        }
+    }
+
+    async fn resync(&mut self) {
+        let stored = self.feed.store().state();
+        for (index, object) in stored.iter().enumerate() {
+            self.update(&reference_of(object.as_ref()));
+            if index % YIELD_EVERY == YIELD_EVERY - 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let store = self.feed.store();
+        for id in self.discovery.ids() {
+            let Some((namespace, name)) = id.split_once('/') else { continue };
+            let reference = ObjectRef::new(name).within(namespace);
+            if store.get(&reference).is_none() {
+                self.update(&reference);
+            }
+        }
+    }
+
+    async fn update_all(&mut self, references: Vec<ObjectRef<GuardedProxy>>) {
+        for (index, reference) in references.iter().enumerate() {
+            self.update(reference);
+            if index % YIELD_EVERY == YIELD_EVERY - 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+fn id_of(reference: &ObjectRef<GuardedProxy>) -> String {
+    format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name)
+}
+
+/// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass.
+pub async fn run_discovery_feed(
+    feed: ProxyFeed,
+    verdicts: ProxyVerdicts,
+    credentials: CredentialStore,
+    discovery: Arc<Discovery>,
+) {
+    // Subscribed before anything is read, so no change between the first pass and the loop is missed.
+    let mut changes = feed.subscribe().boxed();
+    let mut secret_changes = credentials.subscribe().boxed();
+    let mut verdict_changes = verdicts.subscribe();
+    let mut records =
+        Records { feed, verdicts, credentials: credentials.clone(), discovery, secrets: SecretIndex::default() };
+    let work = async move {
+        // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass.
+        if !credentials.ready().await {
+            return;
+        }
+        loop {
+            tokio::select! {
+                change = changes.next() => match change {
+                    Some(Change::Object(reference)) => records.update(&reference),
+                    Some(Change::Resync) => {
+                        records.resync().await;
+                        records.discovery.mark_synced();
+                    }
+                    None => return,
+                },
+                Some(change) = secret_changes.next() => {
+                    let affected = records.secrets.affected(&change);
+                    records.update_all(affected).await;
+                }
+                verdict = verdict_changes.recv() => match verdict {
+                    Ok(key) => records.update(&key.proxy),
+                    Err(RecvError::Lagged(missed)) => {
+                        debug!(missed, "the discovery feed fell behind the verdicts; resynchronising");
+                        records.resync().await;
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            }
+        }
+    };
+    work.instrument(info_span!("discovery_feed")).await;
+}
