@@ -64,10 +64,12 @@ enum Command {
         #[arg(long)]
         exit: bool,
     },
-    /// Run the benchmarks (health, lease, discovery; all without a name) and print their figures.
+    /// Run the benchmarks (health, lease, discovery, fleet; all without a name) and print their figures.
     Bench {
         /// Which benchmark.
         name: Option<String>,
+        /// The fleet benchmark's sizes (Proxy counts; default 100 and 1000).
+        sizes: Vec<String>,
     },
     /// Install what is missing, then run formatting, lints, the CRD drift check and every test.
     Test {
@@ -88,7 +90,7 @@ fn main() -> ExitCode {
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
         Command::Quickstart { exit } => quickstart::run(exit),
         Command::E2e { kind, cargo_test_args } => e2e::run_suite(kind, &cargo_test_args),
-        Command::Bench { name } => bench::run_benches(name.as_deref()),
+        Command::Bench { name, sizes } => bench::run_benches(name.as_deref(), &sizes),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -20,7 +20,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
-use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::finalizer::{Error as FinalizerError, Event as FinalizerEvent, finalizer};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::{Instrument, debug, info, info_span, instrument, warn};
@@ -40,6 +40,8 @@ pub const FIELD_MANAGER: &str = "egress-operator";
 const ERROR_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// The longest error backoff.
 const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// When a reconcile read a stale copy, how soon it looks again if the newer copy's own trigger has not come.
+const STALE_READ_RECHECK: Duration = Duration::from_secs(1);
 
 /// Settings of the reconciler.
 #[derive(Clone, Debug)]
@@ -68,7 +70,7 @@ pub struct Context {
     health: ProxyVerdicts,
     credentials: CredentialStore,
     config: ControllerConfig,
-    recorder: Recorder,
+    reporter: Reporter,
     metrics: ReconcileMetrics,
     failures: Mutex<HashMap<String, u32>>,
     quota_refusals: Mutex<HashMap<String, QuotaRefusal>>,
@@ -92,14 +94,13 @@ impl Context {
         metrics: ReconcileMetrics,
     ) -> Self {
         let reporter = Reporter { controller: "egress-operator".into(), instance: std::env::var("POD_NAME").ok() };
-        let recorder = Recorder::new(client.clone(), reporter);
         Self {
             client,
             providers,
             health,
             credentials,
             config,
-            recorder,
+            reporter,
             metrics,
             failures: Mutex::default(),
             quota_refusals: Mutex::default(),
@@ -134,7 +135,11 @@ impl Context {
             action: "Reconcile".into(),
             secondary: None,
         };
-        if let Err(error) = self.recorder.publish(&event, &proxy.object_ref(&())).await {
+        // A recorder per Event: kube's Recorder scans its whole cache of past Events on every publish (O(n) in the
+        // fleet) and keeps each for minutes only to aggregate repeats, which the state machine does not make (an
+        // Event follows a transition).
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        if let Err(error) = recorder.publish(&event, &proxy.object_ref(&())).await {
             warn!(%error, reason = %event.reason, "publishing an Event failed");
         }
     }
@@ -178,13 +183,56 @@ pub async fn run(
         return;
     }
     let store = feed.store();
+    let metrics = context.metrics.clone();
+    // What each Proxy last triggered a reconcile with: a change to anything else (our own status writes) wakes
+    // nothing, so a ramp costs one reconcile per real change, not one more per status write.
+    let mut seen: HashMap<ObjectRef<DeserializeGuard<Proxy>>, u64> = HashMap::new();
     let changed = feed.subscribe().flat_map(move |change| {
         futures::stream::iter(match change {
-            Change::Object(reference) => store.get(&reference).into_iter().collect(),
-            Change::Resync => store.state(),
+            Change::Object(reference) => match store.get(&reference) {
+                Some(object) => {
+                    let fingerprint = trigger_fingerprint(&object);
+                    if seen.insert(reference, fingerprint) == Some(fingerprint) { Vec::new() } else { vec![object] }
+                }
+                None => {
+                    // Gone. A Proxy without our finalizer (External) is never reconciled on its way out.
+                    let namespace = reference.namespace.as_deref().unwrap_or_default();
+                    metrics.phase(&format!("{namespace}/{}", reference.name), None);
+                    seen.remove(&reference);
+                    Vec::new()
+                }
+            },
+            // A relist or a fall behind: everything once, level-triggered.
+            Change::Resync => {
+                let all = store.state();
+                seen = all
+                    .iter()
+                    .map(|object| (crate::feed::reference_of(object.as_ref()), trigger_fingerprint(object)))
+                    .collect();
+                all
+            }
         })
     });
     drive(Controller::for_shared_stream(changed, feed.store()), context, health_triggers, shutdown).await;
+}
+
+/// A hash of what a reconcile depends on beyond the status it wrote itself: identity, generation (the spec), labels,
+/// annotations (rotate, retry, skip-cleanup), finalizers and deletion. Status-only changes keep it.
+fn trigger_fingerprint(object: &DeserializeGuard<Proxy>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let metadata = object.meta();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    metadata.uid.hash(&mut hasher);
+    metadata.generation.hash(&mut hasher);
+    metadata.labels.hash(&mut hasher);
+    metadata.annotations.hash(&mut hasher);
+    metadata.finalizers.hash(&mut hasher);
+    metadata.deletion_timestamp.is_some().hash(&mut hasher);
+    // An object that does not parse is told apart by its content's version, so a fix to it wakes the controller.
+    if object.0.is_err() {
+        metadata.resource_version.hash(&mut hasher);
+    }
+    hasher.finish()
 }
 
 /// Configures and runs a controller over Proxies, whatever feeds it.
@@ -224,15 +272,36 @@ async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) 
     };
     let uid = proxy.uid().unwrap_or_default();
     let namespace = proxy.namespace().unwrap_or_default();
-    let api: Api<Proxy> = Api::namespaced(context.client.clone(), &namespace);
-    let result = finalizer(&api, FINALIZER, Arc::new(proxy), |event| async {
-        match event {
-            FinalizerEvent::Apply(proxy) => apply(&proxy, &context).await,
-            FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, &context).await,
+    // An External Proxy owns nothing to clean up (its mode is immutable), so it gets no finalizer: none to add on
+    // create, none to wait for on delete. One that carries ours from an older release goes through the helper,
+    // which removes it on deletion.
+    let result = if proxy.spec.mode == ProxyMode::External && !proxy.finalizers().iter().any(|name| name == FINALIZER) {
+        if proxy.metadata.deletion_timestamp.is_some() {
+            context.metrics.phase(&proxy_key(&proxy), None);
+            Ok(Action::await_change())
+        } else {
+            apply(&proxy, &context).await
         }
-    })
-    .await
-    .map_err(|error| Error::Finalizer(Box::new(error)));
+    } else {
+        let api: Api<Proxy> = Api::namespaced(context.client.clone(), &namespace);
+        let result = finalizer(&api, FINALIZER, Arc::new(proxy), |event| async {
+            match event {
+                FinalizerEvent::Apply(proxy) => apply(&proxy, &context).await,
+                FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, &context).await,
+            }
+        })
+        .await;
+        match result {
+            // The helper's JSON patch tests the finalizers it read, so a 422 means the store's copy is older than
+            // the server's (a trigger raced the watch event of our own last write). The newer object is on its way
+            // and triggers a reconcile of its own; this is no failure to back off from.
+            Err(FinalizerError::AddFinalizer(kube::Error::Api(status))) if status.code == 422 => {
+                debug!("the stored Proxy is older than the server's; waiting for the newer one");
+                Ok(Action::requeue(STALE_READ_RECHECK))
+            }
+            other => other.map_err(|error| Error::Finalizer(Box::new(error))),
+        }
+    };
     if result.is_ok() {
         context.failures.lock().expect("failure counts").remove(&uid);
     }
@@ -274,6 +343,11 @@ fn observed(instance: &Instance) -> Observed {
         ip: instance.ip.map(|ip| ip.to_string()),
         created_at: instance.created_at,
     }
+}
+
+/// `namespace/name`, how the phase gauges know a Proxy.
+fn proxy_key(proxy: &Proxy) -> String {
+    format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any())
 }
 
 fn provider_name(proxy: &Proxy) -> Option<&str> {
@@ -409,7 +483,15 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
                 debug!(wait_secs = wait.as_secs(), "create deferred by the quota backoff");
                 return Ok(Action::requeue(wait));
             }
-            let request = create_request(proxy, context, &facts).await?;
+            let request = match create_request(proxy, context, &facts).await {
+                Ok(request) => request,
+                Err(error) => {
+                    // Say why on the object (a Secret missing or not yet seen); the error backoff retries.
+                    let status = decide::on_transient_failure(&facts, &error.to_string());
+                    write_status(proxy, context, &facts.status, &status).await?;
+                    return Err(error);
+                }
+            };
             match provider.create(&request).await {
                 Ok(instance) => {
                     status.instance = Some(instance_status(&instance, &facts.desired_hash));
@@ -450,7 +532,7 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
     for event in &events {
         context.publish(proxy, event).await;
     }
-    context.metrics.phase(&uid, status.phase);
+    context.metrics.phase(&proxy_key(proxy), status.phase);
     Ok(match requeue {
         Requeue::AwaitChange => Action::await_change(),
         Requeue::After(after) => Action::requeue(after.max(Duration::from_millis(100))),
@@ -463,7 +545,7 @@ async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &Provider
     let (status, event) = decide::on_permanent_failure(facts, &error.chain());
     write_status(proxy, context, &facts.status, &status).await?;
     context.publish(proxy, &event).await;
-    context.metrics.phase(&proxy.uid().unwrap_or_default(), status.phase);
+    context.metrics.phase(&proxy_key(proxy), status.phase);
     Ok(Action::await_change())
 }
 
@@ -587,7 +669,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
             if let Some(event) = event {
                 context.publish(proxy, &event).await;
             }
-            context.metrics.phase(&uid, None);
+            context.metrics.phase(&proxy_key(proxy), None);
             info!("cleanup finished; releasing the finalizer");
             Ok(Action::await_change())
         }
@@ -607,7 +689,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
             if before.phase != Some(ProxyPhase::Deleting) {
                 let after = ProxyStatus { phase: Some(ProxyPhase::Deleting), ..before.clone() };
                 write_status(proxy, context, &before, &after).await?;
-                context.metrics.phase(&uid, Some(ProxyPhase::Deleting));
+                context.metrics.phase(&proxy_key(proxy), Some(ProxyPhase::Deleting));
             }
             debug!(instances = provider_ids.len(), "deleting instances; waiting until they are gone");
             Ok(Action::requeue(decide::DELETING_REQUEUE))

@@ -45,13 +45,29 @@ pub struct ReconcileMetrics {
     orphans: Family<OrphanLabels, Counter>,
 }
 
+/// Every phase, so each has its gauge from the start (at 0), which dashboards expect.
+const PHASES: [ProxyPhase; 8] = [
+    ProxyPhase::Pending,
+    ProxyPhase::Provisioning,
+    ProxyPhase::Running,
+    ProxyPhase::Ready,
+    ProxyPhase::Unhealthy,
+    ProxyPhase::Replacing,
+    ProxyPhase::Deleting,
+    ProxyPhase::Failed,
+];
+
 impl Default for ReconcileMetrics {
     fn default() -> Self {
+        let proxies: Family<PhaseLabels, Gauge> = Family::default();
+        for phase in PHASES {
+            let _ = proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") });
+        }
         Self {
             reconciles: Family::default(),
             duration: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
             errors: Family::default(),
-            proxies: Family::default(),
+            proxies,
             phases: Arc::default(),
             orphans: Family::default(),
         }
@@ -92,21 +108,24 @@ impl ReconcileMetrics {
         self.errors.get_or_create(&KindLabels { kind }).inc();
     }
 
-    /// Records the phase of one Proxy (`None` when it is gone) and refreshes the per-phase gauges.
-    pub(crate) fn phase(&self, uid: &str, phase: Option<ProxyPhase>) {
+    /// Records the phase of one Proxy (`namespace/name`; `None` when it is gone) and moves it between the
+    /// per-phase gauges: O(1), whatever the fleet's size.
+    pub(crate) fn phase(&self, proxy: &str, phase: Option<ProxyPhase>) {
         let mut phases = self.phases.lock().expect("phase map");
-        match phase {
-            Some(phase) => phases.insert(uid.to_owned(), phase),
-            None => phases.remove(uid),
+        let previous = match phase {
+            Some(phase) => phases.insert(proxy.to_owned(), phase),
+            None => phases.remove(proxy),
         };
-        let mut counts: HashMap<String, i64> = HashMap::new();
-        for phase in phases.values() {
-            *counts.entry(format!("{phase:?}")).or_default() += 1;
+        if previous == phase {
+            return;
         }
-        for name in ["Pending", "Provisioning", "Running", "Ready", "Unhealthy", "Replacing", "Deleting", "Failed"] {
-            self.proxies
-                .get_or_create(&PhaseLabels { phase: name.to_owned() })
-                .set(counts.get(name).copied().unwrap_or(0));
+        let gauge =
+            |phase: ProxyPhase| self.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") }).clone();
+        if let Some(previous) = previous {
+            gauge(previous).dec();
+        }
+        if let Some(phase) = phase {
+            gauge(phase).inc();
         }
     }
 
@@ -133,5 +152,29 @@ impl Drop for ReconcileTimer {
         let labels = ResultLabels { result: self.result };
         self.metrics.reconciles.get_or_create(&labels).inc();
         self.metrics.duration.get_or_create(&labels).observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(metrics: &ReconcileMetrics, phase: ProxyPhase) -> i64 {
+        metrics.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") }).get()
+    }
+
+    #[test]
+    fn proxies_move_between_phase_gauges() {
+        let metrics = ReconcileMetrics::default();
+        assert!(PHASES.iter().all(|phase| count(&metrics, *phase) == 0), "every phase starts at 0");
+        metrics.phase("ns/a", Some(ProxyPhase::Running));
+        metrics.phase("ns/b", Some(ProxyPhase::Running));
+        metrics.phase("ns/a", Some(ProxyPhase::Ready));
+        metrics.phase("ns/a", Some(ProxyPhase::Ready));
+        assert_eq!((count(&metrics, ProxyPhase::Running), count(&metrics, ProxyPhase::Ready)), (1, 1));
+        metrics.phase("ns/b", None);
+        metrics.phase("ns/b", None);
+        metrics.phase("ns/gone", None);
+        assert_eq!((count(&metrics, ProxyPhase::Running), count(&metrics, ProxyPhase::Ready)), (0, 1));
     }
 }

@@ -416,3 +416,69 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     watch.abort();
     secret_watch.abort();
 }
+
+fn auth_secret(name: &str, username: &str, password: &str) -> k8s_openapi::api::core::v1::Secret {
+    k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+        string_data: Some(BTreeMap::from([
+            ("username".to_owned(), username.to_owned()),
+            ("password".to_owned(), password.to_owned()),
+        ])),
+        ..Default::default()
+    }
+}
+
+fn with_auth(mut spec: egress_api::ProxySpec, secret: &str) -> egress_api::ProxySpec {
+    spec.auth = Some(serde_json::from_value(json!({ "secretRef": { "name": secret } })).expect("auth"));
+    spec
+}
+
+/// The credential store watches labelled Secrets only; the controller labels the auth Secret a Proxy names, so
+/// the create carries its credentials without the user labelling anything.
+#[tokio::test]
+async fn an_unlabelled_auth_secret_is_labelled_and_its_credentials_reach_the_create() {
+    let harness = Harness::new("rc-auth").await;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = harness.ns.api();
+    secrets.create(&PostParams::default(), &auth_secret("creds", "crawler", "s3cret")).await.expect("secret");
+    let spec = with_auth(managed("zone-a"), "creds");
+    harness.proxies().create(&PostParams::default(), &Proxy::new("p", spec)).await.expect("create");
+    wait_for(&harness.proxies(), "p", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    assert_eq!(harness.provider.last_credentials(), Some(("crawler".to_owned(), "s3cret".to_owned())));
+    let secret = secrets.get("creds").await.expect("get");
+    assert_eq!(secret.labels().get(egress_reconcile::AUTH_SECRET_LABEL).map(String::as_str), Some("true"));
+}
+
+/// A Secret created after its Proxy is found: nothing watches unlabelled Secrets, so the controller looks again.
+#[tokio::test]
+async fn an_auth_secret_created_after_its_proxy_is_found() {
+    let harness = Harness::new("rc-auth-late").await;
+    let spec = with_auth(managed("zone-a"), "late");
+    harness.proxies().create(&PostParams::default(), &Proxy::new("p", spec)).await.expect("create");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = harness.ns.api();
+    eventually("a transient create failure naming the Secret", WAIT, || async {
+        let proxy = harness.proxies().get("p").await.ok()?;
+        let conditions = proxy.status?.conditions;
+        conditions.iter().any(|condition| condition.message.contains("late")).then_some(())
+    })
+    .await;
+    assert!(secrets.get_opt("late").await.expect("get").is_none(), "labelling never creates a Secret");
+    assert_eq!(harness.provider.calls(Op::Create), 0, "no create without the credentials");
+    secrets.create(&PostParams::default(), &auth_secret("late", "crawler", "later")).await.expect("secret");
+    wait_for(&harness.proxies(), "p", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    assert_eq!(harness.provider.last_credentials(), Some(("crawler".to_owned(), "later".to_owned())));
+}
+
+/// An External Proxy owns nothing to clean up: it gets no finalizer and goes at once when deleted.
+#[tokio::test]
+async fn an_external_proxy_has_no_finalizer_and_is_deleted_at_once() {
+    let harness = Harness::new("rc-external").await;
+    let spec = egress_api::ProxySpec {
+        endpoint: Some(egress_api::Endpoint { host: "127.0.0.1".into(), port: 3128 }),
+        ..egress_api::ProxySpec::new(egress_api::ProxyMode::External)
+    };
+    harness.proxies().create(&PostParams::default(), &Proxy::new("e", spec)).await.expect("create");
+    let running = wait_for(&harness.proxies(), "e", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    assert!(running.finalizers().is_empty(), "{:?}", running.finalizers());
+    harness.proxies().delete("e", &DeleteParams::default()).await.expect("delete");
+    assert!(harness.proxies().get_opt("e").await.expect("get").is_none(), "deleted without waiting for anyone");
+}

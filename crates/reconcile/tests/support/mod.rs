@@ -61,6 +61,8 @@ struct State {
     standing: HashMap<Op, Behavior>,
     calls: HashMap<Op, usize>,
     next_ip: u32,
+    /// The proxy credentials (user, password) of the last create request.
+    last_credentials: Option<(String, String)>,
 }
 
 /// The scriptable in-memory provider. Instances run (with an address) as soon as they are created.
@@ -82,6 +84,11 @@ impl ScriptedProvider {
     /// The next call of `op` behaves like this, then the standing behavior applies again.
     pub fn next(&self, op: Op, behavior: Behavior) {
         self.state.lock().unwrap().queued.entry(op).or_default().push_back(behavior);
+    }
+
+    /// The proxy credentials (user, password) the last create request carried.
+    pub fn last_credentials(&self) -> Option<(String, String)> {
+        self.state.lock().unwrap().last_credentials.clone()
     }
 
     pub fn calls(&self, op: Op) -> usize {
@@ -158,6 +165,10 @@ impl Provider for ScriptedProvider {
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
         self.enter(Op::Create).await?;
         let mut state = self.state.lock().unwrap();
+        state.last_credentials = request
+            .credentials
+            .as_ref()
+            .map(|credentials| (credentials.username.clone(), credentials.password.expose().clone()));
         if let Some(existing) = state.instances.get(&request.name) {
             return Ok(Self::instance(&request.name, existing));
         }
