@@ -28,7 +28,7 @@ use tracing::{Instrument, debug, info, info_span, instrument, warn};
 use crate::Error;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
 use crate::feed::{AUTH_SECRET_LABEL, Change, CredentialStore, ProxyFeed};
-use crate::health::{ProxyVerdicts, verdict_of};
+use crate::health::{ProbeKey, ProxyVerdicts, seed_from_status, verdict_of};
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
 use crate::status::time;
@@ -399,12 +399,14 @@ async fn observe(
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
             let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
+            seed_from_status(&context.health, proxy, &ProbeKey::new(&namespace, &name, endpoint.clone()));
             facts.health = verdict_of(&context.health, &namespace, &name, &endpoint);
         }
     }
     if proxy.spec.mode == ProxyMode::External
         && let Some(endpoint) = &proxy.spec.endpoint
     {
+        seed_from_status(&context.health, proxy, &ProbeKey::new(&namespace, &name, endpoint.clone()));
         facts.health = verdict_of(&context.health, &namespace, &name, endpoint);
     }
     Ok(facts)
@@ -664,7 +666,9 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
         }
     }
     let remaining: Vec<String> = remaining.into_iter().collect();
-    match decide::decide_cleanup(proxy.spec.mode, skip, configured, &remaining) {
+    let recorded =
+        proxy.status.as_ref().is_some_and(|status| status.instance.is_some() || status.previous_instance.is_some());
+    match decide::decide_cleanup(proxy.spec.mode, skip, configured, recorded, &remaining) {
         CleanupDecision::Release { event } => {
             if let Some(event) = event {
                 context.publish(proxy, &event).await;

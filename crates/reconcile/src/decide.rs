@@ -423,6 +423,7 @@ pub fn decide_cleanup(
     mode: ProxyMode,
     skip_cleanup: bool,
     provider_configured: bool,
+    recorded_instance: bool,
     remaining: &[String],
 ) -> CleanupDecision {
     if mode == ProxyMode::External {
@@ -437,6 +438,12 @@ pub fn decide_cleanup(
         };
     }
     if !provider_configured {
+        // Nothing was ever recorded, so nothing can be left to delete (an instance whose creation never reached
+        // the status would have needed this provider to be configured to exist at all; should one appear, the
+        // orphan collector finds it by its tags once the provider is back).
+        if !recorded_instance {
+            return CleanupDecision::Release { event: None };
+        }
         return CleanupDecision::ProviderMissing;
     }
     if remaining.is_empty() {

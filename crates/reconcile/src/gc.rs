@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use egress_api::Proxy;
-use egress_provider::Tags;
+use egress_provider::{Instance, Tags};
 use kube::api::{Api, ListParams};
 use kube::core::DeserializeGuard;
+use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
 use tracing::{Instrument, info, info_span, warn};
@@ -33,6 +34,33 @@ pub struct Collected {
     pub reason: &'static str,
 }
 
+/// The Proxies by UID, as stored or as listed.
+#[derive(Default)]
+struct Owners(HashMap<String, Arc<DeserializeGuard<Proxy>>>);
+
+impl Owners {
+    fn from_store(store: &Store<DeserializeGuard<Proxy>>) -> Self {
+        Self(store.state().into_iter().map(|object| (object.uid().unwrap_or_default(), object)).collect())
+    }
+
+    /// Why `instance` is an orphan, or `None` when a Proxy owns it (or may: one that cannot be read).
+    fn orphan_reason(&self, instance: &Instance) -> Option<&'static str> {
+        let Some(uid) = instance.tags.get(Tags::PROXY_UID) else { return Some("untagged") };
+        match self.0.get(uid).map(|object| object.0.as_ref()) {
+            None => Some("proxy-gone"),
+            // The Proxy exists but cannot be read: never delete what it may own.
+            Some(Err(_)) => None,
+            Some(Ok(proxy)) if recorded_names(proxy).contains(&instance.name) => None,
+            Some(Ok(_)) => Some("superseded"),
+        }
+    }
+
+    /// The readable Proxy that `instance` names, if any.
+    fn readable(&self, instance: &Instance) -> Option<&Proxy> {
+        self.0.get(instance.tags.get(Tags::PROXY_UID)?)?.0.as_ref().ok()
+    }
+}
+
 /// The orphan collector.
 pub struct OrphanCollector {
     client: Client,
@@ -43,6 +71,7 @@ pub struct OrphanCollector {
     /// When each instance without a creation time was first seen, so the grace period still applies to it.
     first_seen: Mutex<HashMap<String, SystemTime>>,
     namespace: Option<String>,
+    store: Option<Store<DeserializeGuard<Proxy>>>,
 }
 
 impl OrphanCollector {
@@ -62,7 +91,15 @@ impl OrphanCollector {
             metrics,
             first_seen: Mutex::default(),
             namespace: None,
+            store: None,
         }
+    }
+
+    /// Judges owners against the shared Proxy store first (confirming with the apiserver before any deletion), so
+    /// a round with no orphans costs no list of the Proxies.
+    pub fn with_store(mut self, store: Store<DeserializeGuard<Proxy>>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// Considers only the Proxies of one namespace as owners (for a cluster ID used by one namespace alone, as in
@@ -73,20 +110,16 @@ impl OrphanCollector {
     }
 
     /// One pass over every provider. A provider that fails is logged and skipped; the others are still collected.
+    ///
+    /// Instances are listed first: with none tagged for this cluster, the Proxies are not looked at at all. Owners
+    /// are then judged against the shared store when there is one (no copies), and the instances that look orphaned
+    /// past the grace period are judged once more against a fresh list from the apiserver before anything is
+    /// deleted, so a stale store can never delete what a Proxy owns. Without a store, that list is the only one.
     pub async fn collect_once(&self) -> Result<Vec<Collected>, kube::Error> {
-        let proxies: Api<DeserializeGuard<Proxy>> = match &self.namespace {
-            Some(namespace) => Api::namespaced(self.client.clone(), namespace),
-            None => Api::all(self.client.clone()),
-        };
-        let list = proxies.list(&ListParams::default()).await?;
-        let mut owners: HashMap<String, Option<Proxy>> = HashMap::new();
-        for object in list.items {
-            let uid = object.uid().unwrap_or_default();
-            owners.insert(uid, object.0.ok());
-        }
         let now = SystemTime::now();
-        let mut collected = Vec::new();
         let mut seen = HashSet::new();
+        let mut candidates = Vec::new();
+        let mut owners: Option<Owners> = None;
         for provider_name in self.providers.names() {
             let provider = match self.providers.provider(&provider_name).await {
                 Ok(provider) => provider,
@@ -104,39 +137,50 @@ impl OrphanCollector {
             };
             for instance in instances {
                 seen.insert(instance.provider_id.clone());
-                let reason = match instance.tags.get(Tags::PROXY_UID) {
-                    None => "untagged",
-                    Some(uid) => match owners.get(uid) {
-                        None => "proxy-gone",
-                        // The Proxy exists but cannot be read: never delete what it may own.
-                        Some(None) => continue,
-                        Some(Some(proxy)) if recorded_names(proxy).contains(&instance.name) => continue,
-                        Some(Some(_)) => "superseded",
-                    },
-                };
+                if owners.is_none() {
+                    owners = Some(match &self.store {
+                        Some(store) => Owners::from_store(store),
+                        None => self.list_owners().await?,
+                    });
+                }
+                let Some(reason) = owners.as_ref().and_then(|owners| owners.orphan_reason(&instance)) else { continue };
                 let first_seen = *self.first_seen.lock().await.entry(instance.provider_id.clone()).or_insert(now);
                 let age = age(instance.created_at, first_seen, now);
-                if age < self.grace {
-                    continue;
+                if age >= self.grace {
+                    candidates.push((provider_name.clone(), provider.clone(), instance, reason, age));
                 }
-                if let Err(error) = provider.delete(&instance.provider_id).await {
-                    warn!(provider = %provider_name, instance = %instance.provider_id, error = %error.chain(), "deleting an orphan failed");
-                    continue;
-                }
-                info!(provider = %provider_name, instance = %instance.provider_id, reason, age_secs = age.as_secs(), "deleted an orphaned instance");
-                self.metrics.orphan_deleted(&provider_name, reason);
-                if let Some(Some(proxy)) = instance.tags.get(Tags::PROXY_UID).and_then(|uid| owners.get(uid)) {
-                    self.publish(proxy, &instance.provider_id).await;
-                }
-                collected.push(Collected {
-                    provider: provider_name.clone(),
-                    provider_id: instance.provider_id,
-                    reason,
-                });
             }
         }
         self.first_seen.lock().await.retain(|provider_id, _| seen.contains(provider_id));
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Judged from the store: confirm with the apiserver before deleting anything.
+        let owners = if self.store.is_some() { self.list_owners().await? } else { owners.unwrap_or_default() };
+        let mut collected = Vec::new();
+        for (provider_name, provider, instance, _, age) in candidates {
+            let Some(reason) = owners.orphan_reason(&instance) else { continue };
+            if let Err(error) = provider.delete(&instance.provider_id).await {
+                warn!(provider = %provider_name, instance = %instance.provider_id, error = %error.chain(), "deleting an orphan failed");
+                continue;
+            }
+            info!(provider = %provider_name, instance = %instance.provider_id, reason, age_secs = age.as_secs(), "deleted an orphaned instance");
+            self.metrics.orphan_deleted(&provider_name, reason);
+            if let Some(proxy) = owners.readable(&instance) {
+                self.publish(proxy, &instance.provider_id).await;
+            }
+            collected.push(Collected { provider: provider_name, provider_id: instance.provider_id, reason });
+        }
         Ok(collected)
+    }
+
+    async fn list_owners(&self) -> Result<Owners, kube::Error> {
+        let proxies: Api<DeserializeGuard<Proxy>> = match &self.namespace {
+            Some(namespace) => Api::namespaced(self.client.clone(), namespace),
+            None => Api::all(self.client.clone()),
+        };
+        let list = proxies.list(&ListParams::default()).await?;
+        Ok(Owners(list.items.into_iter().map(|object| (object.uid().unwrap_or_default(), Arc::new(object))).collect()))
     }
 
     async fn publish(&self, proxy: &Proxy, provider_id: &str) {

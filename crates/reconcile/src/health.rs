@@ -6,11 +6,12 @@
 
 use std::time::SystemTime;
 
-use egress_api::Endpoint;
+use egress_api::{Endpoint, Proxy, ProxyMode};
 use egress_health::{CurrentVerdict, Verdicts};
 use kube::runtime::reflector::ObjectRef;
 
 use crate::feed::GuardedProxy;
+use crate::status::system_time;
 
 /// Which endpoint of which Proxy a verdict is about.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -53,6 +54,29 @@ impl From<CurrentVerdict> for Verdict {
             egress_ip: verdict.egress_ip.map(|ip| ip.to_string()),
         }
     }
+}
+
+/// Seeds the verdict of `key` from the Proxy's status when the store has none and the status records one for
+/// exactly that endpoint: after a restart or a change of leader, a Proxy that was Ready stays Ready (and leasable),
+/// and the engine's first probes, within seconds, confirm it or flip it by the normal thresholds. The controller and
+/// the health feed both call it, so neither can act on "no verdict" for a Proxy whose status has one.
+pub fn seed_from_status(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) {
+    if verdicts.get(key).is_some() {
+        return;
+    }
+    let Some(status) = proxy.status.as_ref() else { return };
+    let Some(health) = status.health.as_ref() else { return };
+    // The recorded verdict is about the published endpoint; during a replacement the new instance starts unknown.
+    let published = match proxy.spec.mode {
+        ProxyMode::External => proxy.spec.endpoint.clone(),
+        ProxyMode::Managed => status.endpoint.as_ref().map(Endpoint::from),
+    };
+    if published.as_ref() != Some(&key.endpoint) || status.previous_instance.is_some() {
+        return;
+    }
+    let since = health.last_transition_time.as_ref().map_or_else(SystemTime::now, system_time);
+    let egress_ip = status.egress_ip.as_deref().and_then(|ip| ip.parse().ok());
+    verdicts.set(key.clone(), CurrentVerdict { healthy: health.healthy, since, last_error: None, egress_ip });
 }
 
 /// The verdict for `endpoint` of the Proxy `namespace/name`.

@@ -3,7 +3,8 @@
 //! Targets follow the Proxies: each Proxy's published endpoint (Managed: the instance address; External: the
 //! spec's), and during a replacement also the new instance's address, so it can be proven healthy before the
 //! endpoint switches. Probe settings come from `spec.healthCheck` with the operator's default probe URL, and
-//! credentials from the [`CredentialStore`], the one the reconciler and discovery read too.
+//! credentials from the [`CredentialStore`], the one the reconciler and discovery read too. A target new to the engine
+//! starts from the verdict its Proxy's status records, when there is one for that endpoint (a warm restart).
 //!
 //! Work per change is O(1) in the fleet: a changed Proxy recomputes its own targets only, and a changed auth Secret
 //! recomputes the Proxies that name it (an index kept here). A resync (the first list, a relist, or after falling
@@ -26,7 +27,7 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use crate::controller::Trigger;
 use crate::feed::{Change, CredentialStore, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of};
-use crate::health::ProbeKey;
+use crate::health::{ProbeKey, seed_from_status};
 
 /// How many Proxies a resync handles before it lets other tasks run.
 const YIELD_EVERY: usize = 256;
@@ -93,6 +94,11 @@ impl Targets {
             }
         }
         for target in wanted {
+            if let Some(proxy) = proxy
+                && !self.engine.contains(&target.id)
+            {
+                seed_from_status(self.engine.verdicts(), proxy, &target.id);
+            }
             self.engine.upsert(target);
         }
         if !keys.is_empty() {

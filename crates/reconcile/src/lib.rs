@@ -25,6 +25,6 @@ pub use feed::{
     AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedProxy, ProxyFeed, SecretIndex,
     auth_secret_of, reference_of,
 };
-pub use health::{ProbeKey, ProxyVerdicts, Verdict, verdict_of};
+pub use health::{ProbeKey, ProxyVerdicts, Verdict, seed_from_status, verdict_of};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};

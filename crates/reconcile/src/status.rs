@@ -13,7 +13,6 @@ pub fn time(time: SystemTime) -> Time {
 }
 
 /// The wall-clock time a Kubernetes timestamp stands for.
-#[cfg(test)]
 pub fn system_time(time: &Time) -> SystemTime {
     SystemTime::from(time.0)
 }

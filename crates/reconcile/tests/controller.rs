@@ -333,7 +333,10 @@ async fn orphan_collector_deletes_old_orphans_and_spares_young_ones() {
         Duration::from_secs(600),
         harness.metrics.clone(),
     )
-    .within_namespace(harness.ns.name());
+    .within_namespace(harness.ns.name())
+    // A store that holds nothing: every instance looks orphaned to it, so only the confirming list from the
+    // apiserver keeps the Proxy's own instance alive.
+    .with_store(kube::runtime::reflector::store::<egress_reconcile::GuardedProxy>().0);
     let collected = collector.collect_once().await.expect("collect");
     let mut reasons: BTreeMap<String, &str> = collected.iter().map(|c| (c.provider_id.clone(), c.reason)).collect();
     assert_eq!(reasons.remove("scripted/px-orphanold00000000"), Some("proxy-gone"));
@@ -481,4 +484,17 @@ async fn an_external_proxy_has_no_finalizer_and_is_deleted_at_once() {
     assert!(running.finalizers().is_empty(), "{:?}", running.finalizers());
     harness.proxies().delete("e", &DeleteParams::default()).await.expect("delete");
     assert!(harness.proxies().get_opt("e").await.expect("get").is_none(), "deleted without waiting for anyone");
+}
+
+/// A Proxy whose provider is not configured and that never recorded an instance has nothing to clean up: its
+/// deletion finishes at once instead of waiting for `skip-cleanup`.
+#[tokio::test]
+async fn a_proxy_without_a_configured_provider_or_instance_is_deleted_at_once() {
+    let harness = Harness::new("rc-no-provider").await;
+    let spec = egress_api::ProxySpec { provider: Some("absent".into()), ..managed("zone-a") };
+    harness.proxies().create(&PostParams::default(), &Proxy::new("p", spec)).await.expect("create");
+    let failed = wait_for(&harness.proxies(), "p", "Failed", |p| phase(p) == Some(ProxyPhase::Failed)).await;
+    assert!(failed.finalizers().contains(&egress_api::annotations::FINALIZER.to_owned()));
+    delete_and_wait_gone(&harness.proxies(), "p").await;
+    assert_eq!(harness.provider.calls(Op::Create), 0);
 }

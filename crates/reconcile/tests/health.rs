@@ -36,37 +36,22 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     let config = ProvidersConfig::parse(&text, "test").expect("config");
     let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
     let provider = Arc::new(KubernetesProvider::new(ns.client(), settings)) as Arc<dyn Provider>;
-    let verdicts = ProxyVerdicts::new();
     let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
-    let mut controller_config = ControllerConfig::new(ns.name());
-    controller_config.namespace = Some(ns.name().to_owned());
-    let context = Arc::new(Context::new(
-        ns.client(),
-        Arc::new(StaticProviders::new().with("pods", provider)),
-        verdicts.clone(),
-        credentials.clone(),
-        controller_config,
-        ReconcileMetrics::default(),
-    ));
-    let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
     // Composed as the operator does: one Proxy store for the controller and the health feed.
     let (proxies, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
-    let controller =
-        tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
-
     let metrics = HealthMetrics::default();
-    let (engine, transitions) =
-        HealthEngine::start_with(EngineConfig::default(), tls_connector(b"").expect("TLS"), metrics.clone(), verdicts);
-    let feed_config = HealthFeedConfig { default_probe_url: origin.url() };
-    let feed = tokio::spawn(run_health_feed(
-        proxies,
-        credentials,
-        feed_config,
-        Arc::new(engine),
-        transitions,
-        triggers,
-        futures::future::pending(),
-    ));
+    let start = || {
+        Leader::start(
+            &ns.client(),
+            ns.name(),
+            provider.clone(),
+            proxies.clone(),
+            credentials.clone(),
+            origin.url(),
+            metrics.clone(),
+        )
+    };
+    let mut leader = start();
 
     let spec = ProxySpec {
         provider: Some("pods".into()),
@@ -104,6 +89,16 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     assert_eq!(later.resource_version(), version, "a steady healthy proxy costs no status write");
     assert_eq!(phase(&later), Some(ProxyPhase::Ready));
 
+    // A restart (fresh verdict store, engine, feed and controller, as a new leader has) keeps it Ready: the verdict
+    // is seeded from the status, and the first probes confirm it without a write.
+    leader.stop();
+    let probes = metrics.probes_total();
+    leader = start();
+    eventually("probes after the restart", WAIT, || async { (metrics.probes_total() >= probes + 2).then_some(()) })
+        .await;
+    let restarted = proxies.get("web").await.expect("get");
+    assert_eq!(restarted.resource_version(), version, "a restart does not take a Ready proxy out of Ready");
+
     assert!(
         agent
             .kill_squid(ns.name(), &later.status.as_ref().and_then(|s| s.instance.as_ref()).expect("instance").name)
@@ -114,7 +109,56 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     assert!(!health.healthy);
     assert!(health.last_error.as_deref().is_some_and(|error| error.contains("refused")), "{health:?}");
 
-    feed.abort();
-    controller.abort();
+    leader.stop();
     watch.abort();
+}
+
+/// The leader-only parts, as one term of leadership runs them.
+struct Leader {
+    controller: tokio::task::JoinHandle<()>,
+    feed: tokio::task::JoinHandle<()>,
+}
+
+impl Leader {
+    fn start(
+        client: &kube::Client,
+        namespace: &str,
+        provider: Arc<dyn Provider>,
+        proxies: ProxyFeed,
+        credentials: CredentialStore,
+        probe_url: String,
+        metrics: HealthMetrics,
+    ) -> Self {
+        let verdicts = ProxyVerdicts::new();
+        let mut controller_config = ControllerConfig::new(namespace);
+        controller_config.namespace = Some(namespace.to_owned());
+        let context = Arc::new(Context::new(
+            client.clone(),
+            Arc::new(StaticProviders::new().with("pods", provider)),
+            verdicts.clone(),
+            credentials.clone(),
+            controller_config,
+            ReconcileMetrics::default(),
+        ));
+        let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
+        let controller =
+            tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
+        let (engine, transitions) =
+            HealthEngine::start_with(EngineConfig::default(), tls_connector(b"").expect("TLS"), metrics, verdicts);
+        let feed = tokio::spawn(run_health_feed(
+            proxies,
+            credentials,
+            HealthFeedConfig { default_probe_url: probe_url },
+            Arc::new(engine),
+            transitions,
+            triggers,
+            futures::future::pending(),
+        ));
+        Self { controller, feed }
+    }
+
+    fn stop(&self) {
+        self.controller.abort();
+        self.feed.abort();
+    }
 }

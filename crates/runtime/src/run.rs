@@ -167,7 +167,27 @@ pub async fn run(settings: Settings) -> Result<()> {
     let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
     let leading = tokio::spawn(leading_loop);
 
-    shutdown_signal().await;
+    // Until SIGTERM, unless the leader election ends first: then this replica could never lead again while still
+    // looking healthy, so it stops everything and exits non-zero for the Deployment to restart it.
+    let mut election = election;
+    let election_ended = async {
+        match election.as_mut() {
+            Some(handle) => handle.await,
+            None => std::future::pending().await,
+        }
+    };
+    let failure = tokio::select! {
+        () = shutdown_signal() => None,
+        ended = election_ended => Some(match ended {
+            Ok(Ok(_)) => "the leader election ended on its own".to_owned(),
+            Ok(Err(error)) => format!("the leader election failed: {error}"),
+            Err(error) => format!("the leader election task died: {error}"),
+        }),
+    };
+    if let Some(failure) = &failure {
+        tracing::error!("{failure}; stopping so that the process is restarted");
+        election = None;
+    }
     let _ = stop_sender.send(true);
     let _ = leading.await;
     if let Some(handle) = election {
@@ -180,8 +200,13 @@ pub async fn run(settings: Settings) -> Result<()> {
     for server in servers {
         let _ = server.await;
     }
-    info!("stopped");
-    Ok(())
+    match failure {
+        Some(failure) => bail!("{failure}"),
+        None => {
+            info!("stopped");
+            Ok(())
+        }
+    }
 }
 
 /// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
@@ -324,7 +349,8 @@ async fn lead_while_elected(
             &settings.cluster_id,
             settings.gc_grace,
             reconcile_metrics.clone(),
-        );
+        )
+        .with_store(feed.store());
         tasks.push(tokio::spawn(collector.run(settings.gc_interval, until_true(term.clone()))));
 
         let monitor = ProviderMonitor::new(

@@ -336,20 +336,22 @@ fn external_follows_health() {
 fn cleanup_rows() {
     let ids = vec!["scripted/px-a".to_owned()];
     assert!(matches!(
-        decide_cleanup(ProxyMode::Managed, true, true, &ids),
+        decide_cleanup(ProxyMode::Managed, true, true, true, &ids),
         CleanupDecision::Release { event: Some(EventSpec { reason: "CleanupSkipped", .. }) }
     ));
     assert_eq!(
-        decide_cleanup(ProxyMode::Managed, false, true, &ids),
+        decide_cleanup(ProxyMode::Managed, false, true, true, &ids),
         CleanupDecision::Delete { provider_ids: ids.clone() }
     );
-    assert_eq!(decide_cleanup(ProxyMode::Managed, false, true, &[]), CleanupDecision::Release { event: None });
-    assert_eq!(decide_cleanup(ProxyMode::Managed, false, false, &ids), CleanupDecision::ProviderMissing);
+    assert_eq!(decide_cleanup(ProxyMode::Managed, false, true, true, &[]), CleanupDecision::Release { event: None });
+    assert_eq!(decide_cleanup(ProxyMode::Managed, false, false, true, &ids), CleanupDecision::ProviderMissing);
     assert!(matches!(
-        decide_cleanup(ProxyMode::Managed, true, false, &ids),
+        decide_cleanup(ProxyMode::Managed, true, false, true, &ids),
         CleanupDecision::Release { event: Some(_) }
     ));
-    assert_eq!(decide_cleanup(ProxyMode::External, false, false, &[]), CleanupDecision::Release { event: None });
+    assert_eq!(decide_cleanup(ProxyMode::External, false, false, true, &[]), CleanupDecision::Release { event: None });
+    // A Proxy that never recorded an instance is released even when its provider is not configured.
+    assert_eq!(decide_cleanup(ProxyMode::Managed, false, false, false, &[]), CleanupDecision::Release { event: None });
 }
 
 // Conditions keep their transition time while their status holds.
