@@ -289,6 +289,20 @@ impl ControlPlane {
             let crd: CustomResourceDefinition =
                 serde_saphyr::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
             let name = crd.metadata.name.clone().with_context(|| format!("{} has no metadata.name", path.display()))?;
+            // Applying onto a CRD that is still being deleted patches the dying object, which never becomes
+            // Established: wait for it to be gone first.
+            if let Some(existing) = api.get_opt(&name).await.with_context(|| format!("reading CRD {name}"))?
+                && existing.metadata.deletion_timestamp.is_some()
+            {
+                let uid = existing.metadata.uid.unwrap_or_default();
+                tokio::time::timeout(
+                    ESTABLISHED_TIMEOUT,
+                    await_condition(api.clone(), &name, conditions::is_deleted(&uid)),
+                )
+                .await
+                .with_context(|| format!("CRD {name} was still being deleted after {ESTABLISHED_TIMEOUT:?}"))?
+                .with_context(|| format!("watching CRD {name}"))?;
+            }
             api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&crd))
                 .await
                 .with_context(|| format!("installing the CRD from {}", path.display()))?;

@@ -29,11 +29,15 @@ async fn an_external_cluster_gets_the_crds_and_impersonating_kubeconfigs() {
     let local = ControlPlane::start().await.expect("the local control plane starts");
     // Remove a CRD so the external start has to apply it again.
     let crds: Api<CustomResourceDefinition> = Api::all(local.client().await.expect("client"));
+    let uid = crds.get("proxies.crawl.example.com").await.expect("the Proxy CRD").metadata.uid.expect("a uid");
     crds.delete("proxies.crawl.example.com", &Default::default()).await.expect("delete the Proxy CRD");
+    // Wait for this very object to be gone: `is_deleted("")` holds at once for any object (its UID is never ""),
+    // and applying the CRD again while the old one still terminates patches the dying object, which then never
+    // becomes Established.
     kube::runtime::wait::await_condition(
         crds.clone(),
         "proxies.crawl.example.com",
-        kube::runtime::wait::conditions::is_deleted(""),
+        kube::runtime::wait::conditions::is_deleted(&uid),
     )
     .await
     .expect("the CRD goes");
