@@ -10,6 +10,8 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use egress_provider::config::ProvidersConfig;
 
+pub use crate::telemetry::LogFormat;
+
 /// The egress-operator: runs HTTP forward proxies for web crawlers as `Proxy` objects.
 #[derive(Parser, Debug)]
 #[command(name = "egress-operator", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("EGRESS_GIT_COMMIT"), ")"))]
@@ -81,15 +83,6 @@ pub enum DiscoveryAuth {
     Tokens,
     /// No authentication.
     None,
-}
-
-/// Log output format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
 }
 
 /// Validated settings.

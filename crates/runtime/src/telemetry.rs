@@ -27,8 +27,6 @@ use tracing_subscriber::{EnvFilter, Layer as _};
 
 use egress_provider_gcp::wire_log::{self, WireFormat};
 
-use crate::flags::LogFormat;
-
 /// How long one export request may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for the last spans to be exported.
@@ -86,6 +84,15 @@ impl Telemetry {
             Err(error) => eprintln!("egress-operator: flushing traces failed: {error}"),
         }
     }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// Installs the global subscriber: logs in `format` to stdout, and spans to `otlp` when given.
