@@ -1,5 +1,7 @@
-//! `cargo xtask e2e`: the end-to-end suite (the real operator binary under the shipped RBAC, against the local
-//! control plane with the node agent). `cargo xtask test` runs it too, with every other test.
+//! `cargo xtask e2e`: the end-to-end suite. `e2e.rs` applies `deploy/default` as shipped on the local control plane
+//! (with kube-controller-manager) and runs against the two operator pods through the discovery Service;
+//! `host_process.rs` runs the operator binary as a process of its own where a test needs that. Both run inside the
+//! tests' network namespace (see [`crate::podnet`]). `cargo xtask test` runs them too, with every other test.
 //!
 //! `cargo xtask e2e --kind` runs the same suite against a kind cluster instead, where Docker and kind exist: it
 //! creates the cluster `egress-e2e` when missing (and deletes it afterwards only then), routes the pod network from
@@ -13,7 +15,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 use crate::process::{cargo, output, run};
-use crate::{envtest, packages};
+use crate::{envtest, packages, podnet};
 
 /// The kind cluster the suite uses.
 const KIND_CLUSTER: &str = "egress-e2e";
@@ -24,13 +26,21 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
     }
     packages::ensure_installed()?;
     envtest::ensure_built()?;
-    run(&mut suite(cargo_test_args))
+    run(suite(&[]).arg("--no-run"))?;
+    let network = podnet::PodNetwork::create()?;
+    let mut inside = network.command(crate::test::cargo_program());
+    inside
+        .args(["test", "--locked", "--offline", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
+        .args(cargo_test_args);
+    run(&mut inside)
 }
 
 /// `cargo test` of the e2e suite; cargo builds the operator binary it runs.
 fn suite(cargo_test_args: &[String]) -> Command {
     let mut command = cargo();
-    command.args(["test", "--locked", "-p", "egress-operator", "--test", "e2e"]).args(cargo_test_args);
+    command
+        .args(["test", "--locked", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
+        .args(cargo_test_args);
     command
 }
 

@@ -1,4 +1,4 @@
-//! `cargo xtask envtest`: builds kube-apiserver and etcd from their Go modules into the cache directory, and with
+//! `cargo xtask envtest`: builds kube-apiserver, kube-controller-manager, kubectl and etcd from their Go modules into the cache directory, and with
 //! `--up` keeps a control plane running for manual use.
 //!
 //! The Go wrapper module in `xtask/envtest/` pins `k8s.io/kubernetes` and replaces each of its staging modules with
@@ -21,17 +21,31 @@ pub fn go_module_dir() -> PathBuf {
     workspace_root().join("xtask").join("envtest")
 }
 
-/// Builds the binaries unless the cache already holds the right version; returns their directory.
+/// The binaries of the test control plane: file name, Go package, and whether it is a Kubernetes component (stamped
+/// with the pinned version, which `--version` then reports).
+const BINARIES: [(&str, &str, bool); 4] = [
+    ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver", true),
+    ("kube-controller-manager", "k8s.io/kubernetes/cmd/kube-controller-manager", true),
+    // kubectl's `apply -k` is how users install the operator; the in-cluster suite and the quickstart use it too.
+    ("kubectl", "k8s.io/kubernetes/cmd/kubectl", true),
+    ("etcd", "go.etcd.io/etcd/server/v3", false),
+];
+
+/// Builds each binary the cache does not already hold at the right version; returns their directory.
 pub fn ensure_built() -> Result<PathBuf> {
     let dir = assets::bin_dir();
-    if is_current(&dir) {
-        eprintln!("envtest: kube-apiserver {KUBERNETES_VERSION} and etcd are present in {}", dir.display());
+    let missing: Vec<_> = BINARIES.iter().filter(|(name, _, stamped)| !is_current(&dir, name, *stamped)).collect();
+    if missing.is_empty() {
+        eprintln!(
+            "envtest: kube-apiserver, kube-controller-manager, kubectl {KUBERNETES_VERSION} and etcd are present in {}",
+            dir.display()
+        );
         return Ok(dir);
     }
     if output(Command::new("go").arg("version")).is_none() {
         bail!(
             "building the test control plane needs Go (1.26 or newer) on PATH; install it, or set {} to a directory \
-             that already holds kube-apiserver and etcd {KUBERNETES_VERSION}",
+             that already holds kube-apiserver, kube-controller-manager, kubectl and etcd {KUBERNETES_VERSION}",
             assets::BIN_DIR_ENV
         );
     }
@@ -50,11 +64,8 @@ pub fn ensure_built() -> Result<PathBuf> {
         stamp.push(format!("-X {package}.gitMinor={minor}"));
         stamp.push(format!("-X {package}.gitTreeState=clean"));
     }
-    let builds = [
-        ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver", format!("-s -w {}", stamp.join(" "))),
-        ("etcd", "go.etcd.io/etcd/server/v3", "-s -w".to_owned()),
-    ];
-    for (name, package, ldflags) in builds {
+    for (name, package, stamped) in &missing {
+        let ldflags = if *stamped { format!("-s -w {}", stamp.join(" ")) } else { "-s -w".to_owned() };
         let started = Instant::now();
         eprintln!("envtest: building {name} from {package} (the first build on a machine takes several minutes)");
         run(Command::new("go")
@@ -64,23 +75,33 @@ pub fn ensure_built() -> Result<PathBuf> {
             .arg(scratch.join(name))
             .arg(package))?;
         eprintln!("envtest: built {name} in {:.0?}", started.elapsed());
-    }
-    for name in ["kube-apiserver", "etcd"] {
         fs::rename(scratch.join(name), dir.join(name))
             .with_context(|| format!("moving {name} into {}", dir.display()))?;
+        if !is_current(&dir, name, *stamped) {
+            bail!("the freshly built {name} in {} does not report {KUBERNETES_VERSION}", dir.display());
+        }
     }
     fs::remove_dir_all(&scratch)?;
-    if !is_current(&dir) {
-        bail!("the freshly built kube-apiserver in {} does not report {KUBERNETES_VERSION}", dir.display());
-    }
     Ok(dir)
 }
 
-/// Whether `dir` holds an etcd and a kube-apiserver that reports the pinned version.
-fn is_current(dir: &Path) -> bool {
-    let reported = output(Command::new(dir.join("kube-apiserver")).arg("--version"));
-    reported.is_some_and(|text| text.trim() == format!("Kubernetes {KUBERNETES_VERSION}"))
-        && output(Command::new(dir.join("etcd")).arg("--version")).is_some()
+/// Whether `dir` holds the binary `name`, answering its version query (with the pinned version when `stamped`).
+fn is_current(dir: &Path, name: &str, stamped: bool) -> bool {
+    let mut command = Command::new(dir.join(name));
+    if name == "kubectl" {
+        command.args(["version", "--client"]);
+    } else {
+        command.arg("--version");
+    }
+    match output(&mut command) {
+        Some(text) if stamped => text.lines().next().is_some_and(|first| {
+            let first = first.trim();
+            first == format!("Kubernetes {KUBERNETES_VERSION}")
+                || first == format!("Client Version: {KUBERNETES_VERSION}")
+        }),
+        Some(_) => true,
+        None => false,
+    }
 }
 
 /// Starts a control plane with the CRDs installed and keeps it up until Ctrl-C.

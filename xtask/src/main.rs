@@ -7,6 +7,7 @@ mod crdgen;
 mod e2e;
 mod envtest;
 mod packages;
+mod podnet;
 mod process;
 mod quickstart;
 mod test;

@@ -20,6 +20,8 @@ pub const REQUIRED: &[(&str, &str)] = &[
     ("openssh-server", "sshd on loopback for the kvm provider's SSH tests"),
     ("netcat-openbsd", "nc, which libvirt runs on the far side of SSH to reach the daemon's socket"),
     ("genisoimage", "isoinfo, which reads the kvm provider's seed ISOs back in tests"),
+    ("iproute2", "ip, which creates the network namespace and pod network the tests run in"),
+    ("util-linux", "unshare, nsenter and setpriv, with which the node agent gives pods mounts and users"),
 ];
 
 fn installed(package: &str) -> bool {

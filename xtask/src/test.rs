@@ -1,12 +1,13 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
 //! Set-up first (Debian packages, the control-plane binaries), then formatting, lints and the CRD drift check, which take seconds,
-//! then every test in the workspace, which needs the control plane.
+//! then every test in the workspace, which needs the control plane, inside a network namespace with a pod network
+//! (see [`crate::podnet`]).
 
 use anyhow::Result;
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, packages};
+use crate::{crdgen, envtest, packages, podnet};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     packages::ensure_installed()?;
@@ -14,6 +15,14 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     run(cargo().args(["fmt", "--all", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]))?;
     crdgen::run(true)?;
-    run(cargo().args(["test", "--workspace", "--locked"]).args(cargo_test_args))?;
+    // Built here, where the crate registry is reachable; run inside the tests' network namespace, which has none.
+    run(cargo().args(["test", "--workspace", "--locked", "--no-run"]))?;
+    let network = podnet::PodNetwork::create()?;
+    run(network.command(cargo_program()).args(["test", "--workspace", "--locked", "--offline"]).args(cargo_test_args))?;
     Ok(())
+}
+
+/// The cargo that runs xtask, for commands that start it through another program.
+pub fn cargo_program() -> std::ffi::OsString {
+    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
 }

@@ -227,7 +227,11 @@ struct Figures {
 
 async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     let interval = if n >= 10_000 { 30 } else { 5 };
-    let plane = ControlPlane::start().await.expect("control plane");
+    // The apiserver alone: the baseline and the operator are measured against the same server, and a
+    // controller-manager's garbage collector watching every Proxy would add noise that is not the operator's.
+    let options =
+        egress_testenv::control_plane::ControlPlaneOptions { controller_manager: false, ..Default::default() };
+    let plane = ControlPlane::start_with(options).await.expect("control plane");
     let client = plane.client().await.expect("client");
     let namespace = Namespace {
         metadata: ObjectMeta { name: Some(NAMESPACE.into()), ..ObjectMeta::default() },

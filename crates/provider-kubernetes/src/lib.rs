@@ -107,8 +107,10 @@ fn is_conflict(error: &kube::Error) -> bool {
 
 /// The instance a pod stands for.
 ///
-/// Pending → Provisioning; Running with a pod IP → Running; Running without one → Provisioning;
-/// Succeeded, Failed and Unknown → Terminated; a pod being deleted → Terminated.
+/// Pending → Provisioning; Running and Ready → Running; Running but not Ready (Squid not yet listening, or its
+/// container restarting) → Provisioning; Succeeded, Failed and Unknown → Terminated; a pod being deleted →
+/// Terminated. The phase alone is not enough: kubelet reports `Running` as soon as the container starts, before
+/// Squid accepts connections, which its readiness probe checks.
 pub fn instance_from_pod(pod: &Pod) -> Instance {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -117,8 +119,12 @@ pub fn instance_from_pod(pod: &Pod) -> Instance {
     let state = if pod.metadata.deletion_timestamp.is_some() {
         InstanceState::Terminated
     } else {
+        let ready = status
+            .and_then(|status| status.conditions.as_ref())
+            .is_some_and(|conditions| conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         match status.and_then(|status| status.phase.as_deref()) {
-            Some("Running") => InstanceState::Running,
+            Some("Running") if ready => InstanceState::Running,
+            Some("Running") => InstanceState::Provisioning,
             Some("Succeeded" | "Failed" | "Unknown") => InstanceState::Terminated,
             _ => InstanceState::Provisioning,
         }

@@ -119,23 +119,29 @@ async fn pod_phases_map_to_instance_states() {
     let provider = provider(&ns);
     let request = request("11111111-aaaa-bbbb-cccc-000000000004");
     let created = provider.create(&request).await.expect("create");
-    let cases: [(&str, Option<&str>, InstanceState); 6] = [
-        ("Pending", None, InstanceState::Provisioning),
-        ("Running", None, InstanceState::Provisioning),
-        ("Running", Some("10.1.2.3"), InstanceState::Running),
-        ("Succeeded", Some("10.1.2.3"), InstanceState::Terminated),
-        ("Failed", None, InstanceState::Terminated),
-        ("Unknown", None, InstanceState::Terminated),
+    // (phase, pod IP, Ready condition, expected state). Kubelet reports Running as soon as the container starts;
+    // only the Ready condition says Squid accepts connections.
+    let cases: [(&str, Option<&str>, bool, InstanceState); 7] = [
+        ("Pending", None, false, InstanceState::Provisioning),
+        ("Running", None, true, InstanceState::Provisioning),
+        ("Running", Some("10.1.2.3"), false, InstanceState::Provisioning),
+        ("Running", Some("10.1.2.3"), true, InstanceState::Running),
+        ("Succeeded", Some("10.1.2.3"), false, InstanceState::Terminated),
+        ("Failed", None, false, InstanceState::Terminated),
+        ("Unknown", None, false, InstanceState::Terminated),
     ];
-    for (phase, ip, expected) in cases {
-        let status =
-            json!({ "status": { "phase": phase, "podIP": ip, "podIPs": ip.map(|ip| vec![json!({ "ip": ip })]) } });
+    for (phase, ip, ready, expected) in cases {
+        let ready = if ready { "True" } else { "False" };
+        let status = json!({ "status": {
+            "phase": phase, "podIP": ip, "podIPs": ip.map(|ip| vec![json!({ "ip": ip })]),
+            "conditions": [{ "type": "Ready", "status": ready }],
+        }});
         ns.api::<Pod>()
             .patch_status(&request.name, &PatchParams::default(), &Patch::Merge(status))
             .await
             .expect("patch pod status");
         let instance: Instance = provider.get(&created.provider_id).await.expect("get");
-        assert_eq!(instance.state, expected, "phase {phase} with IP {ip:?}");
+        assert_eq!(instance.state, expected, "phase {phase} with IP {ip:?}, Ready {ready}");
         let expected_ip =
             if expected == InstanceState::Running { ip.map(|ip| ip.parse().expect("ip")) } else { instance.ip };
         assert_eq!(instance.ip, expected_ip);

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 /// enables (`v1_36`) and the version pinned in `xtask/envtest/go.mod` (a test checks both).
 pub const KUBERNETES_VERSION: &str = "v1.36.3";
 
-/// Overrides the directory holding `kube-apiserver` and `etcd`.
+/// Overrides the directory holding `kube-apiserver`, `kube-controller-manager` and `etcd`.
 pub const BIN_DIR_ENV: &str = "EGRESS_ENVTEST_BIN_DIR";
 
 /// Overrides the root of every cache the project keeps (default `$HOME/.cache/egress-operator`).
@@ -42,4 +42,14 @@ pub fn kube_apiserver() -> PathBuf {
 /// The path of the etcd binary.
 pub fn etcd() -> PathBuf {
     bin_dir().join("etcd")
+}
+
+/// The path of the kube-controller-manager binary.
+pub fn kube_controller_manager() -> PathBuf {
+    bin_dir().join("kube-controller-manager")
+}
+
+/// The path of the kubectl binary built with the control plane (the tests and the quickstart use it for `apply -k`).
+pub fn kubectl() -> PathBuf {
+    bin_dir().join("kubectl")
 }

@@ -1,4 +1,11 @@
-//! One real etcd and kube-apiserver on loopback, with generated certificates and the project's CRDs installed.
+//! One real etcd, kube-apiserver and kube-controller-manager on loopback, with generated certificates and the
+//! project's CRDs installed.
+//!
+//! The controller-manager runs the controllers the product and its manifests rely on (see [`CONTROLLERS`]):
+//! Deployments become ReplicaSets and Pods, Services get EndpointSlices of their Ready pods, owner references are
+//! garbage-collected, namespaces are emptied on deletion, and every namespace gets its `default` ServiceAccount and
+//! its `kube-root-ca.crt` ConfigMap. There is no scheduler and no kubelet: the [`crate::NodeAgent`] binds and runs
+//! pods.
 //!
 //! The processes run in their own process group, so a Ctrl-C in the terminal does not race the cleanup, and are
 //! watched by a small supervisor shell that holds the read end of a pipe from this process: when this process exits
@@ -34,10 +41,40 @@ const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a CRD may take to become Established.
 const ESTABLISHED_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The controllers kube-controller-manager runs: what Deployments, Services, owner references, namespaces and pods'
+/// service-account tokens need. Node lifecycle, scheduling-related and cloud controllers are left out: there is one
+/// node, run by the node agent, and no cloud.
+pub const CONTROLLERS: &[&str] = &[
+    "deployment-controller",
+    "replicaset-controller",
+    "endpointslice-controller",
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "root-ca-certificate-publisher-controller",
+];
+
+/// What a local control plane runs.
+#[derive(Clone, Debug)]
+pub struct ControlPlaneOptions {
+    /// The directory whose CRDs are installed.
+    pub crds: PathBuf,
+    /// Whether kube-controller-manager runs beside the apiserver (on by default; a benchmark that measures the
+    /// apiserver's own cost turns it off).
+    pub controller_manager: bool,
+}
+
+impl Default for ControlPlaneOptions {
+    fn default() -> Self {
+        Self { crds: crds_dir(), controller_manager: true }
+    }
+}
+
 /// The field manager the control plane uses to install CRDs.
 const FIELD_MANAGER: &str = "egress-testenv";
 
-/// A running etcd and kube-apiserver, or an external cluster. Dropping a local one kills both processes and removes
+/// A running etcd, kube-apiserver and kube-controller-manager, or an external cluster. Dropping a local one kills both processes and removes
 /// their files; dropping an external one leaves the cluster alone.
 pub struct ControlPlane {
     local: Option<Local>,
@@ -51,26 +88,42 @@ struct Local {
     dir: PathBuf,
     etcd: Child,
     apiserver: Child,
+    controller_manager: Option<Child>,
     supervisor: Option<(Child, ChildStdin)>,
+    /// Supervisors of processes started after the first one (the controller-manager).
+    extra_supervisors: Vec<(Child, ChildStdin)>,
     apiserver_log: PathBuf,
+    controller_manager_log: PathBuf,
+    ca_pem: String,
 }
 
 impl ControlPlane {
-    /// Starts etcd and kube-apiserver on free loopback ports, waits until the apiserver is ready, and installs
-    /// every CRD found in the workspace's `crds/` directory, waiting until each is Established.
+    /// Starts etcd, kube-apiserver and kube-controller-manager on free loopback ports, waits until the apiserver
+    /// is ready, and installs every CRD found in the workspace's `crds/` directory, waiting until each is
+    /// Established.
     pub async fn start() -> Result<Self> {
-        Self::start_with_crds(&crds_dir()).await
+        Self::start_with(ControlPlaneOptions::default()).await
     }
 
     /// Like [`ControlPlane::start`], installing the CRDs from the given directory.
     pub async fn start_with_crds(crds: &Path) -> Result<Self> {
+        Self::start_with(ControlPlaneOptions { crds: crds.to_path_buf(), ..ControlPlaneOptions::default() }).await
+    }
+
+    /// Starts a control plane as `options` say.
+    pub async fn start_with(options: ControlPlaneOptions) -> Result<Self> {
         let started = Instant::now();
-        let (apiserver_bin, etcd_bin) = (assets::kube_apiserver(), assets::etcd());
-        for binary in [&apiserver_bin, &etcd_bin] {
+        let (apiserver_bin, etcd_bin, manager_bin) =
+            (assets::kube_apiserver(), assets::etcd(), assets::kube_controller_manager());
+        let mut needed = vec![&apiserver_bin, &etcd_bin];
+        if options.controller_manager {
+            needed.push(&manager_bin);
+        }
+        for binary in needed {
             if !binary.is_file() {
                 bail!(
                     "{} does not exist: run `cargo xtask envtest` to build the test control plane (or set {} to a \
-                     directory holding kube-apiserver and etcd {})",
+                     directory holding kube-apiserver, kube-controller-manager and etcd {})",
                     binary.display(),
                     assets::BIN_DIR_ENV,
                     assets::KUBERNETES_VERSION,
@@ -125,20 +178,36 @@ impl ControlPlane {
         let apiserver_log = dir.join("kube-apiserver.log");
         let apiserver = spawn_logged(apiserver, &apiserver_log)?;
 
-        let supervisor = spawn_supervisor(&dir, &[etcd.id(), apiserver.id()])?;
         let kubeconfig_path = dir.join("kubeconfig");
-        fs::write(&kubeconfig_path, kubeconfig_yaml(&server_url, &files))
+        fs::write(&kubeconfig_path, kubeconfig_yaml(&server_url, &files.ca_cert, &files.admin_cert, &files.admin_key))
             .with_context(|| format!("writing {}", kubeconfig_path.display()))?;
+        let controller_manager_log = dir.join("kube-controller-manager.log");
+        let supervisor = spawn_supervisor(&dir, &[etcd.id(), apiserver.id()])?;
 
         let mut plane = Self {
-            local: Some(Local { dir, etcd, apiserver, supervisor: Some(supervisor), apiserver_log }),
+            local: Some(Local {
+                dir,
+                etcd,
+                apiserver,
+                controller_manager: None,
+                supervisor: Some(supervisor),
+                extra_supervisors: Vec::new(),
+                apiserver_log,
+                controller_manager_log,
+                ca_pem: files.ca_pem.clone(),
+            }),
             server_url,
             kubeconfig_path,
             startup: Duration::ZERO,
         };
         plane.wait_ready().await?;
+        if options.controller_manager {
+            // Only once the apiserver is ready: before its RBAC bootstrap, the controller-manager is refused the
+            // ConfigMap it reads at start-up, and exits.
+            plane.start_controller_manager(&files)?;
+        }
         plane.create_default_service_account().await?;
-        plane.install_crds(crds).await?;
+        plane.install_crds(&options.crds).await?;
         plane.startup = started.elapsed();
         Ok(plane)
     }
@@ -217,12 +286,70 @@ impl ControlPlane {
         Client::try_from(config).context("building a client for the test control plane")
     }
 
+    /// The last `lines` lines of kube-controller-manager's log (empty when it does not run here).
+    pub fn controller_manager_log_tail(&self, lines: usize) -> String {
+        match &self.local {
+            Some(local) if local.controller_manager.is_some() => tail(&local.controller_manager_log, lines),
+            _ => String::new(),
+        }
+    }
+
+    /// Whether kube-controller-manager (or, on an external cluster, the cluster's own) runs Deployments,
+    /// EndpointSlices and garbage collection.
+    pub fn has_controller_manager(&self) -> bool {
+        self.local.as_ref().is_none_or(|local| local.controller_manager.is_some())
+    }
+
+    /// The cluster CA's certificate in PEM, which in-cluster clients trust (None for an external cluster).
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.local.as_ref().map(|local| local.ca_pem.as_str())
+    }
+
+    /// The apiserver's loopback socket address (None for an external cluster).
+    pub fn server_address(&self) -> Option<std::net::SocketAddr> {
+        self.local.as_ref()?;
+        self.server_url.strip_prefix("https://")?.parse().ok()
+    }
+
     /// The last `lines` lines of the apiserver's log (an external cluster's is not available here).
     pub fn apiserver_log_tail(&self, lines: usize) -> String {
         match &self.local {
             Some(local) => tail(&local.apiserver_log, lines),
             None => format!("(an external cluster at {}: its apiserver log is not readable here)", self.server_url),
         }
+    }
+
+    /// Starts kube-controller-manager with its own client certificate, under the same cleanup supervisor.
+    fn start_controller_manager(&mut self, files: &Files) -> Result<()> {
+        let server_url = self.server_url.clone();
+        let Some(local) = self.local.as_mut() else { return Ok(()) };
+        let dir = local.dir.clone();
+        let controller_manager_log = local.controller_manager_log.clone();
+        let manager_bin = assets::kube_controller_manager();
+        let kubeconfig = dir.join("controller-manager.kubeconfig");
+        fs::write(&kubeconfig, kubeconfig_yaml(&server_url, &files.ca_cert, &files.manager_cert, &files.manager_key))
+            .with_context(|| format!("writing {}", kubeconfig.display()))?;
+        let mut manager = Command::new(&manager_bin);
+        manager.args([
+            &format!("--kubeconfig={}", kubeconfig.display()),
+            "--bind-address=127.0.0.1",
+            &format!("--secure-port={}", free_port()?),
+            &format!("--cert-dir={}", dir.join("controller-manager").display()),
+            &format!("--controllers={}", CONTROLLERS.join(",")),
+            "--leader-elect=false",
+            // Each controller acts as its own ServiceAccount, as in a production cluster, so the bootstrap RBAC
+            // of each one is what is exercised.
+            "--use-service-account-credentials=true",
+            &format!("--service-account-private-key-file={}", files.service_account_key.display()),
+            &format!("--root-ca-file={}", files.ca_cert.display()),
+            "--profiling=false",
+        ]);
+        let manager = spawn_logged(manager, &controller_manager_log)?;
+        // The supervisor was started with the other two; a second one watches this process the same way.
+        let supervisor = spawn_supervisor_for(&[manager.id()])?;
+        local.controller_manager = Some(manager);
+        local.extra_supervisors.push(supervisor);
+        Ok(())
     }
 
     async fn wait_ready(&mut self) -> Result<()> {
@@ -232,10 +359,14 @@ impl ControlPlane {
         loop {
             poll.tick().await;
             if let Some(local) = &mut self.local {
-                for (name, child, log) in [
+                let mut children = vec![
                     ("etcd", &mut local.etcd, local.dir.join("etcd.log")),
                     ("kube-apiserver", &mut local.apiserver, local.apiserver_log.clone()),
-                ] {
+                ];
+                if let Some(manager) = local.controller_manager.as_mut() {
+                    children.push(("kube-controller-manager", manager, local.controller_manager_log.clone()));
+                }
+                for (name, child, log) in children {
                     if let Some(status) = child.try_wait()? {
                         bail!("{name} exited during start-up ({status}); the end of its log:\n{}", tail(&log, 40));
                     }
@@ -320,12 +451,16 @@ impl ControlPlane {
 
 impl Drop for Local {
     fn drop(&mut self) {
+        if let Some(manager) = self.controller_manager.as_mut() {
+            let _ = manager.kill();
+            let _ = manager.wait();
+        }
         for child in [&mut self.apiserver, &mut self.etcd] {
             // Killing an already-exited child fails harmlessly; the wait reaps it either way.
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Some((mut supervisor, stdin)) = self.supervisor.take() {
+        for (mut supervisor, stdin) in self.supervisor.take().into_iter().chain(self.extra_supervisors.drain(..)) {
             drop(stdin);
             let _ = supervisor.wait();
         }
@@ -351,11 +486,14 @@ pub fn crds_dir() -> PathBuf {
 
 /// The certificate and key files the control plane needs.
 struct Files {
+    ca_pem: String,
     ca_cert: PathBuf,
     serving_cert: PathBuf,
     serving_key: PathBuf,
     admin_cert: PathBuf,
     admin_key: PathBuf,
+    manager_cert: PathBuf,
+    manager_key: PathBuf,
     service_account_key: PathBuf,
     service_account_public_key: PathBuf,
 }
@@ -366,12 +504,17 @@ impl Files {
         let serving =
             ca.server_cert(&["localhost"], &[IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))])?;
         let admin = ca.client_cert("egress-testenv-admin", &["system:masters"])?;
+        // The user the bootstrap RBAC binds to the controller-manager's role.
+        let manager = ca.client_cert("system:kube-controller-manager", &[])?;
         let files = Self {
+            ca_pem: ca.cert_pem(),
             ca_cert: dir.join("ca.crt"),
             serving_cert: dir.join("apiserver.crt"),
             serving_key: dir.join("apiserver.key"),
             admin_cert: dir.join("admin.crt"),
             admin_key: dir.join("admin.key"),
+            manager_cert: dir.join("controller-manager.crt"),
+            manager_key: dir.join("controller-manager.key"),
             service_account_key: dir.join("service-account.key"),
             service_account_public_key: dir.join("service-account.pub"),
         };
@@ -382,6 +525,8 @@ impl Files {
             (&files.serving_key, serving.key),
             (&files.admin_cert, admin.cert),
             (&files.admin_key, admin.key),
+            (&files.manager_cert, manager.cert),
+            (&files.manager_key, manager.key),
             (&files.service_account_key, service_account.key),
             (&files.service_account_public_key, service_account.cert),
         ];
@@ -392,7 +537,7 @@ impl Files {
     }
 }
 
-fn kubeconfig_yaml(server_url: &str, files: &Files) -> String {
+fn kubeconfig_yaml(server_url: &str, ca: &Path, cert: &Path, key: &Path) -> String {
     // JSON strings are valid YAML scalars, so serde_json quotes the paths safely.
     let quote = |path: &Path| serde_json::Value::from(path.display().to_string()).to_string();
     format!(
@@ -401,9 +546,9 @@ fn kubeconfig_yaml(server_url: &str, files: &Files) -> String {
          client-key: {key}\ncontexts:\n- name: egress-testenv\n  context:\n    cluster: egress-testenv\n    user: \
          egress-testenv-admin\n    namespace: default\ncurrent-context: egress-testenv\n",
         server = serde_json::Value::from(server_url),
-        ca = quote(&files.ca_cert),
-        cert = quote(&files.admin_cert),
-        key = quote(&files.admin_key),
+        ca = quote(ca),
+        cert = quote(cert),
+        key = quote(key),
     )
 }
 
@@ -421,9 +566,15 @@ fn spawn_logged(mut command: Command, log: &Path) -> Result<Child> {
     command.spawn().with_context(|| format!("starting {:?}", command.get_program()))
 }
 
-/// Starts the shell that cleans up after this process, however it ends.
+/// Starts a shell that kills `pids` when this process ends, however it ends (and removes no directory).
+fn spawn_supervisor_for(pids: &[u32]) -> Result<(Child, ChildStdin)> {
+    spawn_supervisor(Path::new(""), pids)
+}
+
+/// Starts the shell that cleans up after this process, however it ends: it kills `pids` and removes `dir` (unless
+/// empty).
 fn spawn_supervisor(dir: &Path, pids: &[u32]) -> Result<(Child, ChildStdin)> {
-    let script = r#"trap '' INT TERM HUP; cat >/dev/null; kill -9 "$@" 2>/dev/null; rm -rf "$EGRESS_TESTENV_DIR""#;
+    let script = r#"trap '' INT TERM HUP; cat >/dev/null; kill -9 "$@" 2>/dev/null; [ -z "$EGRESS_TESTENV_DIR" ] || rm -rf "$EGRESS_TESTENV_DIR""#;
     let mut child = Command::new("sh")
         .arg("-c")
         .arg(script)

@@ -16,6 +16,7 @@
 
 pub mod assets;
 pub mod control_plane;
+pub mod install;
 pub mod node_agent;
 pub mod operator;
 pub mod origin;
@@ -34,7 +35,7 @@ pub use control_plane::ControlPlane;
 pub use node_agent::NodeAgent;
 pub use operator::{OperatorOptions, OperatorProcess, http_get};
 pub use origin::{LocalOrigin, get_through_proxy};
-pub use squid::{Squid, SquidOptions};
+pub use squid::{POD_NETWORK_ENV, Squid, SquidOptions, pod_network};
 
 static SHARED: OnceCell<ControlPlane> = OnceCell::const_new();
 
@@ -148,6 +149,10 @@ impl Drop for TestNamespace {
                 self.name,
                 self.plane.apiserver_log_tail(60)
             );
+            let manager = self.plane.controller_manager_log_tail(40);
+            if !manager.is_empty() {
+                eprintln!("---- the end of kube-controller-manager's log ----\n{manager}\n---- end of log ----");
+            }
         }
     }
 }

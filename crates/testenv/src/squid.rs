@@ -27,6 +27,38 @@ pub fn next_loopback_address() -> Ipv4Addr {
     Ipv4Addr::new(127, 1, (n >> 8) as u8, (n & 0xff) as u8)
 }
 
+/// Names the pod network a test run has: an IPv4 network (`10.244.0.0/16`) on an interface of a network namespace
+/// that `cargo xtask test` creates and runs the tests in (see [`pod_network`]).
+pub const POD_NETWORK_ENV: &str = "EGRESS_TEST_POD_NETWORK";
+
+/// The pod network of this test run, when [`POD_NETWORK_ENV`] names one: its first address (the interface's own)
+/// and its prefix length.
+///
+/// # Panics
+/// When the variable is set but is not an IPv4 network of /16 to /24.
+pub fn pod_network() -> Option<(Ipv4Addr, u8)> {
+    let value = std::env::var(POD_NETWORK_ENV).ok().filter(|value| !value.is_empty())?;
+    let parsed = value.split_once('/').and_then(|(address, prefix)| {
+        Some((address.parse::<Ipv4Addr>().ok()?, prefix.parse::<u8>().ok().filter(|p| (16..=24).contains(p))?))
+    });
+    Some(parsed.unwrap_or_else(|| panic!("{POD_NETWORK_ENV}={value:?} is not an IPv4 network of /16 to /24")))
+}
+
+/// An address of its own for one pod: from the pod network when the run has one (EndpointSlices refuse loopback
+/// addresses), else a loopback address. Never reused within a process.
+pub fn next_pod_address() -> Ipv4Addr {
+    match pod_network() {
+        None => next_loopback_address(),
+        Some((network, prefix)) => {
+            let n = NEXT_ADDRESS.fetch_add(1, Ordering::SeqCst);
+            let size = 1u32 << (32 - u32::from(prefix));
+            // Skip the network address and the interface's own (.1), and stay below the broadcast address.
+            let offset = 2 + (n - 1) % (size - 3);
+            Ipv4Addr::from(u32::from(network) + offset)
+        }
+    }
+}
+
 /// The Squid binary, or an error naming how to install it.
 pub fn squid_binary() -> Result<PathBuf> {
     for candidate in ["/usr/sbin/squid", "/usr/bin/squid"] {

@@ -1,0 +1,329 @@
+//! The product installed as a user installs it: `kubectl apply -k` of `deploy/default`, as shipped, on the local
+//! control plane, with the node agent running the operator's pods and the proxies' pods, and a stand-in for
+//! kube-proxy that reaches a Service through its EndpointSlices.
+//!
+//! Only two things are test inputs, in a kustomize overlay over the unmodified `deploy/default`: the providers
+//! ConfigMap, and (outside the manifests) the node agent's image map, which runs the operator's image as the
+//! built binary and the Squid image as Debian's Squid.
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, ListParams};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Client, ResourceExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::node_agent::{AgentConfig, ImageMap, Runtime};
+use crate::{ControlPlane, NodeAgent, assets};
+
+/// The namespace `deploy/default` installs into.
+pub const SYSTEM_NAMESPACE: &str = "egress-system";
+
+/// The image the shipped Deployment names.
+pub const OPERATOR_IMAGE: &str = "egress-operator:latest";
+
+/// The Squid image the shipped providers ConfigMap names.
+pub const SQUID_IMAGE: &str = "ubuntu/squid:latest";
+
+/// The discovery token the shipped Secret holds (with the `lease` scope).
+pub const SHIPPED_LEASE_TOKEN: &str = "replace-me-lease-token-0000";
+
+/// The label selecting the operator's pods.
+pub const OPERATOR_SELECTOR: &str = "app.kubernetes.io/name=egress-operator";
+
+/// What a test chooses about an installation.
+#[derive(Clone, Debug)]
+pub struct InstallOptions {
+    /// The built `egress-operator` binary, run for the operator's image.
+    pub operator_binary: PathBuf,
+    /// The content of the providers ConfigMap's `providers.yaml`.
+    pub providers_yaml: String,
+    /// The namespaces whose pods the proxies' provider creates (the node agent runs them too).
+    pub proxy_namespaces: Vec<String>,
+    /// Where the operator's health checks fetch through each proxy when a Proxy names no URL: the test's origin,
+    /// standing in for the internet the default would reach.
+    pub default_probe_url: String,
+}
+
+/// `deploy/default` running on the local control plane.
+pub struct Installation {
+    agent: NodeAgent,
+    client: Client,
+    _overlay: tempfile::TempDir,
+    /// The `egress-discovery` Service, reached through its EndpointSlices.
+    pub discovery: ServiceProxy,
+}
+
+impl Installation {
+    /// Applies `deploy/default` with `kubectl apply -k`, starts the node agent for it, and waits until the
+    /// Deployment is Available with every replica Ready and the discovery Service has a ready endpoint.
+    pub async fn apply(plane: &ControlPlane, options: &InstallOptions) -> Result<Self> {
+        if !plane.has_controller_manager() {
+            bail!("an installation needs kube-controller-manager for its Deployment and EndpointSlices");
+        }
+        let client = plane.client().await?;
+        let address = plane.server_address().context("an installation needs the local control plane")?;
+        let operator_env = ["DISCOVERY", "METRICS", "HEALTH"]
+            .into_iter()
+            .zip([8090, 8080, 8081])
+            .map(|(name, port)| (format!("EGRESS_{name}_ADDR"), format!("{{pod_ip}}:{port}")))
+            .chain(std::iter::once(("EGRESS_DEFAULT_PROBE_URL".to_owned(), options.default_probe_url.clone())))
+            .collect();
+        let images = ImageMap::new()
+            .with(
+                OPERATOR_IMAGE,
+                Runtime::Program { entrypoint: vec![options.operator_binary.display().to_string()], env: operator_env },
+            )
+            .with(SQUID_IMAGE, Runtime::Squid);
+        let mut namespaces = vec![SYSTEM_NAMESPACE.to_owned()];
+        namespaces.extend(options.proxy_namespaces.iter().cloned());
+        let agent = NodeAgent::start_with(
+            client.clone(),
+            AgentConfig { namespaces, label_selector: None, images, apiserver: Some(address) },
+        )
+        .await?;
+
+        let overlay = write_overlay(&options.providers_yaml)?;
+        let output = Command::new(assets::kubectl())
+            .arg(format!("--kubeconfig={}", plane.kubeconfig_path().display()))
+            .args(["apply", "-k"])
+            .arg(overlay.path())
+            .output()
+            .with_context(|| format!("running {}", assets::kubectl().display()))?;
+        if !output.status.success() {
+            bail!("kubectl apply -k deploy/default failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+        }
+        let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
+        let installation = Self { agent, client, _overlay: overlay, discovery };
+        installation.wait_available(Duration::from_secs(180)).await?;
+        Ok(installation)
+    }
+
+    /// The node agent running the pods.
+    pub fn agent(&self) -> &NodeAgent {
+        &self.agent
+    }
+
+    /// The operator's pods, by name.
+    pub async fn operator_pods(&self) -> Result<Vec<Pod>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let mut items = pods.list(&ListParams::default().labels(OPERATOR_SELECTOR)).await?.items;
+        items.sort_by_key(ResourceExt::name_any);
+        Ok(items)
+    }
+
+    /// The holder of the leader-election Lease (`<pod name>_<suffix>`), if any, read with `client` (a client
+    /// belongs to the runtime it first ran on: a test passes its own).
+    pub async fn lease_holder_with(&self, client: &Client) -> Result<Option<String>> {
+        let leases: Api<Lease> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+        Ok(leases.get_opt("egress-operator").await?.and_then(|lease| lease.spec?.holder_identity))
+    }
+
+    /// Waits until the Deployment is Available, every replica Ready, and the discovery Service routes somewhere.
+    pub async fn wait_available(&self, timeout: Duration) -> Result<()> {
+        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let deployment = deployments.get_opt("egress-operator").await?;
+            let status = deployment.as_ref().and_then(|d| d.status.clone()).unwrap_or_default();
+            let wanted = deployment.and_then(|d| d.spec?.replicas).unwrap_or(1);
+            let available = status
+                .conditions
+                .iter()
+                .flatten()
+                .any(|condition| condition.type_ == "Available" && condition.status == "True");
+            if available && status.ready_replicas == Some(wanted) && !self.discovery.endpoints().is_empty() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                let pods: Vec<String> = self
+                    .operator_pods()
+                    .await
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|pod| format!("{} {}", pod.name_any(), serde_json::to_string(&pod.status).unwrap_or_default()))
+                    .collect();
+                let logs: String = self
+                    .operator_pods()
+                    .await
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|pod| self.agent.container_log(SYSTEM_NAMESPACE, &pod.name_any(), "operator"))
+                    .collect::<Vec<_>>()
+                    .join("\n----\n");
+                bail!(
+                    "the operator's Deployment was not Available with {wanted} Ready replicas and a discovery endpoint \
+                     within {timeout:?} (deployment status {status:?}; endpoints {:?}); pods:\n{}\nlogs:\n{logs}",
+                    self.discovery.endpoints(),
+                    pods.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Every operator pod's output, for messages and for checks such as "no request was forbidden".
+    pub async fn operator_logs(&self) -> String {
+        let pods = self.operator_pods().await.unwrap_or_default();
+        pods.iter()
+            .map(|pod| {
+                let name = pod.name_any();
+                format!("==== {name}\n{}", self.agent.container_log(SYSTEM_NAMESPACE, &name, "operator"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// Writes a kustomize overlay over the shipped `deploy/default` that replaces only the providers ConfigMap.
+fn write_overlay(providers_yaml: &str) -> Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new().prefix("egress-overlay-").tempdir()?;
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/default");
+    let base = std::fs::canonicalize(&base).with_context(|| format!("finding {}", base.display()))?;
+    let relative = relative_path(dir.path(), &base);
+    // The providers file goes in as a JSON string, which is a YAML scalar too.
+    let kustomization = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {}\npatches:\n  - patch: |\n      \
+         apiVersion: v1\n      kind: ConfigMap\n      metadata:\n        name: egress-operator-providers\n        \
+         namespace: {SYSTEM_NAMESPACE}\n      data:\n        providers.yaml: {}\n",
+        relative.display(),
+        serde_json::Value::from(providers_yaml)
+    );
+    std::fs::write(dir.path().join("kustomization.yaml"), kustomization)?;
+    Ok(dir)
+}
+
+/// `to` relative to the directory `from` (kustomize refuses absolute resource paths); both absolute.
+fn relative_path(from: &Path, to: &Path) -> PathBuf {
+    let from = std::fs::canonicalize(from).unwrap_or(from.to_path_buf());
+    let from: Vec<Component> = from.components().collect();
+    let to: Vec<Component> = to.components().collect();
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut path = PathBuf::new();
+    for _ in common..from.len() {
+        path.push("..");
+    }
+    for part in &to[common..] {
+        path.push(part.as_os_str());
+    }
+    path
+}
+
+/// A stand-in for kube-proxy: a loopback listener that forwards each connection to one ready endpoint of a
+/// Service, picked per connection (round-robin) from its EndpointSlices as they are now. With no ready endpoint a
+/// connection is closed at once, as a rejected one would be.
+pub struct ServiceProxy {
+    address: SocketAddr,
+    endpoints: Arc<Mutex<Vec<SocketAddr>>>,
+    connections: Arc<Mutex<Vec<SocketAddr>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl ServiceProxy {
+    /// Starts forwarding to the Service `name`'s port `port_name` in `namespace`.
+    pub async fn start(client: Client, namespace: &str, name: &str, port_name: &str) -> Result<Self> {
+        let slices: Api<EndpointSlice> = Api::namespaced(client, namespace);
+        let (reader, writer) = reflector::store();
+        let config = watcher::Config::default().labels(&format!("kubernetes.io/service-name={name}"));
+        let endpoints: Arc<Mutex<Vec<SocketAddr>>> = Arc::default();
+        let kept = endpoints.clone();
+        let port_name = port_name.to_owned();
+        let watch = tokio::spawn(async move {
+            let mut stream = reflector(writer, watcher(slices, config)).default_backoff().touched_objects().boxed();
+            while stream.next().await.is_some() {
+                let mut ready: BTreeSet<SocketAddr> = BTreeSet::new();
+                for slice in reader.state() {
+                    let port = slice
+                        .ports
+                        .iter()
+                        .flatten()
+                        .find(|port| port.name.as_deref() == Some(port_name.as_str()))
+                        .and_then(|port| port.port)
+                        .and_then(|port| u16::try_from(port).ok());
+                    let Some(port) = port else { continue };
+                    for endpoint in slice.endpoints.iter().flatten() {
+                        if endpoint.conditions.as_ref().and_then(|conditions| conditions.ready) != Some(true) {
+                            continue;
+                        }
+                        for address in &endpoint.addresses {
+                            if let Ok(ip) = address.parse::<Ipv4Addr>() {
+                                ready.insert(SocketAddr::new(ip.into(), port));
+                            }
+                        }
+                    }
+                }
+                *kept.lock().expect("endpoints") = ready.into_iter().collect();
+            }
+        });
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let address = listener.local_addr()?;
+        let connections: Arc<Mutex<Vec<SocketAddr>>> = Arc::default();
+        let (routes, log) = (endpoints.clone(), connections.clone());
+        let accept = tokio::spawn(async move {
+            let next = AtomicUsize::new(0);
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let target = {
+                    let routes = routes.lock().expect("endpoints");
+                    (!routes.is_empty()).then(|| routes[next.fetch_add(1, Ordering::Relaxed) % routes.len()])
+                };
+                let Some(target) = target else { continue };
+                log.lock().expect("connections").push(target);
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Ok(Self { address, endpoints, connections, tasks: vec![watch, accept] })
+    }
+
+    /// `http://127.0.0.1:<port>`: the Service as a client in the cluster would reach it.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// The ready endpoints the Service routes to now.
+    pub fn endpoints(&self) -> Vec<SocketAddr> {
+        self.endpoints.lock().expect("endpoints").clone()
+    }
+
+    /// Every endpoint a connection was forwarded to, in order.
+    pub fn connections(&self) -> Vec<SocketAddr> {
+        self.connections.lock().expect("connections").clone()
+    }
+}
+
+impl Drop for ServiceProxy {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_climb_to_the_common_root() {
+        assert_eq!(
+            relative_path(Path::new("/nonexistent/tmp/overlay"), Path::new("/nonexistent/work/deploy/default")),
+            PathBuf::from("../../work/deploy/default")
+        );
+    }
+}
