@@ -63,8 +63,14 @@ fn the_cluster_role_grants_exactly_what_the_operator_uses() {
         granted.iter().all(|(group, resource, verb)| group != "*" && resource != "*" && verb != "*"),
         "no wildcards"
     );
+    // In the operator's own namespace: the Lease, and the patch of its own Pod's leader label, nothing else.
     let leader = grants(find(&rbac, "Role"));
-    assert!(leader.iter().all(|(group, resource, _)| group == "coordination.k8s.io" && resource == "leases"));
+    let expected: BTreeSet<(String, String, String)> = ["get", "create", "update", "patch"]
+        .iter()
+        .map(|verb| ("coordination.k8s.io".to_owned(), "leases".to_owned(), (*verb).to_owned()))
+        .chain(std::iter::once((String::new(), "pods".to_owned(), "patch".to_owned())))
+        .collect();
+    assert_eq!(leader, expected);
 }
 
 #[test]
@@ -80,9 +86,42 @@ fn the_deployment_is_hardened() {
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/livez");
 }
 
+/// Discovery reaches the leader only: the Service selects the label the leader sets on its own Pod.
+#[test]
+fn the_discovery_service_selects_the_leader() {
+    let services = documents(&deploy().join("default/services.yaml"));
+    let discovery = services.iter().find(|document| document["metadata"]["name"] == "egress-discovery").expect("it");
+    assert_eq!(
+        discovery["spec"]["selector"][egress_runtime::role_label::ROLE_LABEL],
+        egress_runtime::role_label::LEADER
+    );
+    let metrics =
+        services.iter().find(|document| document["metadata"]["name"] == "egress-operator-metrics").expect("it");
+    assert!(
+        metrics["spec"]["selector"].get(egress_runtime::role_label::ROLE_LABEL).is_none(),
+        "metrics: every replica"
+    );
+}
+
+/// `deploy/default` applies on a cluster without the Prometheus Operator; the ServiceMonitor is a component.
+#[test]
+fn the_service_monitor_is_optional() {
+    let default = documents(&deploy().join("default/kustomization.yaml"));
+    let resources: Vec<&str> =
+        default[0]["resources"].as_array().expect("resources").iter().filter_map(Value::as_str).collect();
+    assert!(resources.iter().all(|resource| !resource.contains("servicemonitor")), "{resources:?}");
+    let component = documents(&deploy().join("prometheus/kustomization.yaml"));
+    assert_eq!(component[0]["kind"], "Component");
+    let monitor = documents(&deploy().join("prometheus/servicemonitor.yaml"));
+    assert_eq!(monitor[0]["kind"], "ServiceMonitor");
+    let monitored = documents(&deploy().join("monitored/kustomization.yaml"));
+    assert_eq!(monitored[0]["resources"][0], "../default");
+    assert_eq!(monitored[0]["components"][0], "../prometheus");
+}
+
 #[test]
 fn every_kustomization_resource_exists_and_parses() {
-    for dir in ["default", "samples"] {
+    for dir in ["default", "samples", "monitored", "prometheus"] {
         let kustomization = documents(&deploy().join(dir).join("kustomization.yaml"));
         for resource in kustomization[0]["resources"].as_array().expect("resources") {
             let path = deploy().join(dir).join(resource.as_str().expect("a path"));

@@ -98,6 +98,7 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Sc
         return Err(Problem::forbidden("this route needs a token with the lease scope"));
     }
     if let Some(reason) = state.gate.refusal() {
+        state.metrics.not_serving();
         return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-serving", "Not serving", reason)
             .with_reason("not-serving")
             .with_retry_after(Duration::from_secs(5)));

@@ -49,6 +49,7 @@ pub struct DiscoveryMetrics {
     active: Gauge,
     expired: Counter,
     cooldowns: Counter,
+    not_serving: Counter,
 }
 
 impl Default for DiscoveryMetrics {
@@ -61,6 +62,7 @@ impl Default for DiscoveryMetrics {
             active: Gauge::default(),
             expired: Counter::default(),
             cooldowns: Counter::default(),
+            not_serving: Counter::default(),
         }
     }
 }
@@ -77,6 +79,12 @@ impl DiscoveryMetrics {
         registry.register("leases_active", "Leases currently held", metrics.active.clone());
         registry.register("leases_expired", "Leases released because they expired", metrics.expired.clone());
         registry.register("cooldowns_started", "Ban reports that started a cooldown", metrics.cooldowns.clone());
+        registry.register(
+            "not_serving",
+            "Requests refused with reason not-serving: this replica is a follower or shutting down (with the shipped \
+             egress-discovery Service, which routes to the leader only, this stays 0 outside a failover)",
+            metrics.not_serving.clone(),
+        );
         metrics
     }
 
@@ -90,6 +98,10 @@ impl DiscoveryMetrics {
     pub(crate) fn granted(&self) {
         self.granted.inc();
         self.active.inc();
+    }
+
+    pub(crate) fn not_serving(&self) {
+        self.not_serving.inc();
     }
 
     pub(crate) fn denied(&self, reason: &str) {

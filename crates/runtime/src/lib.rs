@@ -8,6 +8,7 @@
 
 mod discovery_feed;
 mod flags;
+pub mod role_label;
 mod run;
 mod telemetry;
 

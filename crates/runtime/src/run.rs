@@ -3,7 +3,7 @@
 //! shuts everything down in order on SIGTERM.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, bail};
 use axum::Router;
@@ -21,7 +21,7 @@ use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
 use egress_reconcile::{
     Context as ReconcileContext, ControllerConfig, CredentialStore, ProxyFeed, ProxyVerdicts, ReconcileMetrics,
 };
-use kube::Client;
+use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -120,12 +120,26 @@ pub async fn run(settings: Settings) -> Result<()> {
 
     let servers = serve_all(&settings, registry, discovery, leader.clone(), stop.clone()).await?;
 
+    // The leader's Pod carries the label the discovery Service selects; a restarted process first removes the one
+    // its previous incarnation may have left.
+    let labeller = match crate::role_label::PodIdentity::from_env() {
+        Some(pod) => Some(tokio::spawn(crate::role_label::run(client.clone(), pod, leader.clone(), stop.clone()))),
+        None => {
+            info!("POD_NAME or POD_NAMESPACE is not set: not running in a pod, so no pod is labelled as the leader");
+            None
+        }
+    };
+
     let election = if settings.leader_elect {
-        let identity = std::env::var("POD_NAME").unwrap_or_else(|_| format!("egress-operator-{}", std::process::id()));
+        let pod_name = std::env::var("POD_NAME").ok().filter(|name| !name.is_empty());
+        if let Some(pod_name) = &pod_name {
+            yield_after_crash(&client, &settings.leader_election_namespace, pod_name, stop.clone()).await;
+        }
+        let identity = election_identity(pod_name);
         let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "egress-operator")
             .with_namespace(settings.leader_election_namespace.clone())
             .with_identity(identity.clone())
-            .with_duration(15)
+            .with_duration(LEASE_SECONDS)
             .with_grace(5)
             .build()
             .await
@@ -190,6 +204,12 @@ pub async fn run(settings: Settings) -> Result<()> {
     }
     let _ = stop_sender.send(true);
     let _ = leading.await;
+    // Out of the discovery Service before the Lease goes to another replica.
+    if let Some(labeller) = labeller
+        && tokio::time::timeout(crate::role_label::REMOVE_TIMEOUT, labeller).await.is_err()
+    {
+        warn!("the leader label could not be removed in time; the next leader's start-up replaces the endpoint");
+    }
     if let Some(handle) = election {
         match handle.await {
             Ok(Ok(_)) => info!("leader Lease released"),
@@ -207,6 +227,45 @@ pub async fn run(settings: Settings) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// How long the leader's Lease is valid after each renewal.
+const LEASE_SECONDS: u64 = 15;
+
+/// When this pod's previous process held the Lease (it crashed: the container was restarted), waits until that
+/// Lease has expired and a little more before competing for it, so a healthy peer takes over rather than the process
+/// that just crashed. With no peer this costs nothing: nobody could have taken the Lease sooner.
+async fn yield_after_crash(client: &Client, namespace: &str, pod_name: &str, stop: watch::Receiver<bool>) {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(client.clone(), namespace);
+    let Ok(Some(lease)) = leases.get_opt("egress-operator").await else { return };
+    let Some(spec) = lease.spec else { return };
+    if !spec.holder_identity.as_deref().is_some_and(|holder| holder.starts_with(&format!("{pod_name}_"))) {
+        return;
+    }
+    let renewed = spec.renew_time.map(|time| SystemTime::from(time.0)).unwrap_or_else(SystemTime::now);
+    let duration = Duration::from_secs(spec.lease_duration_seconds.map_or(LEASE_SECONDS, |s| s.max(0) as u64));
+    let expires_in = (renewed + duration).duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+    // The peer wakes at the expiry and takes the Lease within about a second.
+    let wait = expires_in.min(duration) + Duration::from_secs(3);
+    info!(
+        holder = spec.holder_identity.as_deref().unwrap_or_default(),
+        wait_seconds = wait.as_secs(),
+        "this pod's previous process held the leader Lease and is gone; letting another replica take it first"
+    );
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        () = until_true(stop) => {}
+    }
+}
+
+/// The leader-election identity: the pod's name (or `egress-operator`) and a suffix of its own per process, as
+/// client-go's leader election does. A container restarted in the same pod is a new candidate, not the holder of the
+/// Lease its crashed predecessor held, so the other replica takes over instead of waiting on a dead leader's term.
+fn election_identity(pod_name: Option<String>) -> String {
+    let base = pod_name.filter(|name| !name.is_empty()).unwrap_or_else(|| "egress-operator".into());
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.subsec_nanos());
+    format!("{base}_{:08x}", nanos ^ std::process::id().rotate_left(16))
 }
 
 /// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
@@ -388,6 +447,14 @@ mod tests {
     use egress_provider::config::ProvidersConfig;
 
     use super::*;
+
+    #[test]
+    fn each_process_is_a_candidate_of_its_own() {
+        let first = election_identity(Some("egress-operator-7d9-abc".into()));
+        assert!(first.starts_with("egress-operator-7d9-abc_"), "{first}");
+        assert!(election_identity(None).starts_with("egress-operator_"));
+        assert!(election_identity(Some(String::new())).starts_with("egress-operator_"));
+    }
 
     #[tokio::test]
     async fn a_gcp_provider_is_accepted_and_a_broken_one_reports_why() {
