@@ -1,0 +1,339 @@
+//! The end-to-end tests that need the operator as a process of their own, outside the cluster: ones that stop it
+//! with SIGTERM and watch it hand over, or start it with flags the shipped Deployment does not set (an OTLP
+//! endpoint). The operator runs under the RBAC shipped in `deploy/` (it impersonates its ServiceAccount), with the
+//! node agent running proxy pods as real Squid processes. Everything else runs in-cluster, in `e2e.rs`.
+//!
+//! Each test has its own namespace, operator (`--watch-namespace`), cluster ID and provider name, so they run in
+//! parallel on one control plane (this binary's own: the in-cluster operator of `e2e.rs` watches every namespace).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions};
+use egress_testenv::{LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, TestNamespace, eventually, http_get};
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::Client;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, any_value};
+use prost::Message as _;
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(120);
+const SERVICE_ACCOUNT: &str = "system:serviceaccount:egress-system:egress-operator";
+
+/// Applies the shipped RBAC: the ClusterRole and its binding, and the leader-election Role bound in `namespace`.
+async fn install_rbac(client: &Client, namespace: &str) {
+    let system = Namespace {
+        metadata: ObjectMeta { name: Some("egress-system".into()), ..ObjectMeta::default() },
+        ..Namespace::default()
+    };
+    let _ = Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &system).await;
+    let account = ServiceAccount {
+        metadata: ObjectMeta { name: Some("egress-operator".into()), ..ObjectMeta::default() },
+        ..ServiceAccount::default()
+    };
+    let _ = Api::<ServiceAccount>::namespaced(client.clone(), "egress-system")
+        .create(&PostParams::default(), &account)
+        .await;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/default/rbac.yaml");
+    let documents: Vec<Value> =
+        serde_saphyr::from_multiple(&std::fs::read_to_string(&path).expect("rbac.yaml")).expect("parse rbac.yaml");
+    let apply = PatchParams::apply("egress-e2e").force();
+    for document in documents {
+        let name = document["metadata"]["name"].as_str().expect("a name").to_owned();
+        match document["kind"].as_str() {
+            Some("ClusterRole") => {
+                let role: ClusterRole = serde_json::from_value(document).expect("ClusterRole");
+                Api::<ClusterRole>::all(client.clone())
+                    .patch(&name, &apply, &Patch::Apply(&role))
+                    .await
+                    .expect("apply ClusterRole");
+            }
+            Some("ClusterRoleBinding") => {
+                let binding: ClusterRoleBinding = serde_json::from_value(document).expect("ClusterRoleBinding");
+                Api::<ClusterRoleBinding>::all(client.clone())
+                    .patch(&name, &apply, &Patch::Apply(&binding))
+                    .await
+                    .expect("apply binding");
+            }
+            Some("Role") => {
+                let role: Role = serde_json::from_value(document).expect("Role");
+                Api::<Role>::namespaced(client.clone(), namespace)
+                    .patch(&name, &apply, &Patch::Apply(&role))
+                    .await
+                    .expect("apply Role");
+            }
+            Some("RoleBinding") => {
+                let binding: RoleBinding = serde_json::from_value(document).expect("RoleBinding");
+                Api::<RoleBinding>::namespaced(client.clone(), namespace)
+                    .patch(&name, &apply, &Patch::Apply(&binding))
+                    .await
+                    .expect("apply RoleBinding");
+            }
+            _ => {}
+        }
+    }
+}
+
+struct Env {
+    ns: TestNamespace,
+    _agent: NodeAgent,
+    origin: LocalOrigin,
+    kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+    provider: String,
+    token: String,
+}
+
+impl Env {
+    async fn new(prefix: &str) -> Self {
+        let ns = egress_testenv::namespace(prefix).await;
+        install_rbac(&ns.client(), ns.name()).await;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let kubeconfig = dir.path().join("kubeconfig");
+        ns.control_plane()
+            .write_kubeconfig_as(
+                &kubeconfig,
+                SERVICE_ACCOUNT,
+                &["system:serviceaccounts", "system:serviceaccounts:egress-system", "system:authenticated"],
+            )
+            .expect("impersonating kubeconfig");
+        let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+        let origin = LocalOrigin::start().await.expect("origin");
+        let provider = format!("pods-{}", ns.name());
+        Self { token: format!("lease-token-{}", ns.name()), ns, _agent: agent, origin, kubeconfig, _dir: dir, provider }
+    }
+
+    fn options(&self, leader_election: bool) -> OperatorOptions {
+        OperatorOptions {
+            providers_yaml: format!(
+                "providers:\n  - name: {}\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n",
+                self.provider,
+                self.ns.name()
+            ),
+            cluster_id: self.ns.name().to_owned(),
+            lease_token: self.token.clone(),
+            default_probe_url: self.origin.ip_url(),
+            leader_election_namespace: leader_election.then(|| self.ns.name().to_owned()),
+            extra_args: vec![format!("--watch-namespace={}", self.ns.name())],
+        }
+    }
+
+    async fn operator(&self, leader_election: bool) -> OperatorProcess {
+        OperatorProcess::start(&binary(), &self.kubeconfig, &self.options(leader_election))
+            .await
+            .expect("the operator starts")
+    }
+
+    async fn create(&self, name: &str) {
+        let spec = ProxySpec {
+            provider: Some(self.provider.clone()),
+            health_check: HealthCheck {
+                interval_seconds: 5,
+                timeout_seconds: 3,
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+                probe_url: None,
+            },
+            ..ProxySpec::new(ProxyMode::Managed)
+        };
+        self.ns.api::<Proxy>().create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create Proxy");
+    }
+
+    async fn wait_phase(&self, names: &[&str], phase: ProxyPhase) -> Vec<Proxy> {
+        common::wait_phase(&self.ns.api::<Proxy>(), names, phase, WAIT).await.unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// A discovery client for the operator, once its discovery view has synced.
+    /// A discovery client, once the operator's view lists `expected` proxies: a Proxy the API already shows Ready
+    /// reaches the operator's store a moment later, and a lease taken before that sees fewer proxies.
+    async fn discovery(&self, operator: &OperatorProcess, expected: usize) -> DiscoveryClient {
+        let client = DiscoveryClient::new(&operator.discovery_url, Some(self.token.clone())).expect("client");
+        let probe = client.clone();
+        eventually(&format!("discovery to list {expected} proxies"), WAIT, || {
+            let probe = probe.clone();
+            async move { probe.proxies(None, None).await.ok().filter(|proxies| proxies.len() == expected).map(|_| ()) }
+        })
+        .await;
+        client
+    }
+}
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_egress-operator"))
+}
+
+/// Every API call the operator made was allowed by the shipped RBAC.
+fn assert_no_forbidden(operator: &OperatorProcess) {
+    let log = operator.log();
+    let denied: Vec<&str> = log.lines().filter(|line| line.to_lowercase().contains("forbidden")).collect();
+    assert!(denied.is_empty(), "the operator was refused by the shipped RBAC:\n{}", denied.join("\n"));
+}
+
+async fn role(operator: &OperatorProcess) -> Option<&'static str> {
+    let (status, body) = http_get(&format!("{}/readyz", operator.health_url)).await.ok()?;
+    match status {
+        200 if body.contains("leader") && !body.contains("follower") => Some("leader"),
+        200 => Some("follower"),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn two_replicas_elect_one_leader_and_hand_over() {
+    let env = Env::new("e2e-leader").await;
+    let mut first = env.operator(true).await;
+    let mut second = env.operator(true).await;
+    env.create("l-1").await;
+    let (leader_is_first, _) = eventually("one leader and one follower", WAIT, || async {
+        match (role(&first).await, role(&second).await) {
+            (Some("leader"), Some("follower")) => Some((true, ())),
+            (Some("follower"), Some("leader")) => Some((false, ())),
+            _ => None,
+        }
+    })
+    .await;
+    env.wait_phase(&["l-1"], ProxyPhase::Ready).await;
+    let (leader, follower) = if leader_is_first { (&mut first, &mut second) } else { (&mut second, &mut first) };
+
+    // The follower refuses leases with 503 and a reason.
+    let refused = DiscoveryClient::new(&follower.discovery_url, Some(env.token.clone())).expect("client");
+    match refused.lease(LeaseOptions::for_target("example.com")).await {
+        Err(ClientError::Unavailable { reason, .. }) => assert_eq!(reason, "not-serving"),
+        other => panic!("the follower must refuse leases, got {:?}", other.map(|lease| lease.id().to_owned())),
+    }
+    let serving = env.discovery(leader, 1).await;
+    serving
+        .lease(LeaseOptions::for_target("example.com"))
+        .await
+        .expect("the leader leases")
+        .release()
+        .await
+        .expect("release");
+
+    // Leadership moves when the leader stops.
+    assert!(leader.terminate(Duration::from_secs(30)).await, "the leader stops on SIGTERM");
+    eventually("the follower to take over", WAIT, || async { (role(follower).await == Some("leader")).then_some(()) })
+        .await;
+    let taken_over = env.discovery(follower, 1).await;
+    taken_over
+        .lease(LeaseOptions::for_target("example.com"))
+        .await
+        .expect("the new leader leases")
+        .release()
+        .await
+        .expect("release");
+    assert_no_forbidden(follower);
+    assert_no_forbidden(leader);
+}
+
+/// A span as the collector received it: its resource's `service.name`, its name, and its string attributes.
+#[derive(Debug)]
+struct ReceivedSpan {
+    service: String,
+    name: String,
+    attributes: Vec<(String, String)>,
+}
+
+/// An OTLP/HTTP receiver on loopback that keeps every trace export request it is sent.
+struct Collector {
+    url: String,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<ExportTraceServiceRequest>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Collector {
+    async fn start() -> Self {
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = requests.clone();
+        let router = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let kept = kept.clone();
+                async move {
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(request) => {
+                            kept.lock().expect("requests").push(request);
+                            (axum::http::StatusCode::OK, [("content-type", "application/x-protobuf")], Vec::new())
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, [("content-type", "text/plain")], Vec::new()),
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the collector");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        Self { url, requests, task }
+    }
+
+    /// Every span received.
+    fn spans(&self) -> Vec<ReceivedSpan> {
+        let text = |value: &Option<AnyValue>| match value.as_ref().and_then(|value| value.value.as_ref()) {
+            Some(any_value::Value::StringValue(text)) => text.clone(),
+            _ => String::new(),
+        };
+        let mut spans = Vec::new();
+        for request in self.requests.lock().expect("requests").iter() {
+            for resource_spans in &request.resource_spans {
+                let service = resource_spans
+                    .resource
+                    .iter()
+                    .flat_map(|resource| &resource.attributes)
+                    .find(|attribute| attribute.key == "service.name")
+                    .map(|attribute| text(&attribute.value))
+                    .unwrap_or_default();
+                for span in resource_spans.scope_spans.iter().flat_map(|scope| &scope.spans) {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|attribute| (attribute.key.clone(), text(&attribute.value)))
+                        .collect();
+                    spans.push(ReceivedSpan { service: service.clone(), name: span.name.clone(), attributes });
+                }
+            }
+        }
+        spans
+    }
+}
+
+#[tokio::test]
+async fn traces_reach_an_otlp_collector() {
+    let env = Env::new("e2e-otlp").await;
+    let collector = Collector::start().await;
+    let mut options = env.options(false);
+    options.extra_args.push(format!("--otlp-endpoint={}", collector.url));
+    let mut operator = OperatorProcess::start(&binary(), &env.kubeconfig, &options).await.expect("the operator starts");
+    env.create("traced").await;
+    env.wait_phase(&["traced"], ProxyPhase::Ready).await;
+    // SIGTERM: the operator exports the spans still buffered before it exits.
+    assert!(operator.terminate(Duration::from_secs(30)).await, "the operator stops on SIGTERM");
+
+    let spans = collector.spans();
+    let reconciles: Vec<_> = spans
+        .iter()
+        .filter(|span| {
+            span.name == "reconcile" && span.attributes.iter().any(|(key, value)| key == "proxy" && value == "traced")
+        })
+        .collect();
+    assert!(
+        !reconciles.is_empty(),
+        "no reconcile span for the Proxy among {} spans; names: {:?}\noperator log:\n{}",
+        spans.len(),
+        spans.iter().map(|span| span.name.as_str()).collect::<std::collections::BTreeSet<_>>(),
+        operator.log_tail()
+    );
+    assert!(
+        reconciles.iter().all(|span| span.service == "egress-operator"),
+        "spans carry the service name: {reconciles:?}"
+    );
+    collector.task.abort();
+    assert_no_forbidden(&operator);
+}
