@@ -64,6 +64,9 @@ enum Command {
         /// Stop after the demo instead of running until Ctrl-C.
         #[arg(long)]
         exit: bool,
+        /// Internal: run the demo in this network namespace, reporting through this directory.
+        #[arg(long, hide = true)]
+        inside: Option<PathBuf>,
     },
     /// Run the benchmarks (health, lease, discovery, fleet; all without a name) and print their figures.
     Bench {
@@ -89,7 +92,7 @@ fn main() -> ExitCode {
             envtest::up(kubeconfig, !no_sample, controller)
         }
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
-        Command::Quickstart { exit } => quickstart::run(exit),
+        Command::Quickstart { exit, inside } => quickstart::run(exit, inside),
         Command::E2e { kind, cargo_test_args } => e2e::run_suite(kind, &cargo_test_args),
         Command::Bench { name, sizes } => bench::run_benches(name.as_deref(), &sizes),
     };

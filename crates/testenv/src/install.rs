@@ -56,6 +56,9 @@ pub struct InstallOptions {
     /// Where the operator's health checks fetch through each proxy when a Proxy names no URL: the test's origin,
     /// standing in for the internet the default would reach.
     pub default_probe_url: String,
+    /// The discovery tokens file's content (`lease <token>` lines), replacing the shipped example tokens; None
+    /// keeps them ([`SHIPPED_LEASE_TOKEN`]).
+    pub discovery_tokens: Option<String>,
 }
 
 /// `deploy/default` running on the local control plane.
@@ -96,7 +99,7 @@ impl Installation {
         )
         .await?;
 
-        let overlay = write_overlay(&options.providers_yaml)?;
+        let overlay = write_overlay(&options.providers_yaml, options.discovery_tokens.as_deref())?;
         let output = Command::new(assets::kubectl())
             .arg(format!("--kubeconfig={}", plane.kubeconfig_path().display()))
             .args(["apply", "-k"])
@@ -188,8 +191,9 @@ impl Installation {
     }
 }
 
-/// Writes a kustomize overlay over the shipped `deploy/default` that replaces only the providers ConfigMap.
-fn write_overlay(providers_yaml: &str) -> Result<tempfile::TempDir> {
+/// Writes a kustomize overlay over the shipped `deploy/default` that replaces only the providers ConfigMap (and,
+/// when given, the discovery tokens).
+fn write_overlay(providers_yaml: &str, tokens: Option<&str>) -> Result<tempfile::TempDir> {
     let dir = tempfile::Builder::new().prefix("egress-overlay-").tempdir()?;
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/default");
     let base = std::fs::canonicalize(&base).with_context(|| format!("finding {}", base.display()))?;
@@ -202,6 +206,14 @@ fn write_overlay(providers_yaml: &str) -> Result<tempfile::TempDir> {
         relative.display(),
         serde_json::Value::from(providers_yaml)
     );
+    let kustomization = match tokens {
+        None => kustomization,
+        Some(tokens) => format!(
+            "{kustomization}  - patch: |\n      apiVersion: v1\n      kind: Secret\n      metadata:\n        name: \
+             egress-operator-discovery-tokens\n        namespace: {SYSTEM_NAMESPACE}\n      stringData:\n        tokens: {}\n",
+            serde_json::Value::from(tokens)
+        ),
+    };
     std::fs::write(dir.path().join("kustomization.yaml"), kustomization)?;
     Ok(dir)
 }

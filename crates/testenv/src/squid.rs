@@ -2,16 +2,14 @@
 //! Squid with the options health tests need (credentials, CONNECT denied).
 
 use std::fs;
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use sha_crypt::{PasswordHasher, ShaCrypt};
 
 /// How long Squid may take to accept connections.
@@ -70,39 +68,18 @@ pub fn squid_binary() -> Result<PathBuf> {
 }
 
 /// A command running under a `sh` wrapper that kills it when a pipe from this process closes: on [`Wrapped::stop`],
-/// on drop, or when this process dies in any way.
+/// on drop, or when this process dies in any way. The node agent's container process, without its exit code.
 pub(crate) struct Wrapped {
     /// The wrapped command's process ID.
     pub pid: u32,
-    wrapper: Child,
-    stop: Option<ChildStdin>,
+    inner: crate::node_agent::Process,
 }
 
 impl Wrapped {
     /// Runs `script` (a shell command line) with its output appended to `log`.
     pub(crate) fn spawn(script: &str, log: &Path) -> Result<Self> {
-        let wrapper_script = format!(
-            "trap '' INT HUP; ( exec {script} ) >>'{log}' 2>&1 & pid=$!; echo $pid; cat >/dev/null; kill -TERM $pid 2>/dev/null; \
-             for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 $pid 2>/dev/null || exit 0; sleep 0.2; done; kill -KILL $pid 2>/dev/null",
-            log = log.display()
-        );
-        let mut wrapper = Command::new("sh")
-            .arg("-c")
-            .arg(&wrapper_script)
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .context("starting sh")?;
-        let stop = wrapper.stdin.take();
-        let mut first_line = String::new();
-        if let Some(stdout) = wrapper.stdout.take() {
-            let _ = BufReader::new(stdout).read_line(&mut first_line);
-        }
-        let pid = first_line.trim().parse::<u32>().context("the wrapper did not report the process ID")?;
-        Ok(Self { pid, wrapper, stop })
+        let inner = crate::node_agent::Process::spawn(script, log, &log.with_extension("exit"))?;
+        Ok(Self { pid: inner.pid, inner })
     }
 
     /// Whether the wrapped process still runs.
@@ -112,20 +89,12 @@ impl Wrapped {
 
     /// Kills the wrapped process with SIGKILL, as a crash would.
     pub(crate) fn kill(&self) -> bool {
-        Command::new("kill").args(["-KILL", &self.pid.to_string()]).status().is_ok_and(|status| status.success())
+        self.inner.signal("KILL")
     }
 
     /// Stops the wrapped process (SIGTERM, then SIGKILL after two seconds) and waits for the wrapper.
-    pub(crate) fn stop(mut self) {
-        drop(self.stop.take());
-        let _ = self.wrapper.wait();
-    }
-}
-
-impl Drop for Wrapped {
-    fn drop(&mut self) {
-        drop(self.stop.take());
-        let _ = self.wrapper.wait();
+    pub(crate) fn stop(self) {
+        drop(self.inner);
     }
 }
 

@@ -64,7 +64,8 @@ impl View {
 }
 
 /// A process under a `sh` wrapper that records its exit status, and kills it (TERM, then KILL after 2 s) when the
-/// pipe from this process closes: on drop, or when the test process dies in any way.
+/// pipe from this process closes: on drop, or when the test process dies in any way. Once the process has exited,
+/// the wrapper stops its watchdog, so a later close can never signal a process that reused the ID.
 pub(crate) struct Process {
     pub pid: u32,
     wrapper: Child,
@@ -78,7 +79,7 @@ impl Process {
         let wrapper_script = format!(
             "trap '' INT HUP TERM; exec 3<&0; ( exec 3<&-; exec {script} ) </dev/null >>{log} 2>&1 & pid=$!; echo $pid; \
              ( cat <&3 >/dev/null; kill -TERM $pid 2>/dev/null; sleep 2; kill -KILL $pid 2>/dev/null ) >/dev/null 2>&1 & \
-             exec 3<&-; wait $pid; echo $? >{exit}",
+             watchdog=$!; exec 3<&-; wait $pid; echo $? >{exit}; kill $watchdog 2>/dev/null",
             log = shell_quote(&log.display().to_string()),
             exit = shell_quote(&exit_file.display().to_string()),
         );
