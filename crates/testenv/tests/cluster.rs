@@ -191,3 +191,81 @@ async fn owned_objects_are_collected_with_their_owner() {
     })
     .await;
 }
+
+/// A bare pod whose image maps to `/bin/sh`, with its own command and probes.
+fn shell_pod(name: &str, script: &str, extra: serde_json::Value) -> Pod {
+    let mut container = json!({
+        "name": "sh",
+        "image": "egress-test/sh:1",
+        "command": ["/bin/sh", "-c", script],
+    });
+    if let (Some(container), Some(extra)) = (container.as_object_mut(), extra.as_object()) {
+        container.extend(extra.clone());
+    }
+    serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "terminationGracePeriodSeconds": 2, "containers": [container] },
+    }))
+    .expect("a Pod")
+}
+
+async fn shell_agent(client: &Client, namespace: &str) -> NodeAgent {
+    let images = ImageMap::new()
+        .with("egress-test/sh:1", Runtime::Program { entrypoint: vec!["/bin/sh".into()], env: Vec::new() });
+    let config = AgentConfig { namespaces: vec![namespace.to_owned()], label_selector: None, images, apiserver: None };
+    NodeAgent::start_with(client.clone(), config).await.expect("node agent")
+}
+
+#[tokio::test]
+async fn exec_liveness_probes_restart_and_grace_periods_bound_termination() {
+    let ns = egress_testenv::namespace("probes").await;
+    let agent = shell_agent(&ns.client(), ns.name()).await;
+    let pods = ns.api::<Pod>();
+    // Passing exec probes: Ready, never restarted. Failing exec liveness: restarted and counted.
+    let exec = |command: &[&str], threshold: i32| json!({ "exec": { "command": command }, "periodSeconds": 1, "failureThreshold": threshold });
+    let healthy = shell_pod(
+        "healthy",
+        "trap 'exit 0' TERM; while true; do sleep 0.2; done",
+        json!({ "readinessProbe": exec(&["true"], 1), "livenessProbe": exec(&["true"], 1) }),
+    );
+    let dying = shell_pod(
+        "dying",
+        "trap 'exit 0' TERM; while true; do sleep 0.2; done",
+        json!({ "livenessProbe": exec(&["/bin/sh", "-c", "exit 1"], 2) }),
+    );
+    // Ignores SIGTERM: its deletion must wait the grace period (2 s), then SIGKILL, not 30 s and not at once.
+    let stubborn = shell_pod("stubborn", "trap '' TERM; while true; do sleep 0.2; done", json!({}));
+    for pod in [&healthy, &dying, &stubborn] {
+        pods.create(&PostParams::default(), pod).await.expect("create pod");
+    }
+    eventually("the healthy pod Ready", WAIT, || async { pods.get("healthy").await.ok().filter(ready).map(|_| ()) })
+        .await;
+    // Restarted (the first time at once, then after kubelet's 10 s back-off), each time stopped with SIGTERM, which
+    // the script traps: exit code 0, not 137 (a wrapper that left SIGTERM ignored made every stop a SIGKILL).
+    eventually("the failing liveness probe to restart its container twice", WAIT, || async {
+        let status = pods.get("dying").await.ok()?.status?.container_statuses?.into_iter().next()?;
+        let last = status.last_state.and_then(|state| state.terminated)?;
+        (status.restart_count >= 2 && last.exit_code == 0).then_some(())
+    })
+    .await;
+    let healthy_now = pods.get("healthy").await.expect("healthy");
+    let restarts =
+        healthy_now.status.and_then(|s| s.container_statuses).and_then(|c| c.first().map(|c| c.restart_count));
+    assert_eq!(restarts, Some(0), "passing probes never restart a container");
+
+    eventually("the stubborn pod Running", WAIT, || async {
+        agent.container_pid(ns.name(), "stubborn", "sh").map(|_| ())
+    })
+    .await;
+    let pid = agent.container_pid(ns.name(), "stubborn", "sh").expect("a pid");
+    let deleted = std::time::Instant::now();
+    pods.delete("stubborn", &DeleteParams::default()).await.expect("delete");
+    eventually("the stubborn pod to be gone", WAIT, || async {
+        pods.get_opt("stubborn").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let took = deleted.elapsed();
+    assert!(took >= Duration::from_secs(2), "SIGTERM was ignored, so the grace period ran out first ({took:?})");
+    assert!(took < Duration::from_secs(15), "SIGKILL followed the 2 s grace period ({took:?})");
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "the process is gone");
+}

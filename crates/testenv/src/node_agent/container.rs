@@ -65,7 +65,9 @@ impl View {
 
 /// A process under a `sh` wrapper that records its exit status, and kills it (TERM, then KILL after 2 s) when the
 /// pipe from this process closes: on drop, or when the test process dies in any way. Once the process has exited,
-/// the wrapper stops its watchdog, so a later close can never signal a process that reused the ID.
+/// the wrapper stops its watchdog, so a later close can never signal a process that reused the ID. The wrapper
+/// ignores INT, HUP and TERM itself, but the process starts with their default dispositions (an ignored signal
+/// would be inherited across exec, and a shell script could then never trap SIGTERM).
 pub(crate) struct Process {
     pub pid: u32,
     wrapper: Child,
@@ -77,7 +79,7 @@ impl Process {
     pub(crate) fn spawn(script: &str, log: &Path, exit_file: &Path) -> Result<Self> {
         let _ = fs::remove_file(exit_file);
         let wrapper_script = format!(
-            "trap '' INT HUP TERM; exec 3<&0; ( exec 3<&-; exec {script} ) </dev/null >>{log} 2>&1 & pid=$!; echo $pid; \
+            "trap '' INT HUP TERM; exec 3<&0; ( trap - INT HUP TERM; exec 3<&-; exec {script} ) </dev/null >>{log} 2>&1 & pid=$!; echo $pid; \
              ( cat <&3 >/dev/null; kill -TERM $pid 2>/dev/null; sleep 2; kill -KILL $pid 2>/dev/null ) >/dev/null 2>&1 & \
              watchdog=$!; exec 3<&-; wait $pid; echo $? >{exit}; kill $watchdog 2>/dev/null",
             log = shell_quote(&log.display().to_string()),
