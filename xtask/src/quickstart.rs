@@ -49,14 +49,23 @@ fn target_dir() -> PathBuf {
 /// Runs the quickstart; with `inside` (set by the outer process only), runs the demo in this network namespace and
 /// reports through that directory.
 pub fn run(exit: bool, inside: Option<PathBuf>) -> Result<()> {
+    if inside.is_none() {
+        packages::ensure_installed()?;
+        envtest::ensure_built()?;
+        run_command(cargo().args(["build", "--locked", "-p", "egress-operator"]))?;
+    }
+    run_built(exit, inside)
+}
+
+/// The quickstart with the operator binary already built: `cargo xtask test` runs it after `cargo test --workspace`,
+/// which builds `target/debug/egress-operator` for the end-to-end tests (a `cargo build -p` would unify features
+/// differently and rebuild for a minute).
+pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     if let Some(dir) = inside {
         let binary = target_dir().join("debug").join("egress-operator");
         return runtime.block_on(demo(binary, exit, &dir));
     }
-    packages::ensure_installed()?;
-    envtest::ensure_built()?;
-    run_command(cargo().args(["build", "--locked", "-p", "egress-operator"]))?;
     let network = podnet::PodNetwork::create()?;
     let dir = tempfile::Builder::new().prefix("egress-quickstart-").tempdir()?;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o700))?;

@@ -22,7 +22,7 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     drop(network);
     // The README's first command is a promise too: run it as a user would, to the end of its demo.
     if cargo_test_args.is_empty() {
-        crate::quickstart::run(true, None)?;
+        crate::quickstart::run_built(true, None)?;
     }
     Ok(())
 }

@@ -186,6 +186,33 @@ fn decide_managed(facts: &Facts) -> Decision {
     let mut events = Vec::new();
     let replacing = |status: &ProxyStatus| status.previous_instance.is_some();
 
+    // The spec went back to what the previous instance runs while its replacement was in flight: cancel the
+    // replacement. Otherwise the create below would adopt the previous instance by name, making it both current and
+    // previous, and the switch would delete the instance that serves.
+    let current_matches = status.instance.as_ref().is_some_and(|current| current.spec_hash == facts.desired_hash);
+    if !current_matches
+        && let Some(previous) = status.previous_instance.take_if(|previous| previous.spec_hash == facts.desired_hash)
+    {
+        let name = previous.name.clone();
+        // The phase stays as it is (the previous instance kept serving); the next pass sets it from the facts.
+        let unfinished = status.instance.replace(previous);
+        return match unfinished {
+            Some(unfinished) => {
+                events.push(EventSpec::normal(
+                    "ReplacementCancelled",
+                    format!("the spec is back to instance {name}'s; deleting the unfinished {}", unfinished.name),
+                ));
+                Decision {
+                    action: Action::Delete { provider_id: unfinished.provider_id },
+                    status,
+                    events,
+                    requeue: Requeue::After(Duration::ZERO),
+                }
+            }
+            None => Decision { action: Action::Nothing, status, events, requeue: Requeue::After(Duration::ZERO) },
+        };
+    }
+
     let current = status.instance.clone();
     let Some(current) = current.filter(|current| current.spec_hash == facts.desired_hash) else {
         // No instance with the desired spec: create it (the create is idempotent by name, so this also finds an

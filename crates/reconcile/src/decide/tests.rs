@@ -108,6 +108,33 @@ fn second_spec_change_abandons_the_unfinished_instance() {
     assert_eq!(decision.status.previous_instance.as_ref().map(|i| i.name.as_str()), Some("px-old"));
 }
 
+// The spec goes back to the previous instance's while a replacement is in flight (a change reverted, found by the
+// crash test's random operations): the replacement is cancelled and the previous instance is current again. Before,
+// the create adopted the previous instance by name, so it was both current and previous, and the switch deleted it.
+#[test]
+fn a_reverted_spec_cancels_the_replacement_and_keeps_the_previous_instance() {
+    let mut facts = facts();
+    facts.status.previous_instance = Some(instance("px-old", HASH, InstanceState::Running, Some("10.0.0.1")));
+    facts.status.instance = Some(instance("px-mid", OLD_HASH, InstanceState::Provisioning, None));
+    let decision = decide(&facts);
+    assert_eq!(decision.action, Action::Delete { provider_id: "scripted/px-mid".into() });
+    assert_eq!(decision.status.instance.as_ref().map(|i| i.name.as_str()), Some("px-old"));
+    assert_eq!(decision.status.previous_instance, None);
+    assert_eq!(reasons(&decision), ["ReplacementCancelled"]);
+}
+
+// The same after the unfinished instance was already deleted: nothing to delete, the previous one is current.
+#[test]
+fn a_reverted_spec_with_no_unfinished_instance_makes_the_previous_current() {
+    let mut facts = facts();
+    facts.status.previous_instance = Some(instance("px-old", HASH, InstanceState::Running, Some("10.0.0.1")));
+    let decision = decide(&facts);
+    assert_eq!(decision.action, Action::Nothing);
+    assert_eq!(decision.requeue, Requeue::After(Duration::ZERO));
+    assert_eq!(decision.status.instance.as_ref().map(|i| i.name.as_str()), Some("px-old"));
+    assert_eq!(decision.status.previous_instance, None);
+}
+
 // Row: desired instance Provisioning → requeue in a few seconds.
 #[test]
 fn provisioning_instance_is_polled() {
