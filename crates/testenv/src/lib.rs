@@ -1,5 +1,6 @@
-//! Test support for egress-operator: a real kube-apiserver and etcd on loopback, the project's CRDs installed, and a
-//! fresh namespace per test.
+//! Test support for egress-operator: a real etcd, kube-apiserver and kube-controller-manager on loopback, the
+//! project's CRDs installed, and a fresh namespace per test; a node agent that runs pods as local processes; and
+//! `deploy/default` installed as shipped ([`install`]).
 //!
 //! One control plane serves a whole test binary: the first test that asks for it starts it, the others share it, and
 //! it goes away when the binary exits (see [`control_plane`] for how that is guaranteed). Each test builds its own
@@ -21,6 +22,7 @@ pub mod node_agent;
 pub mod operator;
 pub mod origin;
 pub mod pki;
+mod process;
 pub mod squid;
 
 use std::future::Future;

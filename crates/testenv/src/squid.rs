@@ -72,13 +72,13 @@ pub fn squid_binary() -> Result<PathBuf> {
 pub(crate) struct Wrapped {
     /// The wrapped command's process ID.
     pub pid: u32,
-    inner: crate::node_agent::Process,
+    inner: crate::process::Process,
 }
 
 impl Wrapped {
     /// Runs `script` (a shell command line) with its output appended to `log`.
     pub(crate) fn spawn(script: &str, log: &Path) -> Result<Self> {
-        let inner = crate::node_agent::Process::spawn(script, log, &log.with_extension("exit"))?;
+        let inner = crate::process::Process::spawn(script, log, &log.with_extension("exit"))?;
         Ok(Self { pid: inner.pid, inner })
     }
 

@@ -54,8 +54,6 @@ use tokio::task::JoinHandle;
 
 pub use spec::rewrite_squid_config;
 
-pub(crate) use container::Process;
-
 use crate::squid::{next_pod_address, remove_shared_memory, service_name, squid_binary};
 use container::{State, View};
 use spec::{Prepared, Waiting};

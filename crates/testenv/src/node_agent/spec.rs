@@ -18,6 +18,7 @@ use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 
 use super::{ImageMap, Runtime};
+pub(crate) use crate::process::shell_quote;
 use crate::squid::service_name;
 
 /// What kubelet would otherwise find in the image: the search path every container gets.
@@ -774,10 +775,6 @@ pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts
     }
     out.push_str("pinger_enable off\n");
     out
-}
-
-pub(crate) fn shell_quote(text: &str) -> String {
-    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 #[cfg(test)]
