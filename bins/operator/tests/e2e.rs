@@ -423,6 +423,13 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     .await;
     let switched = killed.elapsed();
     eprintln!("e2e: the EndpointSlice switched to the other replica {switched:.1?} after the SIGKILL");
+    // The Proxies that were Ready stayed Ready through the failover: the new leader seeds its verdicts from their
+    // status instead of starting them over.
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    for name in before {
+        let proxy = proxies.get(name).await.expect("get Proxy");
+        assert_eq!(proxy.status.and_then(|status| status.phase), Some(ProxyPhase::Ready), "{name} stayed Ready");
+    }
     let holder = cluster.installation.lease_holder_with(&client).await.expect("the Lease").expect("a holder");
     assert!(holder.starts_with(&format!("{}_", other.name_any())), "the other replica holds the Lease: {holder}");
 
@@ -443,6 +450,10 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     })
     .await;
     lease.release().await.expect("release");
+    for name in before {
+        let proxy = proxies.get(name).await.expect("get Proxy");
+        assert_eq!(proxy.status.and_then(|status| status.phase), Some(ProxyPhase::Ready), "{name} stayed Ready");
+    }
     // Both pods are Ready again (the restarted one as a follower).
     eventually("both operator pods Ready", WAIT, || async {
         let pods = operator_pods(&client).await;
@@ -450,7 +461,6 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
             .then_some(())
     })
     .await;
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
     for name in &all {
         proxies.delete(name, &DeleteParams::default()).await.expect("delete");
     }
