@@ -65,7 +65,6 @@ pub struct InstallOptions {
 pub struct Installation {
     agent: NodeAgent,
     client: Client,
-    _overlay: tempfile::TempDir,
     /// The `egress-discovery` Service, reached through its EndpointSlices.
     pub discovery: ServiceProxy,
 }
@@ -106,11 +105,13 @@ impl Installation {
             .arg(overlay.path())
             .output()
             .with_context(|| format!("running {}", assets::kubectl().display()))?;
+        // Nothing reads the overlay again; a leaked installation (a test suite's static) would keep it forever.
+        drop(overlay);
         if !output.status.success() {
             bail!("kubectl apply -k deploy/default failed: {}", String::from_utf8_lossy(&output.stderr).trim());
         }
         let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
-        let installation = Self { agent, client, _overlay: overlay, discovery };
+        let installation = Self { agent, client, discovery };
         installation.wait_available(Duration::from_secs(180)).await?;
         Ok(installation)
     }

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::process::{Janitor, shell_quote};
 use crate::squid::{Wrapped, read_tail};
 
 /// How the operator is started.
@@ -43,14 +44,11 @@ pub struct OperatorProcess {
     pub metrics_url: String,
     /// `http://127.0.0.1:<port>` of `/livez` and `/readyz`.
     pub health_url: String,
+    _janitor: Janitor,
 }
 
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
-}
-
-fn quote(text: &str) -> String {
-    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 impl OperatorProcess {
@@ -60,6 +58,7 @@ impl OperatorProcess {
             bail!("{} does not exist: build it with `cargo build -p egress-operator`", binary.display());
         }
         let dir = tempfile::Builder::new().prefix("egress-operator-").tempdir()?.keep();
+        let janitor = Janitor::spawn(&dir, "")?;
         let providers = dir.join("providers.yaml");
         fs::write(&providers, &options.providers_yaml)?;
         let tokens = dir.join("tokens");
@@ -84,9 +83,9 @@ impl OperatorProcess {
         let identity = format!("operator-{discovery}");
         let script = format!(
             "env KUBECONFIG={} POD_NAME={identity} RUST_LOG=${{RUST_LOG:-info,kube=warn}} {} {}",
-            quote(&kubeconfig.display().to_string()),
-            quote(&binary.display().to_string()),
-            args.iter().map(|arg| quote(arg)).collect::<Vec<_>>().join(" ")
+            shell_quote(&kubeconfig.display().to_string()),
+            shell_quote(&binary.display().to_string()),
+            args.iter().map(|arg| shell_quote(arg)).collect::<Vec<_>>().join(" ")
         );
         let log = dir.join("operator.log");
         let process = Wrapped::spawn(&script, &log)?;
@@ -97,6 +96,7 @@ impl OperatorProcess {
             discovery_url: format!("http://127.0.0.1:{discovery}"),
             metrics_url: format!("http://127.0.0.1:{metrics}"),
             health_url: format!("http://127.0.0.1:{health}"),
+            _janitor: janitor,
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         let mut poll = tokio::time::interval(Duration::from_millis(100));

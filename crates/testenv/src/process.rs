@@ -93,3 +93,44 @@ impl Drop for Process {
         let _ = self.wrapper.wait();
     }
 }
+
+/// A shell that removes a directory tree and a family of shared-memory segments once the pipe from this process
+/// closes: on drop, or when the test process ends in any way (a test binary that leaks its cluster into a static
+/// never runs destructors). It waits a few seconds first, so the [`Process`] wrappers, which give their processes
+/// 2 s to stop, have finished writing there.
+pub(crate) struct Janitor {
+    pipe: Option<ChildStdin>,
+    shell: Option<Child>,
+}
+
+impl Janitor {
+    /// Removes `dir` and the files in `/dev/shm` whose names start with `shm_prefix` (when not empty).
+    pub(crate) fn spawn(dir: &Path, shm_prefix: &str) -> Result<Self> {
+        let script = r#"trap '' INT HUP TERM; cat >/dev/null; sleep 3; rm -rf "$1"; [ -z "$2" ] || rm -f /dev/shm/"$2"*"#;
+        let mut shell = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("egress-testenv-janitor")
+            .arg(dir)
+            .arg(shm_prefix)
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("starting the cleanup shell (sh)")?;
+        let pipe = shell.stdin.take();
+        Ok(Self { pipe, shell: Some(shell) })
+    }
+}
+
+impl Drop for Janitor {
+    fn drop(&mut self) {
+        drop(self.pipe.take());
+        // Reaped off the caller's thread: the removal runs after a delay the caller need not wait for.
+        if let Some(mut shell) = self.shell.take() {
+            std::thread::spawn(move || shell.wait());
+        }
+    }
+}

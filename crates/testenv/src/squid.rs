@@ -12,6 +12,8 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use sha_crypt::{PasswordHasher, ShaCrypt};
 
+use crate::process::Janitor;
+
 /// How long Squid may take to accept connections.
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -141,6 +143,7 @@ pub struct Squid {
     process: Option<Wrapped>,
     dir: PathBuf,
     service: String,
+    _janitor: Janitor,
 }
 
 impl Squid {
@@ -183,13 +186,14 @@ impl Squid {
         fs::set_permissions(&conf_path, fs::Permissions::from_mode(0o644))?;
         let log = dir.join("output.log");
         let service = service_name(&dir);
+        let janitor = Janitor::spawn(&dir, &format!("{service}-"))?;
         let process =
             Wrapped::spawn(&format!("'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()), &log)?;
         if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
             let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
             bail!("{why}; its output ends with:\n{output}");
         }
-        Ok(Self { address, process: Some(process), dir, service })
+        Ok(Self { address, process: Some(process), dir, service, _janitor: janitor })
     }
 
     /// Where it listens.

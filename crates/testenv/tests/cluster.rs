@@ -269,3 +269,73 @@ async fn exec_liveness_probes_restart_and_grace_periods_bound_termination() {
     assert!(took < Duration::from_secs(15), "SIGKILL followed the 2 s grace period ({took:?})");
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "the process is gone");
 }
+
+/// Set in the re-executed copy of this test binary that plays the test process to be killed.
+const CHILD_ENV: &str = "EGRESS_TESTENV_AGENT_CHILD";
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// Starts an agent running one shell pod; returns it with the pod's process ID once that runs.
+async fn agent_with_a_pod(ns: &egress_testenv::TestNamespace) -> (NodeAgent, u32) {
+    let agent = shell_agent(&ns.client(), ns.name()).await;
+    let pod = shell_pod("sleeper", "trap 'exit 0' TERM; while true; do sleep 0.2; done", json!({}));
+    ns.api::<Pod>().create(&PostParams::default(), &pod).await.expect("create pod");
+    let pid = eventually("the pod's process", WAIT, || async { agent.container_pid(ns.name(), "sleeper", "sh") })
+        .await;
+    (agent, pid)
+}
+
+#[tokio::test]
+async fn the_agent_leaves_no_files_behind_when_dropped_or_killed() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        // The child: what a test binary that leaks its cluster into a static does, ended by SIGKILL.
+        let ns = egress_testenv::namespace("leftover").await;
+        let (agent, pid) = agent_with_a_pod(&ns).await;
+        println!("AGENT {} {pid}", agent.directory().display());
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+        return;
+    }
+
+    // Dropped: the pod's process stops and the directory goes, though the pod workers were aborted.
+    let ns = egress_testenv::namespace("dropped").await;
+    let (agent, pid) = agent_with_a_pod(&ns).await;
+    let directory = agent.directory().to_path_buf();
+    assert!(directory.starts_with(std::env::temp_dir()) && directory.is_dir(), "{}", directory.display());
+    drop(agent);
+    eventually("the dropped agent's pod process to stop and its files to go", Duration::from_secs(20), || {
+        let done = !directory.exists() && !alive(pid);
+        async move { done.then_some(()) }
+    })
+    .await;
+
+    // Killed: no destructor runs at all.
+    let mut child = std::process::Command::new(std::env::current_exe().expect("the test binary's path"))
+        .args(["--exact", "the_agent_leaves_no_files_behind_when_dropped_or_killed", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("re-running this test binary as the child");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (directory, pid) = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+        .map_while(Result::ok)
+        .find_map(|line| {
+            let (_, rest) = line.split_once("AGENT ")?;
+            let (directory, pid) = rest.trim().rsplit_once(' ')?;
+            Some((std::path::PathBuf::from(directory), pid.parse::<u32>().ok()?))
+        })
+        .expect("the child reports its agent's directory and pod process");
+    assert!(directory.is_dir() && alive(pid), "the child's pod runs in {}", directory.display());
+    child.kill().expect("SIGKILL the child");
+    child.wait().expect("reap the child");
+    eventually("the killed process's pod process to stop and its files to go", Duration::from_secs(30), || {
+        let done = !directory.exists() && !alive(pid);
+        async move { done.then_some(()) }
+    })
+    .await;
+}

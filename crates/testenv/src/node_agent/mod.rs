@@ -37,6 +37,7 @@ mod spec;
 use std::collections::HashMap;
 use std::fs;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -54,6 +55,7 @@ use tokio::task::JoinHandle;
 
 pub use spec::rewrite_squid_config;
 
+use crate::process::Janitor;
 use crate::squid::{next_pod_address, remove_shared_memory, service_name, squid_binary};
 use container::{State, View};
 use spec::{Prepared, Waiting};
@@ -147,6 +149,9 @@ pub struct NodeAgent {
     state: Arc<Mutex<State_>>,
     /// Set on an external cluster, whose kubelets run the pods.
     cluster: Option<Client>,
+    /// Where the pods' files live, one directory each; removed with the pods' shared memory by the janitor.
+    directory: PathBuf,
+    _janitor: Option<Janitor>,
 }
 
 impl NodeAgent {
@@ -167,12 +172,24 @@ impl NodeAgent {
     /// Registers the node and runs the pods `config` selects.
     pub async fn start_with(client: Client, config: AgentConfig) -> Result<Self> {
         if crate::external_kubeconfig().is_some() {
-            return Ok(Self { task: None, state: Arc::default(), cluster: Some(client) });
+            return Ok(Self {
+                task: None,
+                state: Arc::default(),
+                cluster: Some(client),
+                directory: PathBuf::new(),
+                _janitor: None,
+            });
         }
         if config.images.needs_squid() {
             squid_binary()?;
         }
         register_node(&client).await?;
+        let directory = tempfile::Builder::new().prefix("egress-node-").tempdir().context("creating a temp dir")?.keep();
+        // Squid names its shared memory after the service (`-n`), which is the pod directory's name without
+        // punctuation: one prefix per agent lets the janitor find what a killed Squid left in /dev/shm.
+        let id = directory.file_name().and_then(|name| name.to_str()).unwrap_or_default();
+        let pod_prefix = format!("egressn{}", id.trim_start_matches("egress-node-"));
+        let janitor = Janitor::spawn(&directory, &pod_prefix)?;
         let state = Arc::new(Mutex::new(State_::default()));
         let mut streams = Vec::new();
         let mut stores = Vec::new();
@@ -189,7 +206,13 @@ impl NodeAgent {
             stores.push(reader);
         }
         let loop_state = state.clone();
-        let agent = Arc::new(Shared { client: client.clone(), images: config.images, apiserver: config.apiserver });
+        let agent = Arc::new(Shared {
+            client: client.clone(),
+            images: config.images,
+            apiserver: config.apiserver,
+            directory: directory.clone(),
+            pod_prefix: format!("{pod_prefix}-"),
+        });
         let task = tokio::spawn(async move {
             let mut events = futures::stream::select_all(streams);
             let mut tick = tokio::time::interval(RESYNC);
@@ -202,7 +225,7 @@ impl NodeAgent {
                 sync(&agent, &loop_state, &pods).await;
             }
         });
-        Ok(Self { task: Some(task), state, cluster: None })
+        Ok(Self { task: Some(task), state, cluster: None, directory, _janitor: Some(janitor) })
     }
 
     fn with_pod<T>(&self, namespace: &str, name: &str, read: impl FnOnce(&PodEntry) -> Option<T>) -> Option<T> {
@@ -220,6 +243,12 @@ impl NodeAgent {
             };
             Some(view.lock().expect("view").clone())
         })
+    }
+
+    /// The directory holding the files of every pod the agent runs (empty on an external cluster). It and the
+    /// pods' shared memory are removed a few seconds after the agent is dropped or the test process ends.
+    pub fn directory(&self) -> &Path {
+        &self.directory
     }
 
     /// The loopback address of a pod the agent runs (None on an external cluster: read the pod's status).
@@ -329,6 +358,8 @@ struct Shared {
     client: Client,
     images: ImageMap,
     apiserver: Option<SocketAddr>,
+    directory: PathBuf,
+    pod_prefix: String,
 }
 
 async fn register_node(client: &Client) -> Result<()> {
@@ -439,7 +470,7 @@ async fn run_pod(
     let name = pod.name_any();
     let uid = pod.uid().unwrap_or_default();
     let api: Api<Pod> = Api::namespaced(agent.client.clone(), &namespace);
-    let dir = match tempfile::Builder::new().prefix("egress-pod-").tempdir() {
+    let dir = match tempfile::Builder::new().prefix(&agent.pod_prefix).tempdir_in(&agent.directory) {
         Ok(dir) => dir.keep(),
         Err(error) => return report_failed(&api, &name, &format!("creating the pod's directory: {error}")).await,
     };
