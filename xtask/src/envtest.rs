@@ -64,18 +64,24 @@ pub fn ensure_built() -> Result<PathBuf> {
         stamp.push(format!("-X {package}.gitMinor={minor}"));
         stamp.push(format!("-X {package}.gitTreeState=clean"));
     }
+    // One `go build` for every missing binary: the packages they share compile once, with the whole graph in
+    // parallel, and one binary links while another's packages still compile. `-X` for a package a binary does not
+    // link (etcd has no component-base) is ignored.
+    let names: Vec<&str> = missing.iter().map(|(name, _, _)| *name).collect();
+    let started = Instant::now();
+    eprintln!("envtest: building {} (the first build on a machine takes several minutes)", names.join(", "));
+    let ldflags = format!("-s -w {}", stamp.join(" "));
+    let mut output_dir = scratch.clone().into_os_string();
+    output_dir.push("/");
+    run(Command::new("go")
+        .current_dir(go_module_dir())
+        .env("CGO_ENABLED", "0")
+        .args(["build", "-trimpath", "-ldflags", &ldflags, "-o"])
+        .arg(&output_dir)
+        .args(missing.iter().map(|(_, package, _)| *package)))?;
+    eprintln!("envtest: built {} in {:.0?}", names.join(", "), started.elapsed());
     for (name, package, stamped) in &missing {
-        let ldflags = if *stamped { format!("-s -w {}", stamp.join(" ")) } else { "-s -w".to_owned() };
-        let started = Instant::now();
-        eprintln!("envtest: building {name} from {package} (the first build on a machine takes several minutes)");
-        run(Command::new("go")
-            .current_dir(go_module_dir())
-            .env("CGO_ENABLED", "0")
-            .args(["build", "-trimpath", "-ldflags", &ldflags, "-o"])
-            .arg(scratch.join(name))
-            .arg(package))?;
-        eprintln!("envtest: built {name} in {:.0?}", started.elapsed());
-        fs::rename(scratch.join(name), dir.join(name))
+        fs::rename(scratch.join(go_binary_name(package)), dir.join(name))
             .with_context(|| format!("moving {name} into {}", dir.display()))?;
         if !is_current(&dir, name, *stamped) {
             bail!("the freshly built {name} in {} does not report {KUBERNETES_VERSION}", dir.display());
@@ -86,6 +92,18 @@ pub fn ensure_built() -> Result<PathBuf> {
 }
 
 /// Whether `dir` holds the binary `name`, answering its version query (with the pinned version when `stamped`).
+/// The file `go build -o DIR/` writes for `package`: its last path element, or the one before a major-version
+/// suffix (`go.etcd.io/etcd/server/v3` → `server`).
+fn go_binary_name(package: &str) -> &str {
+    let mut elements = package.rsplit('/');
+    let last = elements.next().unwrap_or(package);
+    let is_major_version = last.len() > 1 && last.starts_with('v') && last[1..].bytes().all(|b| b.is_ascii_digit());
+    match elements.next() {
+        Some(before) if is_major_version => before,
+        _ => last,
+    }
+}
+
 fn is_current(dir: &Path, name: &str, stamped: bool) -> bool {
     let mut command = Command::new(dir.join(name));
     if name == "kubectl" {
@@ -246,5 +264,13 @@ mod tests {
         let manifest =
             fs::read_to_string(workspace_root().join("Cargo.toml")).expect("the workspace manifest is readable");
         assert!(manifest.contains(&format!("\"v1_{minor}\"")), "k8s-openapi must enable the v1_{minor} feature");
+    }
+
+    #[test]
+    fn go_names_binaries_after_the_package_not_its_major_version() {
+        assert_eq!(go_binary_name("k8s.io/kubernetes/cmd/kube-apiserver"), "kube-apiserver");
+        assert_eq!(go_binary_name("go.etcd.io/etcd/server/v3"), "server");
+        assert_eq!(go_binary_name("example.com/tools/vet"), "vet");
+        assert_eq!(go_binary_name("kubectl"), "kubectl");
     }
 }

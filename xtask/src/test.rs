@@ -1,22 +1,25 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages, the control-plane binaries), then formatting, lints and the CRD drift check, which take seconds,
-//! then every test in the workspace, which needs the control plane, inside a network namespace with a pod network
-//! (see [`crate::podnet`]); last, when no test filter was given, `cargo xtask quickstart --exit`.
+//! Set-up first (Debian packages; the control-plane binaries build beside the Rust build), then formatting, lints and
+//! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
+//! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
+//! `cargo xtask quickstart --exit`.
 
-use anyhow::Result;
+use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
 use crate::{crdgen, envtest, packages, podnet};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     packages::ensure_installed()?;
-    envtest::ensure_built()?;
-    run(cargo().args(["fmt", "--all", "--check"]))?;
-    run(cargo().args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]))?;
-    crdgen::run(true)?;
-    // Built here, where the crate registry is reachable; run inside the tests' network namespace, which has none.
-    run(cargo().args(["test", "--workspace", "--locked", "--no-run"]))?;
+    // The control plane's Go build (minutes on a fresh machine, nothing on a warm one) runs beside the Rust build,
+    // which does not need it: each fills the cores the other leaves idle (a big crate or a link compiling alone,
+    // downloads). Only the tests need the binaries.
+    let control_plane = std::thread::spawn(envtest::ensure_built);
+    let checked = check_and_build();
+    let built = control_plane.join().map_err(|_| anyhow!("building the control plane panicked"))?;
+    checked?;
+    built?;
     let network = podnet::PodNetwork::create()?;
     run(network.command(cargo_program()).args(["test", "--workspace", "--locked", "--offline"]).args(cargo_test_args))?;
     drop(network);
@@ -25,6 +28,16 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
         crate::quickstart::run_built(true, None)?;
     }
     Ok(())
+}
+
+/// Formatting, lints, the CRD drift check and the test build: everything before the tests that needs no control
+/// plane, in the order that fails fastest.
+fn check_and_build() -> Result<()> {
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]))?;
+    crdgen::run(true)?;
+    // Built here, where the crate registry is reachable; run inside the tests' network namespace, which has none.
+    run(cargo().args(["test", "--workspace", "--locked", "--no-run"]))
 }
 
 /// The cargo that runs xtask, for commands that start it through another program.

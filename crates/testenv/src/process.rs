@@ -106,7 +106,8 @@ pub(crate) struct Janitor {
 impl Janitor {
     /// Removes `dir` and the files in `/dev/shm` whose names start with `shm_prefix` (when not empty).
     pub(crate) fn spawn(dir: &Path, shm_prefix: &str) -> Result<Self> {
-        let script = r#"trap '' INT HUP TERM; cat >/dev/null; sleep 3; rm -rf "$1"; [ -z "$2" ] || rm -f /dev/shm/"$2"*"#;
+        let script =
+            r#"trap '' INT HUP TERM; cat >/dev/null; sleep 3; rm -rf "$1"; [ -z "$2" ] || rm -f /dev/shm/"$2"*"#;
         let mut shell = Command::new("sh")
             .arg("-c")
             .arg(script)

@@ -284,8 +284,7 @@ async fn agent_with_a_pod(ns: &egress_testenv::TestNamespace) -> (NodeAgent, u32
     let agent = shell_agent(&ns.client(), ns.name()).await;
     let pod = shell_pod("sleeper", "trap 'exit 0' TERM; while true; do sleep 0.2; done", json!({}));
     ns.api::<Pod>().create(&PostParams::default(), &pod).await.expect("create pod");
-    let pid = eventually("the pod's process", WAIT, || async { agent.container_pid(ns.name(), "sleeper", "sh") })
-        .await;
+    let pid = eventually("the pod's process", WAIT, || async { agent.container_pid(ns.name(), "sleeper", "sh") }).await;
     (agent, pid)
 }
 

@@ -37,8 +37,8 @@ mod spec;
 use std::collections::HashMap;
 use std::fs;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
 use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -184,7 +184,8 @@ impl NodeAgent {
             squid_binary()?;
         }
         register_node(&client).await?;
-        let directory = tempfile::Builder::new().prefix("egress-node-").tempdir().context("creating a temp dir")?.keep();
+        let directory =
+            tempfile::Builder::new().prefix("egress-node-").tempdir().context("creating a temp dir")?.keep();
         // Squid names its shared memory after the service (`-n`), which is the pod directory's name without
         // punctuation: one prefix per agent lets the janitor find what a killed Squid left in /dev/shm.
         let id = directory.file_name().and_then(|name| name.to_str()).unwrap_or_default();
