@@ -197,14 +197,21 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     use std::sync::Arc;
     let client = plane.client().await?;
     let agent = egress_testenv::NodeAgent::start(client.clone(), &["default"]).await?;
+    let origin = egress_testenv::LocalOrigin::start().await?;
     let config = egress_provider::config::ProvidersConfig::parse(
-        "providers:\n  - { name: pods, type: kubernetes, kubernetes: { namespace: default } }\n",
+        &format!(
+            "providers:\n  - {{ name: pods, type: kubernetes, destinations: {}, kubernetes: {{ namespace: default }} }}\n",
+            origin.destinations_yaml()
+        ),
         "built-in",
     )?;
     let egress_provider::config::ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else {
         anyhow::bail!("the built-in providers config has no kubernetes block");
     };
-    let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings));
+    let provider = Arc::new(
+        egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings)
+            .with_destinations(config.providers[0].destinations.clone()),
+    );
     let providers =
         egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn egress_provider::Provider>);
     let verdicts = egress_reconcile::ProxyVerdicts::new();
@@ -221,7 +228,6 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     let (proxies, watch) = egress_reconcile::ProxyFeed::start(client.clone(), None);
     let controller =
         tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
-    let origin = egress_testenv::LocalOrigin::start().await?;
     let tls = egress_health::tls_connector(b"")?;
     let (engine, transitions) = egress_health::HealthEngine::start_with(
         egress_health::EngineConfig::default(),

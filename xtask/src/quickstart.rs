@@ -2,9 +2,11 @@
 //!
 //! The demo runs in a network namespace of its own (pods need non-loopback addresses for EndpointSlices, see
 //! [`crate::podnet`]): the local control plane with kube-controller-manager, `deploy/default` applied with
-//! `kubectl apply -k` (a random discovery token instead of the example one), the node agent running the two
-//! operator pods as the built binary and the proxy pods as Squid; three sample Proxies shown until Ready, one leased
-//! through the `egress-discovery` Service and a local page fetched through it.
+//! `kubectl apply -k` (random `lease` and `read` discovery tokens instead of the example one), the node agent running
+//! the two operator pods as the built binary and the proxy pods as Squid; three sample Proxies shown until Ready (the
+//! last one requires credentials from a Secret), that one leased through the `egress-discovery` Service and a local
+//! page fetched through it with the credentials its lease URL carries. Every file it writes is 0600 in a 0700
+//! directory.
 //!
 //! This process stays outside: it starts the demo inside with `ip netns exec`, and forwards a loopback port here to
 //! the apiserver and another to the discovery Service, through Unix sockets the demo listens on (the file system
@@ -18,11 +20,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{HealthCheck, Proxy, ProxyAuth, ProxyMode, ProxyPhase, ProxySpec, SecretNameRef};
 use egress_client::{DiscoveryClient, LeaseOptions};
 use egress_testenv::install::{InstallOptions, Installation, SYSTEM_NAMESPACE};
 use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
@@ -32,6 +34,9 @@ use crate::{envtest, packages, podnet, workspace_root};
 
 const PROXY_NAMESPACE: &str = "egress-proxies";
 const NAMES: [&str; 3] = ["quickstart-1", "quickstart-2", "quickstart-3"];
+/// The sample Proxy that requires credentials, and their Secret.
+const CREDENTIALED: &str = "quickstart-3";
+const AUTH_SECRET: &str = "quickstart-3-auth";
 
 /// What the demo inside tells this process, in `ready.json` of the shared directory.
 const READY_FILE: &str = "ready.json";
@@ -98,7 +103,12 @@ pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
         println!();
         println!("kubeconfig:  {}", kubeconfig.display());
         println!("kubectl:     {} (or any kubectl)", kubectl.display());
-        println!("discovery:   http://{discovery} (Authorization: Bearer {})", ready["token"].as_str().unwrap_or(""));
+        println!("discovery:   http://{discovery}");
+        println!(
+            "tokens:      {} (scope lease: lease, renew, release, report)\n             {} (scope read: list proxies, cooldowns)",
+            ready["token"].as_str().unwrap_or(""),
+            ready["readToken"].as_str().unwrap_or("")
+        );
         println!(
             "proxies:     inside the network namespace, e.g. `ip netns exec {} curl -x <proxy URL> ...`",
             network.name()
@@ -175,7 +185,7 @@ fn phase(proxy: &Proxy) -> String {
         .map_or_else(|| "Pending".to_owned(), |phase| format!("{phase:?}"))
 }
 
-/// A lease token of 24 random bytes, hex-encoded.
+/// 24 random bytes, hex-encoded: a token or a password.
 fn random_token() -> Result<String> {
     let mut bytes = [0u8; 24];
     std::io::Read::read_exact(&mut fs::File::open("/dev/urandom")?, &mut bytes)?;
@@ -197,15 +207,18 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         .context("creating the proxy namespace")?;
     let origin = LocalOrigin::start().await?;
     let token = random_token()?;
+    let read_token = random_token()?;
     let options = InstallOptions {
         operator_binary: binary.clone(),
         providers_yaml: format!(
-            "providers:\n  - name: pods\n    type: kubernetes\n    kubernetes:\n      namespace: {PROXY_NAMESPACE}\n      \
-             image: ubuntu/squid:latest\n"
+            "providers:\n  - name: pods\n    type: kubernetes\n    # The demo's origin is on loopback, which proxies may not\n    \
+             # reach unless allowed.\n    destinations: {}\n    kubernetes:\n      namespace: {PROXY_NAMESPACE}\n      \
+             image: ubuntu/squid:latest\n",
+            origin.destinations_yaml()
         ),
         proxy_namespaces: vec![PROXY_NAMESPACE.into()],
         default_probe_url: origin.ip_url(),
-        discovery_tokens: Some(format!("lease {token}\n")),
+        discovery_tokens: Some(format!("lease {token}\nread {read_token}\n")),
     };
     println!("[quickstart] kubectl apply -k deploy/default (the operator's image runs as {})", binary.display());
     let installation = Installation::apply(&plane, &options).await?;
@@ -214,8 +227,20 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
 
+    // The last sample requires credentials, from a Secret of its own: its lease URL carries them.
+    let password = random_token()?;
+    let secret = Secret {
+        metadata: ObjectMeta { name: Some(AUTH_SECRET.into()), ..ObjectMeta::default() },
+        string_data: Some([("username".to_owned(), "crawler".to_owned()), ("password".to_owned(), password)].into()),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &secret)
+        .await
+        .context("creating the sample proxy credentials")?;
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "default");
     for name in NAMES {
+        let auth = (name == CREDENTIALED).then(|| ProxyAuth { secret_ref: SecretNameRef { name: AUTH_SECRET.into() } });
         let spec = ProxySpec {
             provider: Some("pods".into()),
             health_check: HealthCheck {
@@ -224,13 +249,14 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
                 healthy_threshold: 1,
                 ..HealthCheck::default()
             },
+            auth,
             ..ProxySpec::new(ProxyMode::Managed)
         };
         let mut proxy = Proxy::new(name, spec);
         proxy.metadata.labels = Some([("demo".to_owned(), "quickstart".to_owned())].into());
         proxies.create(&PostParams::default(), &proxy).await.with_context(|| format!("creating Proxy {name}"))?;
     }
-    println!("[quickstart] created Proxies {}", NAMES.join(", "));
+    println!("[quickstart] created Proxies {} ({CREDENTIALED} with credentials)", NAMES.join(", "));
 
     let deadline = Instant::now() + Duration::from_secs(180);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -269,7 +295,8 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     let lease = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match discovery.lease(LeaseOptions::for_target(origin.url())).await {
+            match discovery.lease(LeaseOptions::for_target(origin.url()).proxy(format!("default/{CREDENTIALED}"))).await
+            {
                 Ok(lease) => break lease,
                 Err(_) if Instant::now() < deadline => {
                     tick.tick().await;
@@ -278,15 +305,12 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
             }
         }
     };
-    let proxy_address: std::net::SocketAddr = lease
-        .proxy_url()
-        .trim_start_matches("http://")
-        .rsplit('@')
-        .next()
-        .unwrap_or_default()
-        .parse()
-        .context("the leased proxy URL has an IP address and port")?;
-    let status = get_through_proxy(proxy_address, &origin.url(), None).await?;
+    let authority = lease.proxy_url().trim_start_matches("http://");
+    let (userinfo, host) = authority.rsplit_once('@').context("the leased proxy URL carries its credentials")?;
+    let proxy_address: std::net::SocketAddr =
+        host.parse().context("the leased proxy URL has an IP address and port")?;
+    let credentials = userinfo.split_once(':').context("the credentials are user:password")?;
+    let status = get_through_proxy(proxy_address, &origin.url(), Some(credentials)).await?;
 
     println!();
     println!("=== egress-operator quickstart: ready in {:.0?} ===", started.elapsed());
@@ -326,6 +350,7 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         "kubeconfig": plane.kubeconfig_path(),
         "server": plane.server_url(),
         "token": token,
+        "readToken": read_token,
         "leader": leader,
     });
     let ready_path = dir.join(READY_FILE);

@@ -62,7 +62,13 @@ fn cluster() -> &'static Cluster {
                 let origin = LocalOrigin::start().await.expect("origin");
                 let providers: String = NAMESPACES
                     .iter()
-                    .map(|ns| format!("  - name: pods-{ns}\n    type: kubernetes\n    kubernetes: {{ namespace: {ns}, image: \"ubuntu/squid:latest\" }}\n"))
+                    .map(|ns| {
+                        format!(
+                            "  - name: pods-{ns}\n    type: kubernetes\n    destinations: {}\n    \
+                             kubernetes: {{ namespace: {ns}, image: \"ubuntu/squid:latest\" }}\n",
+                            origin.destinations_yaml()
+                        )
+                    })
                     .collect();
                 let options = InstallOptions {
                     operator_binary: env!("CARGO_BIN_EXE_egress-operator").into(),

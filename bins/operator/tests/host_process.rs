@@ -112,8 +112,9 @@ impl Env {
     fn options(&self, leader_election: bool) -> OperatorOptions {
         OperatorOptions {
             providers_yaml: format!(
-                "providers:\n  - name: {}\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n",
+                "providers:\n  - name: {}\n    type: kubernetes\n    destinations: {}\n    kubernetes: {{ namespace: {} }}\n",
                 self.provider,
+                self.origin.destinations_yaml(),
                 self.ns.name()
             ),
             cluster_id: self.ns.name().to_owned(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -88,7 +88,12 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Sc
         Auth::Disabled => Scope::Lease,
         Auth::Tokens(tokens) => {
             let value = headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok());
-            let Some(token) = value.and_then(|value| value.strip_prefix("Bearer ")) else {
+            // The scheme is case-insensitive (RFC 9110, section 11.1).
+            let token = value
+                .and_then(|value| value.trim_start().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map(|(_, token)| token);
+            let Some(token) = token else {
                 return Err(Problem::unauthorized("send `Authorization: Bearer <token>`"));
             };
             tokens.scope_of(token.trim()).ok_or_else(|| Problem::unauthorized("the token is not known"))?
@@ -124,19 +129,42 @@ fn parse_body<T: DeserializeOwned>(
             Problem::bad_request(format!("the request body could not be read: {rejection}"))
         }
     })?;
-    if let Some(kind) = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok())
-        && !kind.starts_with("application/json")
-        && !body.is_empty()
-    {
-        return Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-media-type",
-            "The body must be JSON",
-            format!("Content-Type {kind:?} is not application/json"),
-        ));
+    if !body.is_empty() {
+        let kind = headers.get(header::CONTENT_TYPE).map(|value| String::from_utf8_lossy(value.as_bytes()));
+        if !kind.as_deref().is_some_and(is_json_media_type) {
+            let detail = match kind {
+                Some(kind) => format!("Content-Type {kind:?} is not application/json (or application/*+json)"),
+                None => "a body needs Content-Type: application/json".to_owned(),
+            };
+            return Err(Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-media-type",
+                "The body must be JSON",
+                detail,
+            ));
+        }
     }
     let text: &[u8] = if body.is_empty() && empty_ok { b"{}" } else { &body };
     serde_json::from_slice(text).map_err(|error| Problem::bad_request(format!("invalid JSON body: {error}")))
+}
+
+/// `application/json` or `application/<anything>+json`, case-insensitive, with optional parameters
+/// (`; charset=utf-8`).
+fn is_json_media_type(value: &str) -> bool {
+    let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    match essence.split_once('/') {
+        Some(("application", "json")) => true,
+        Some(("application", subtype)) => {
+            subtype.strip_suffix("+json").is_some_and(|name| !name.is_empty() && !name.contains(char::is_whitespace))
+        }
+        _ => false,
+    }
+}
+
+/// The lease ID from the path; a path that does not decode (`%FF`) is a problem document like every other error.
+fn lease_id(path: Result<Path<String>, PathRejection>) -> Result<String, Problem> {
+    path.map(|Path(id)| id)
+        .map_err(|rejection| Problem::bad_request(format!("invalid lease ID in the path: {rejection}")))
 }
 
 fn parse_query(
@@ -414,18 +442,24 @@ struct RenewBody {
 
 async fn renew_lease(
     State(state): Shared,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
     let body: RenewBody = parse_body(&headers, body, true)?;
     let lease = state.store.renew(&id, ttl(body.ttl_seconds)?, SystemTime::now()).map_err(lease_problem)?;
     Ok(Json(json!({ "id": lease.id, "expiresAt": timestamp(lease.expires_at) })).into_response())
 }
 
-async fn release_lease(State(state): Shared, Path(id): Path<String>, headers: HeaderMap) -> Result<Response, Problem> {
+async fn release_lease(
+    State(state): Shared,
+    id: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
     authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
     state.store.release(&id, SystemTime::now()).map_err(lease_problem)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -448,11 +482,12 @@ struct ReportBody {
 
 async fn report_lease(
     State(state): Shared,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
     let body: ReportBody = parse_body(&headers, body, false)?;
     if let Some(code) = body.status_code
         && !(100..=599).contains(&code)

@@ -77,21 +77,34 @@ impl Server {
         token: Option<&str>,
         body: Option<(String, &str)>,
     ) -> (u16, http::HeaderMap, Value) {
+        let authorization = token.map(|token| format!("Bearer {token}"));
+        let mut headers = Vec::new();
+        if let Some(authorization) = &authorization {
+            headers.push(("authorization", authorization.as_str()));
+        }
+        if let Some((_, content_type)) = &body {
+            headers.push(("content-type", *content_type));
+        }
+        self.exchange(method, path, &headers, body.map(|(body, _)| body)).await
+    }
+
+    /// One request with exactly `headers` (besides Host).
+    async fn exchange(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<String>,
+    ) -> (u16, http::HeaderMap, Value) {
         let stream = tokio::net::TcpStream::connect(self.address).await.expect("connect");
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
         tokio::spawn(connection);
         let mut request = http::Request::builder().method(method).uri(path).header(http::header::HOST, "discovery");
-        if let Some(token) = token {
-            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
         }
-        let body = match body {
-            Some((body, content_type)) => {
-                request = request.header(http::header::CONTENT_TYPE, content_type);
-                Full::new(Bytes::from(body))
-            }
-            None => Full::new(Bytes::new()),
-        };
+        let body = Full::new(body.map(Bytes::from).unwrap_or_default());
         let response = sender.send_request(request.body(body).expect("request")).await.expect("response");
         let status = response.status().as_u16();
         let headers = response.headers().clone();
@@ -254,6 +267,176 @@ async fn every_error_status_is_a_problem_document() {
     assert_problem(&headers, &gone, 410);
     let (status, _, none) = server.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"y.com"}"#)).await;
     assert_eq!((status, none["reason"].as_str()), (503, Some("none-healthy")));
+}
+
+/// What a row sends (what it checks, method, path, headers, body) and the status it must get.
+type Row<'a> = (&'a str, &'a str, &'a str, Vec<(&'a str, &'a str)>, Option<String>, u16);
+
+/// The parsing holes a security review found, one row each: the request and the status it must get.
+#[tokio::test]
+async fn strict_parsing_of_schemes_media_types_paths_and_targets() {
+    let server = Server::start(vec![record("a", 1000)], true).await;
+    let lease_auth = format!("Bearer {LEASE}");
+    let lower = format!("bearer {LEASE}");
+    let upper = format!("BEARER {LEASE}");
+    let json = "application/json";
+    let lease = |target: &str| Some(json!({ "target": target }).to_string());
+    let rows: Vec<Row<'_>> = vec![
+        (
+            "lowercase bearer scheme",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lower), ("content-type", json)],
+            lease("x.com"),
+            201,
+        ),
+        (
+            "uppercase bearer scheme",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &upper), ("content-type", json)],
+            lease("x.com"),
+            201,
+        ),
+        (
+            "another scheme",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", "Basic bGVhc2U6eA=="), ("content-type", json)],
+            lease("x.com"),
+            401,
+        ),
+        ("a scheme without a token", "GET", "/v1/proxies", vec![("authorization", "Bearer")], None, 401),
+        ("%FF in a renew path", "POST", "/v1/leases/%FF/renew", vec![("authorization", &lease_auth)], None, 400),
+        ("%FF in a release path", "DELETE", "/v1/leases/%FF", vec![("authorization", &lease_auth)], None, 400),
+        (
+            "%FF in a report path",
+            "POST",
+            "/v1/leases/%FF/report",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            Some(r#"{"outcome":"ok"}"#.into()),
+            400,
+        ),
+        (
+            "a prefix of application/json",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "application/jsonfoo")],
+            lease("x.com"),
+            415,
+        ),
+        (
+            "no Content-Type with a body",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth)],
+            lease("x.com"),
+            415,
+        ),
+        (
+            "text/json",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "text/json")],
+            lease("x.com"),
+            415,
+        ),
+        (
+            "application/+json",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "application/+json")],
+            lease("x.com"),
+            415,
+        ),
+        (
+            "JSON with a charset",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "application/json; charset=utf-8")],
+            lease("x.com"),
+            201,
+        ),
+        (
+            "a +json type",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "application/vnd.egress+json")],
+            lease("x.com"),
+            201,
+        ),
+        (
+            "upper-case JSON",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", "APPLICATION/JSON")],
+            lease("x.com"),
+            201,
+        ),
+        (
+            "a javascript: target",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            lease("javascript:alert(1)"),
+            400,
+        ),
+        (
+            "a mailto: target",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            lease("mailto:a@b.com"),
+            400,
+        ),
+        (
+            "an ftp URL target",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            lease("ftp://example.com/"),
+            400,
+        ),
+        (
+            "an IDN target",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            lease("bücher.example.de"),
+            201,
+        ),
+        (
+            "an IDN URL target",
+            "POST",
+            "/v1/leases",
+            vec![("authorization", &lease_auth), ("content-type", json)],
+            lease("https://www.bücher.example.de/x"),
+            201,
+        ),
+        (
+            "an IDN cooldowns query",
+            "GET",
+            "/v1/cooldowns?target=b%C3%BCcher.example.de",
+            vec![("authorization", &lease_auth)],
+            None,
+            200,
+        ),
+        (
+            "a javascript: cooldowns query",
+            "GET",
+            "/v1/cooldowns?target=javascript%3Aalert(1)",
+            vec![("authorization", &lease_auth)],
+            None,
+            400,
+        ),
+    ];
+    for (what, method, path, headers, body, expected) in rows {
+        let (status, response_headers, value) = server.exchange(method, path, &headers, body).await;
+        assert_eq!(status, expected, "{what}: {value}");
+        if status >= 400 {
+            assert_problem(&response_headers, &value, expected);
+        }
+    }
 }
 
 #[tokio::test]

@@ -129,6 +129,21 @@ impl ProbeUrl {
     pub fn as_str(&self) -> &str {
         &self.text
     }
+
+    /// The host, without brackets.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The port, explicit or the scheme's.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether the probe tunnels (CONNECT) to an `https` origin rather than sending a plain GET.
+    pub fn is_https(&self) -> bool {
+        self.https
+    }
 }
 
 /// Basic credentials for the proxy. `Debug` does not show the password.

@@ -3,6 +3,10 @@
 //! A ban is about a site, not a URL: the target is lower-cased, stripped of scheme, credentials, port, path and a
 //! trailing dot, and by default reduced to its registrable domain with the public suffix list, so a ban on
 //! `www.shop.example.co.uk` also covers `img.shop.example.co.uk`. Exact-host mode keeps the full host name.
+//!
+//! A target is a host, an IP address, or an `http`/`https` URL; any other scheme (`javascript:`, `mailto:`,
+//! `ftp://`) is refused. Internationalised names are normalised to their ASCII (punycode) form first, so
+//! `bücher.example.de` and `xn--bcher-kva.example.de` are one site.
 
 /// How targets are compared.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,8 +32,22 @@ pub struct InvalidTarget {
 pub fn normalize(target: &str, mode: TargetMode) -> Result<String, InvalidTarget> {
     let invalid = |why| InvalidTarget { target: target.to_owned(), why };
     let mut rest = target.trim();
-    if let Some((_, after)) = rest.split_once("://") {
+    if let Some((scheme, after)) = rest.split_once("://") {
+        if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+            return Err(invalid("only http and https URLs are targets"));
+        }
         rest = after;
+    } else if let Some((before, after)) = rest.split_once(':')
+        && !before.contains(['/', '[', '@'])
+        && before.matches(':').count() == 0
+        && !after.contains(':')
+        && !after
+            .split(['/', '?', '#'])
+            .next()
+            .is_some_and(|port| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+    {
+        // `javascript:alert(1)`, `mailto:a@b.com`: a scheme without `//`, not `host:port`.
+        return Err(invalid("only http and https URLs are targets"));
     }
     rest = rest.split(['/', '?', '#']).next().unwrap_or_default();
     if let Some((_, host)) = rest.rsplit_once('@') {
@@ -42,7 +60,12 @@ pub fn normalize(target: &str, mode: TargetMode) -> Result<String, InvalidTarget
     } else {
         rest
     };
-    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    let host = host.trim_end_matches('.');
+    let host = if host.is_ascii() {
+        host.to_ascii_lowercase()
+    } else {
+        idna::domain_to_ascii(host).map_err(|_| invalid("it is not a valid internationalised domain name"))?
+    };
     if host.is_empty() {
         return Err(invalid("it has no host"));
     }
@@ -100,5 +123,33 @@ mod tests {
         for bad in ["", "   ", "http:///path", "exa mple.com", "a..b", &"a".repeat(300)] {
             assert!(normalize(bad, TargetMode::RegistrableDomain).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn only_http_and_https_urls_are_targets() {
+        for bad in
+            ["javascript:alert(1)", "mailto:a@b.com", "ftp://example.com/", "file:///etc/passwd", "data:text/html,x"]
+        {
+            let error = normalize(bad, TargetMode::RegistrableDomain).expect_err(bad);
+            assert_eq!(error.why, "only http and https URLs are targets", "{bad}");
+        }
+        for good in
+            ["HTTPS://example.com/", "example.com:8443", "example.com:8443/path", "[2001:db8::1]:443", "2001:db8::1"]
+        {
+            assert!(normalize(good, TargetMode::RegistrableDomain).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn internationalised_names_normalise_to_punycode() {
+        for input in ["bücher.example.de", "https://www.BÜCHER.example.de/", "xn--bcher-kva.example.de"] {
+            assert_eq!(
+                normalize(input, TargetMode::ExactHost).as_deref().map(|host| host.trim_start_matches("www.")),
+                Ok("xn--bcher-kva.example.de"),
+                "{input}"
+            );
+        }
+        assert_eq!(normalize("shop.bücher.de", TargetMode::RegistrableDomain).as_deref(), Ok("xn--bcher-kva.de"));
+        assert!(normalize("a\u{200b}\u{fffe}.example", TargetMode::ExactHost).is_err(), "not a valid name");
     }
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use egress_provider::config::{GcpConfig, ProviderConfig, ProviderSettings};
+use egress_provider::destinations::DestinationPolicy;
 use egress_provider::registry::Built;
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict,
@@ -63,6 +64,7 @@ const PAGE_SIZE: u32 = 500;
 pub struct GcpProvider {
     client: Instances,
     config: GcpConfig,
+    destinations: DestinationPolicy,
 }
 
 impl std::fmt::Debug for GcpProvider {
@@ -132,7 +134,7 @@ impl GcpProvider {
             .build()
             .await
             .map_err(|error| ProviderError::permanent("building the Compute Engine client").with_source(error))?;
-        Ok(Self { client, config })
+        Ok(Self { client, config, destinations: DestinationPolicy::default() })
     }
 
     /// The registry constructor for `type: gcp`.
@@ -143,8 +145,15 @@ impl GcpProvider {
         let ProviderSettings::Gcp(settings) = config.settings else {
             return Err(ProviderError::permanent(format!("provider {:?} is not of type gcp", config.name)));
         };
-        let provider = Arc::new(Self::new(settings).await?);
+        let provider = Arc::new(Self::new(settings).await?.with_destinations(config.destinations));
         Ok(Built { provider: provider.clone(), checker: Some(provider) })
+    }
+
+    /// The same provider with `destinations` added to the default destination policy of the Squid its default
+    /// cloud-init configures.
+    pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
+        self.destinations = destinations;
+        self
     }
 
     fn zone_for<'a>(&'a self, request: &'a CreateRequest) -> Result<&'a str, ProviderError> {
@@ -180,9 +189,10 @@ impl GcpProvider {
             };
             interface = interface.set_subnetwork(subnetwork);
         }
-        let user_data = String::from_utf8(egress_provider::cloud_init::for_request(request)).map_err(|_| {
-            ProviderError::permanent("the cloud-init is not UTF-8 text, which instance metadata requires")
-        })?;
+        let user_data = String::from_utf8(egress_provider::cloud_init::for_request(request, &self.destinations))
+            .map_err(|_| {
+                ProviderError::permanent("the cloud-init is not UTF-8 text, which instance metadata requires")
+            })?;
         Ok(model::Instance::new()
             .set_name(request.name.clone())
             .set_description("An egress proxy managed by egress-operator")

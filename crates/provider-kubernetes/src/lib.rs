@@ -17,6 +17,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use egress_provider::config::{KubernetesConfig, ProviderConfig, ProviderSettings, ResourceProfile};
+use egress_provider::destinations::DestinationPolicy;
 use egress_provider::registry::Built;
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict,
@@ -33,12 +34,20 @@ pub use objects::{INSTANCE_LABEL, LABEL_PREFIX, tag_label};
 pub struct KubernetesProvider {
     client: Client,
     config: KubernetesConfig,
+    destinations: DestinationPolicy,
 }
 
 impl KubernetesProvider {
-    /// A provider that creates pods through `client` with the given settings.
+    /// A provider that creates pods through `client` with the given settings and the default destination policy
+    /// (plus the settings' `cluster_networks`).
     pub fn new(client: Client, config: KubernetesConfig) -> Self {
-        Self { client, config }
+        Self { client, config, destinations: DestinationPolicy::default() }
+    }
+
+    /// The same provider with `destinations` added to the default destination policy of every proxy it renders.
+    pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
+        self.destinations = destinations;
+        self
     }
 
     /// The registry constructor for `type: kubernetes`: uses the operator's own in-cluster or kubeconfig
@@ -50,7 +59,7 @@ impl KubernetesProvider {
         let client = Client::try_default().await.map_err(|error| {
             ProviderError::transient("no Kubernetes client configuration (in-cluster or kubeconfig)").with_source(error)
         })?;
-        let provider = std::sync::Arc::new(Self::new(client, settings));
+        let provider = std::sync::Arc::new(Self::new(client, settings).with_destinations(config.destinations));
         Ok(Built { provider: provider.clone(), checker: Some(provider) })
     }
 
@@ -174,7 +183,7 @@ impl Provider for KubernetesProvider {
             owner
         });
         let config_maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), namespace);
-        let config_map = objects::config_map(request, namespace, owner.clone());
+        let config_map = objects::config_map(request, namespace, owner.clone(), &self.destinations, &self.config);
         match config_maps.create(&PostParams::default(), &config_map).await {
             Ok(_) => {}
             Err(error) if is_conflict(&error) => {}

@@ -14,7 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::ObjectMeta;
 
-use crate::squid;
+use crate::squid::{self, Layout, SquidConfig};
+use egress_provider::destinations::DestinationPolicy;
 
 /// Tags become labels under this prefix: `crawl.example.com/cluster`, `crawl.example.com/proxy-uid`, ...
 pub const LABEL_PREFIX: &str = "crawl.example.com/";
@@ -177,9 +178,23 @@ pub fn pod(
     })
 }
 
-/// The ConfigMap with `squid.conf`.
-pub fn config_map(request: &CreateRequest, namespace: &str, owner: Option<OwnerReference>) -> ConfigMap {
-    let conf = squid::render_config(&request.name, request.port, request.credentials.is_some());
+/// The ConfigMap with `squid.conf`, enforcing `destinations` and denying the cluster's own networks.
+pub fn config_map(
+    request: &CreateRequest,
+    namespace: &str,
+    owner: Option<OwnerReference>,
+    destinations: &DestinationPolicy,
+    settings: &KubernetesConfig,
+) -> ConfigMap {
+    let password_file = squid::container_password_file();
+    let conf = squid::render(&SquidConfig {
+        instance: &request.name,
+        port: request.port,
+        password_file: request.credentials.as_ref().map(|_| password_file.as_str()),
+        policy: destinations,
+        provider_networks: &settings.cluster_networks,
+        layout: Layout::Container,
+    });
     ConfigMap {
         metadata: metadata(request, namespace, owner),
         data: Some(BTreeMap::from([(squid::CONFIG_KEY.to_owned(), conf)])),
@@ -249,5 +264,24 @@ mod tests {
             Some(IntOrString::Int(3128))
         );
         assert!(auth_secret(&request(), "egress", None).is_none());
+    }
+
+    #[test]
+    fn the_config_map_denies_the_cluster_networks_and_applies_the_policy() {
+        let config = egress_provider::config::ProvidersConfig::parse(
+            "providers:\n  - name: pods\n    type: kubernetes\n    destinations: { allow: [\"127.0.0.1:8080\"] }\n    \
+             kubernetes: { clusterNetworks: [34.118.224.0/20] }\n",
+            "test",
+        )
+        .expect("valid");
+        let provider = &config.providers[0];
+        let egress_provider::config::ProviderSettings::Kubernetes(settings) = &provider.settings else {
+            unreachable!()
+        };
+        let map = config_map(&request(), "egress", None, &provider.destinations, settings);
+        let conf = &map.data.expect("data")[squid::CONFIG_KEY];
+        assert!(conf.contains("\nacl egress_provider_network dst 34.118.224.0/20\n"), "{conf}");
+        assert!(conf.contains("\nhttp_access allow egress_allow_0_dst egress_allow_0_port\n"));
+        assert!(!conf.contains("auth_param"), "no credentials, no auth");
     }
 }

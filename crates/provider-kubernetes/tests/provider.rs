@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use egress_provider::config::{KubernetesConfig, ProviderSettings, ProvidersConfig};
+use egress_provider::destinations::DestinationPolicy;
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProxyCredentials, Sensitive, Tags,
     instance_name,
@@ -31,6 +32,12 @@ fn settings(namespace: &str) -> KubernetesConfig {
 
 fn provider(ns: &TestNamespace) -> KubernetesProvider {
     KubernetesProvider::new(ns.client(), settings(ns.name()))
+}
+
+/// A provider whose proxies may reach `origin` (loopback is denied by default).
+fn provider_reaching(ns: &TestNamespace, origin: &LocalOrigin) -> KubernetesProvider {
+    let rule = origin.allow_rule().parse().expect("the origin's rule");
+    provider(ns).with_destinations(DestinationPolicy { allow: vec![rule], deny: Vec::new() })
 }
 
 /// A request as the reconciler would make it for the Proxy `uid`.
@@ -231,7 +238,7 @@ async fn squid_in_a_pod_serves_with_and_without_credentials() {
     let ns = egress_testenv::namespace("k8s-squid").await;
     let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("the node agent starts");
     let origin = LocalOrigin::start().await.expect("origin");
-    let provider = provider(&ns);
+    let provider = provider_reaching(&ns, &origin);
     let mut request = request("11111111-aaaa-bbbb-cccc-00000000000a");
     request.machine_type = Some("small".into());
     request.credentials =
@@ -274,9 +281,66 @@ async fn squid_without_credentials_is_open_to_local_clients() {
     let ns = egress_testenv::namespace("k8s-open").await;
     let _agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("the node agent starts");
     let origin = LocalOrigin::start().await.expect("origin");
-    let provider = provider(&ns);
+    let provider = provider_reaching(&ns, &origin);
     let created = provider.create(&request("11111111-aaaa-bbbb-cccc-00000000000b")).await.expect("create");
     let running = wait_running(&ns, &provider, &created.provider_id).await;
     let proxy = std::net::SocketAddr::new(running.ip.expect("address"), 3128);
     assert_eq!(get_through_proxy(proxy, &origin.url(), None).await.expect("request"), 200);
+}
+
+/// The destination policy, through a real Squid this provider rendered: each internal class answers 403 naming
+/// itself in `X-Egress-Policy` (and in the access log), before Squid connects anywhere; the one allowed origin
+/// answers 200.
+#[tokio::test]
+async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed_origin() {
+    let ns = egress_testenv::namespace("k8s-policy").await;
+    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("the node agent starts");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = provider_reaching(&ns, &origin);
+    let created = provider.create(&request("11111111-aaaa-bbbb-cccc-00000000000c")).await.expect("create");
+    let running = wait_running(&ns, &provider, &created.provider_id).await;
+    let proxy = std::net::SocketAddr::new(running.ip.expect("address"), 3128);
+    let apiserver = ns.control_plane().server_address().map_or(6443, |address| address.port());
+
+    let cases = [
+        ("loopback", "GET", format!("http://127.0.0.1:{apiserver}/version")),
+        ("loopback", "CONNECT", format!("127.0.0.1:{apiserver}")),
+        // A name is checked by the address it resolves to.
+        ("loopback", "GET", format!("http://localhost:{apiserver}/version")),
+        // The origin's address on another port is not the allowed rule.
+        ("loopback", "GET", format!("http://{}:{apiserver}/", origin.address().ip())),
+        ("link-local", "GET", "http://169.254.169.254/computeMetadata/v1/".to_owned()),
+        ("private", "GET", "http://10.99.0.1/".to_owned()),
+        ("private", "CONNECT", "192.168.1.1:443".to_owned()),
+        ("private", "GET", "http://172.16.0.1/".to_owned()),
+        ("shared", "GET", "http://100.64.0.1/".to_owned()),
+        ("unique-local", "GET", "http://[fd00:ec2::254]/latest/meta-data/".to_owned()),
+        ("link-local", "GET", "http://[fe80::1]/".to_owned()),
+        ("port", "CONNECT", "192.0.2.1:22".to_owned()),
+        ("port", "GET", "http://192.0.2.1:8080/".to_owned()),
+    ];
+    for (class, method, target) in &cases {
+        let answer = egress_testenv::through_proxy(proxy, method, target, None).await.expect("an answer");
+        assert_eq!(answer.status, 403, "{method} {target}: {}", answer.head);
+        assert_eq!(answer.header("x-egress-policy"), Some(format!("denied {class}").as_str()), "{method} {target}");
+        assert!(answer.body.contains("Access control configuration prevents"), "{method} {target}: {}", answer.body);
+    }
+    assert_eq!(origin.requests(), 0, "no denied request reached anything");
+    let allowed = egress_testenv::through_proxy(proxy, "GET", &origin.url(), None).await.expect("an answer");
+    assert_eq!((allowed.status, allowed.header("x-egress-policy")), (200, None), "{}", allowed.head);
+
+    // Each denial is one access-log line naming its class.
+    let pod = created.provider_id.split('/').nth(1).expect("namespace/name").to_owned();
+    let denials = cases.len();
+    let log = eventually("the access log to show every denial", Duration::from_secs(10), || {
+        let log = agent.squid_access_log(ns.name(), &pod);
+        async move { (log.matches("TCP_DENIED/403").count() >= denials).then_some(log) }
+    })
+    .await;
+    for class in ["loopback", "link-local", "private", "shared", "unique-local", "port"] {
+        assert!(
+            log.lines().any(|line| line.contains("TCP_DENIED/403") && line.ends_with(&format!(" {class}"))),
+            "{class}:\n{log}"
+        );
+    }
 }

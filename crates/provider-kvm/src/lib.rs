@@ -23,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use egress_provider::config::{KvmConfig, KvmImage, KvmMachineType, ProviderConfig, ProviderSettings};
+use egress_provider::destinations::DestinationPolicy;
 use egress_provider::registry::Built;
 use egress_provider::{Checker, CreateRequest, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict};
 use virt::connect::Connect;
@@ -43,6 +44,7 @@ const DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// libvirt guests on the configured hosts.
 pub struct KvmProvider {
     config: KvmConfig,
+    destinations: DestinationPolicy,
     hosts: BTreeMap<String, Arc<Host>>,
     images: Arc<ImageCache>,
 }
@@ -56,7 +58,19 @@ impl KvmProvider {
     pub fn new(config: KvmConfig) -> Result<Self, ProviderError> {
         let hosts =
             config.hosts.iter().map(|host| (host.name.clone(), Arc::new(Host::new(host, &config.ssh)))).collect();
-        Ok(Self { images: Arc::new(ImageCache::new(http_client()?)), hosts, config })
+        Ok(Self {
+            images: Arc::new(ImageCache::new(http_client()?)),
+            hosts,
+            config,
+            destinations: DestinationPolicy::default(),
+        })
+    }
+
+    /// The same provider with `destinations` added to the default destination policy of the Squid its default
+    /// cloud-init configures.
+    pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
+        self.destinations = destinations;
+        self
     }
 
     /// The registry's constructor for `type: kvm`.
@@ -67,7 +81,7 @@ impl KvmProvider {
         let ProviderSettings::Kvm(settings) = config.settings else {
             return Err(ProviderError::permanent(format!("provider {:?} is not of type kvm", config.name)));
         };
-        let provider = Arc::new(Self::new(settings)?);
+        let provider = Arc::new(Self::new(settings)?.with_destinations(config.destinations));
         Ok(Built { provider: provider.clone(), checker: Some(provider) })
     }
 
@@ -286,7 +300,7 @@ impl Provider for KvmProvider {
                 )));
             }
         };
-        let seed = seed::image(request, self.config.vendor_data.as_deref())
+        let seed = seed::image(request, self.config.vendor_data.as_deref(), &self.destinations)
             .map_err(|error| ProviderError::permanent("building the seed ISO").with_source(error))?;
         let capacity = u64::from(machine.disk_gib) << 30;
         let made = async {

@@ -9,6 +9,7 @@
 //!   beside user-data; user-data can still turn it off (`vendor_data: {enabled: false}`).
 
 use egress_provider::CreateRequest;
+use egress_provider::destinations::DestinationPolicy;
 use sha2::{Digest, Sha256};
 
 use crate::iso::{self, File, IsoError};
@@ -35,10 +36,10 @@ fi\n\
 systemctl enable --now qemu-guest-agent 2>/dev/null || service qemu-guest-agent start 2>/dev/null || \
 rc-service qemu-guest-agent start 2>/dev/null || true\n";
 
-/// The three files of the seed, by name.
-pub fn files(request: &CreateRequest, vendor_data: Option<&str>) -> Vec<File> {
+/// The three files of the seed, by name; the default user-data enforces `destinations`.
+pub fn files(request: &CreateRequest, vendor_data: Option<&str>, destinations: &DestinationPolicy) -> Vec<File> {
     vec![
-        File { name: "user-data".into(), data: egress_provider::cloud_init::for_request(request) },
+        File { name: "user-data".into(), data: egress_provider::cloud_init::for_request(request, destinations) },
         File {
             name: "meta-data".into(),
             data: format!("instance-id: {name}\nlocal-hostname: {name}\n", name = request.name).into_bytes(),
@@ -48,8 +49,12 @@ pub fn files(request: &CreateRequest, vendor_data: Option<&str>) -> Vec<File> {
 }
 
 /// The seed ISO for `request`.
-pub fn image(request: &CreateRequest, vendor_data: Option<&str>) -> Result<Vec<u8>, IsoError> {
-    iso::build(LABEL, &files(request, vendor_data))
+pub fn image(
+    request: &CreateRequest,
+    vendor_data: Option<&str>,
+    destinations: &DestinationPolicy,
+) -> Result<Vec<u8>, IsoError> {
+    iso::build(LABEL, &files(request, vendor_data, destinations))
 }
 
 /// The vendor-data document: the guest-agent script, then the configured vendor-data.
@@ -114,7 +119,7 @@ mod tests {
     #[test]
     fn user_data_is_the_proxys_byte_for_byte() {
         let own = "#cloud-config\r\nruncmd: [ [echo, 'é'] ]\n\n";
-        let files = files(&request(Some(own)), None);
+        let files = files(&request(Some(own)), None, &DestinationPolicy::default());
         assert_eq!(files[0].name, "user-data");
         assert_eq!(files[0].data, own.as_bytes());
         assert_eq!(files[1].data, b"instance-id: px-a\nlocal-hostname: px-a\n");
@@ -122,7 +127,7 @@ mod tests {
 
     #[test]
     fn without_cloud_init_the_guest_installs_squid() {
-        let files = files(&request(None), None);
+        let files = files(&request(None), None, &DestinationPolicy::default());
         let text = String::from_utf8(files[0].data.clone()).expect("utf-8");
         assert!(text.starts_with("#cloud-config\n") && text.contains("http_port 3128"), "{text}");
     }

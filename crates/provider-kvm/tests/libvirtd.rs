@@ -165,10 +165,18 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
 
     // The seed: a cidata ISO with the Proxy's user data byte for byte, meta-data and vendor-data.
     let seeded = request("px-seed");
-    let seed_path =
-        images::put_volume(&host, "px-seed-seed.iso", seed::image(&seeded, Some("#!/bin/sh\necho hi\n")).expect("iso"))
-            .await
-            .expect("the seed volume");
+    let seed_path = images::put_volume(
+        &host,
+        "px-seed-seed.iso",
+        seed::image(
+            &seeded,
+            Some("#!/bin/sh\necho hi\n"),
+            &egress_provider::destinations::DestinationPolicy::default(),
+        )
+        .expect("iso"),
+    )
+    .await
+    .expect("the seed volume");
     let header = String::from_utf8_lossy(&isoinfo(&["-d"], &seed_path)).into_owned();
     assert!(header.contains("Volume id: cidata"), "{header}");
     assert!(header.contains("Joliet"), "{header}");

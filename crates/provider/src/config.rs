@@ -10,7 +10,10 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::PathBuf;
 
+use ipnet::IpNet;
 use serde_json::{Map, Value};
+
+use crate::destinations::{self, Denial, DestinationPolicy, DestinationRule};
 
 /// The pattern every name and key in the file must match: it keeps IDs, file names and label values parseable.
 pub const IDENTIFIER_PATTERN: &str = "[a-z0-9]([a-z0-9-]*[a-z0-9])?";
@@ -30,6 +33,8 @@ pub struct ProvidersConfig {
 pub struct ProviderConfig {
     /// The name `Proxy.spec.provider` refers to.
     pub name: String,
+    /// Where this provider's proxies may connect, beyond the defaults (`destinations: {allow, deny}`).
+    pub destinations: DestinationPolicy,
     /// The type-specific settings.
     pub settings: ProviderSettings,
 }
@@ -71,6 +76,9 @@ pub struct KubernetesConfig {
     pub resources: ResourceProfile,
     /// Named resource profiles `placement.machineType` may select.
     pub machine_types: BTreeMap<String, ResourceProfile>,
+    /// The cluster's own pod and service networks, which its proxies may never reach (on top of the default
+    /// denials, for clusters whose networks are not private ranges).
+    pub cluster_networks: Vec<IpNet>,
 }
 
 /// A pod resource profile: CPU request, and memory as both request and limit.
@@ -222,6 +230,23 @@ impl fmt::Display for ConfigError {
             write!(f, "\n  - {problem}")?;
         }
         Ok(())
+    }
+}
+
+impl ProviderConfig {
+    /// Networks this provider's proxies may never reach besides the default denials (a cluster's own).
+    pub fn provider_networks(&self) -> &[IpNet] {
+        match &self.settings {
+            ProviderSettings::Kubernetes(settings) => &settings.cluster_networks,
+            ProviderSettings::Gcp(_) | ProviderSettings::Kvm(_) => &[],
+        }
+    }
+
+    /// Why this provider's proxies would refuse a request to `host`:`port` (a CONNECT tunnel when `connect`), when
+    /// that is known without DNS (an IP literal or `localhost`); `None` when it is allowed or only DNS can tell.
+    pub fn denies(&self, host: &str, port: u16, connect: bool) -> Option<Denial> {
+        let address = destinations::literal_address(host)?;
+        self.destinations.check(address, port, connect, self.provider_networks())
     }
 }
 
@@ -466,7 +491,11 @@ impl Walker {
     }
 
     fn provider(&mut self, path: &str, value: &Value) -> Option<ProviderConfig> {
-        let node = self.mapping(path, value, &["name", "type", "kubernetes", "gcp", "kvm"])?;
+        let node = self.mapping(path, value, &["name", "type", "destinations", "kubernetes", "gcp", "kvm"])?;
+        let destinations = match node.map.get("destinations") {
+            None | Some(Value::Null) => DestinationPolicy::default(),
+            Some(value) => self.destinations(&node.child("destinations"), value),
+        };
         let name = self.identifier(&node, "name", true);
         let kind = self.string(&node, "type", true);
         if let Some(kind) = &kind
@@ -498,14 +527,48 @@ impl Walker {
             "gcp" => ProviderSettings::Gcp(self.gcp(&block_path, block)?),
             _ => ProviderSettings::Kvm(self.kvm(&block_path, block)?),
         };
-        Some(ProviderConfig { name: name?, settings })
+        Some(ProviderConfig { name: name?, destinations, settings })
+    }
+
+    fn destinations(&mut self, path: &str, value: &Value) -> DestinationPolicy {
+        let Some(node) = self.mapping(path, value, &["allow", "deny"]) else {
+            return DestinationPolicy::default();
+        };
+        let allow = self.rules(&node, "allow");
+        let deny = self.rules(&node, "deny");
+        DestinationPolicy { allow, deny }
+    }
+
+    fn rules(&mut self, node: &Node<'_>, key: &str) -> Vec<DestinationRule> {
+        let mut rules = Vec::new();
+        for (path, item) in self.list(node, key) {
+            match item {
+                Value::String(text) => match text.parse::<DestinationRule>() {
+                    Ok(rule) => rules.push(rule),
+                    Err(error) => self.problem(path, error.to_string()),
+                },
+                other => self.problem(path, format!("must be a string such as 10.0.0.0/8, found {}", kind_of(other))),
+            }
+        }
+        rules
+    }
+
+    fn networks(&mut self, node: &Node<'_>, key: &str) -> Vec<IpNet> {
+        let mut networks = Vec::new();
+        for (path, item) in self.list(node, key) {
+            match item.as_str().and_then(|text| text.parse::<DestinationRule>().ok()) {
+                Some(DestinationRule { network: Some(network), ports: None }) => networks.push(network),
+                _ => self.problem(path, format!("{item} is not a network in CIDR notation such as 10.244.0.0/16")),
+            }
+        }
+        networks
     }
 
     fn kubernetes(&mut self, path: &str, value: &Value) -> Option<KubernetesConfig> {
         let node = self.mapping(
             path,
             value,
-            &["namespace", "image", "imagePullPolicy", "fdLimit", "resources", "machineTypes"],
+            &["namespace", "image", "imagePullPolicy", "fdLimit", "resources", "machineTypes", "clusterNetworks"],
         )?;
         let namespace = self.identifier(&node, "namespace", false).unwrap_or_else(|| "egress-proxies".into());
         let image = self.string(&node, "image", false).unwrap_or_else(|| "ubuntu/squid:latest".into());
@@ -517,7 +580,16 @@ impl Walker {
         };
         let machine_types =
             self.keyed(&node, "machineTypes", |walker, path, value| walker.resource_profile(path, value));
-        Some(KubernetesConfig { namespace, image, image_pull_policy, fd_limit, resources, machine_types })
+        let cluster_networks = self.networks(&node, "clusterNetworks");
+        Some(KubernetesConfig {
+            namespace,
+            image,
+            image_pull_policy,
+            fd_limit,
+            resources,
+            machine_types,
+            cluster_networks,
+        })
     }
 
     fn resource_profile(&mut self, path: &str, value: &Value) -> Option<ResourceProfile> {

@@ -14,6 +14,7 @@
 
 pub mod cloud_init;
 pub mod config;
+pub mod destinations;
 mod error;
 mod instance;
 mod metrics;

@@ -31,11 +31,16 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
     let origin = LocalOrigin::start().await.expect("origin");
 
-    let text =
-        format!("providers:\n  - name: pods\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n", ns.name());
+    let text = format!(
+        "providers:\n  - name: pods\n    type: kubernetes\n    destinations: {}\n    kubernetes: {{ namespace: {} }}\n",
+        origin.destinations_yaml(),
+        ns.name()
+    );
     let config = ProvidersConfig::parse(&text, "test").expect("config");
     let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
-    let provider = Arc::new(KubernetesProvider::new(ns.client(), settings)) as Arc<dyn Provider>;
+    let provider = Arc::new(
+        KubernetesProvider::new(ns.client(), settings).with_destinations(config.providers[0].destinations.clone()),
+    ) as Arc<dyn Provider>;
     let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     // Composed as the operator does: one Proxy store for the controller and the health feed.
     let (proxies, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));

@@ -159,6 +159,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
+/// The destination rule that allows exactly `host`:`port` (`host` an IP literal or `localhost`).
+fn allow_rule_for(host: &str, port: u16) -> String {
+    match egress_provider::destinations::literal_address(host) {
+        Some(std::net::IpAddr::V6(address)) => format!("[{address}]:{port}"),
+        Some(address) => format!("{address}:{port}"),
+        None => format!("{host}:{port}"),
+    }
+}
+
 fn is_label_value(value: &str) -> bool {
     let alnum = |c: char| c.is_ascii_alphanumeric();
     !value.is_empty()
@@ -268,6 +277,21 @@ impl Cli {
                 None
             }
         };
+        // A probe the proxies would refuse could never pass: say so now, not as a fleet that never turns Ready.
+        if let (Ok(probe), Some(providers)) = (&probe_ok, &providers) {
+            for (index, provider) in providers.providers.iter().enumerate() {
+                if let Some(denial) = provider.denies(probe.host(), probe.port(), probe.is_https()) {
+                    problems.push(format!(
+                        "--default-probe-url {} is refused by the destination policy of provider {:?}: {denial}; \
+                         probe a public URL, or add \"{}\" to providers[{index}].destinations.allow in {}",
+                        probe.as_str(),
+                        provider.name,
+                        allow_rule_for(probe.host(), probe.port()),
+                        self.providers_config.display()
+                    ));
+                }
+            }
+        }
         if !problems.is_empty() {
             return Err(problems);
         }
@@ -356,5 +380,40 @@ mod tests {
             assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
         }
         assert_eq!(problems.len(), 9, "{problems:#?}");
+    }
+
+    /// A default probe the proxies' destination policy refuses is an error at start, naming the rule to add.
+    #[test]
+    fn a_probe_url_the_destination_policy_refuses_is_reported() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("providers.yaml");
+        std::fs::write(
+            &config,
+            "providers:\n  - { name: pods, type: kubernetes }\n  - name: open\n    type: kubernetes\n    \
+             destinations: { allow: [\"127.0.0.1:8080\"] }\n",
+        )
+        .expect("write");
+        let settings = |url: &str| {
+            Cli::parse_from([
+                "egress-operator",
+                "--providers-config",
+                config.to_str().expect("utf-8 path"),
+                "--cluster-id",
+                "test",
+                "--discovery-auth=none",
+                "--default-probe-url",
+                url,
+            ])
+            .settings()
+        };
+        let problems = settings("http://127.0.0.1:8080/ip").expect_err("loopback is refused by provider pods");
+        assert_eq!(problems.len(), 1, "provider open allows it: {problems:#?}");
+        assert!(problems[0].starts_with("--default-probe-url http://127.0.0.1:8080/ip is refused by the destination policy of provider \"pods\": loopback"), "{}", problems[0]);
+        assert!(problems[0].contains("add \"127.0.0.1:8080\" to providers[0].destinations.allow"), "{}", problems[0]);
+        let problems = settings("https://localhost:8443/").expect_err("localhost is loopback");
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        let problems = settings("https://[::1]:8443/").expect_err("and so is ::1");
+        assert!(problems[0].contains("add \"[::1]:8443\""), "{}", problems[0]);
+        assert!(settings("https://example.com/").is_ok(), "a name is left to Squid, which checks what it resolves to");
     }
 }

@@ -110,6 +110,17 @@ impl LocalOrigin {
         self.address
     }
 
+    /// The providers file's destination rule that lets proxies reach this origin (and nothing else on its
+    /// address): rendered proxies deny loopback and private addresses by default.
+    pub fn allow_rule(&self) -> String {
+        self.address.to_string()
+    }
+
+    /// A providers-file `destinations:` value (YAML flow style) allowing only this origin.
+    pub fn destinations_yaml(&self) -> String {
+        format!("{{ allow: [\"{}\"] }}", self.allow_rule())
+    }
+
     /// How many requests it has answered.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
@@ -159,10 +170,46 @@ async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> Result<String> {
 /// Sends `GET url` through the forward proxy at `proxy`, with basic credentials when given, and returns the HTTP
 /// status code the proxy answered with.
 pub async fn get_through_proxy(proxy: SocketAddr, url: &str, credentials: Option<(&str, &str)>) -> Result<u16> {
+    Ok(through_proxy(proxy, "GET", url, credentials).await?.status)
+}
+
+/// What a forward proxy answered.
+#[derive(Clone, Debug)]
+pub struct ProxyAnswer {
+    /// The status code.
+    pub status: u16,
+    /// The status line and headers, as sent.
+    pub head: String,
+    /// The body (empty for a CONNECT tunnel the proxy opened).
+    pub body: String,
+}
+
+impl ProxyAnswer {
+    /// The first value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.trim().eq_ignore_ascii_case(name).then(|| value.trim())
+        })
+    }
+}
+
+/// Sends one request through the forward proxy at `proxy`: `GET http://...` (any method with an absolute URL), or
+/// `CONNECT host:port`; with basic credentials when given. Reads the status line, headers and body (by
+/// Content-Length, else to the end; nothing after a tunnel's 200).
+pub async fn through_proxy(
+    proxy: SocketAddr,
+    method: &str,
+    target: &str,
+    credentials: Option<(&str, &str)>,
+) -> Result<ProxyAnswer> {
     let exchange = async {
         let mut stream = TcpStream::connect(proxy).await.with_context(|| format!("connecting to the proxy {proxy}"))?;
-        let host = url.split("://").nth(1).and_then(|rest| rest.split('/').next()).unwrap_or_default();
-        let mut request = format!("GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+        let host = match target.split_once("://") {
+            Some((_, rest)) => rest.split('/').next().unwrap_or_default(),
+            None => target,
+        };
+        let mut request = format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
         if let Some((user, password)) = credentials {
             let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
             request.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
@@ -170,10 +217,44 @@ pub async fn get_through_proxy(proxy: SocketAddr, url: &str, credentials: Option
         request.push_str("\r\n");
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
-        stream.read_to_end(&mut response).await?;
-        let text = String::from_utf8_lossy(&response);
-        let status = text.split_whitespace().nth(1).context("the proxy sent no status line")?;
-        status.parse::<u16>().with_context(|| format!("{status:?} is not a status code"))
+        let mut chunk = [0u8; 4096];
+        let head_end = loop {
+            if let Some(end) = response.windows(4).position(|window| window == b"\r\n\r\n") {
+                break end + 4;
+            }
+            let read = stream.read(&mut chunk).await?;
+            if read == 0 {
+                bail!(
+                    "the proxy closed the connection before its headers ended: {:?}",
+                    String::from_utf8_lossy(&response)
+                );
+            }
+            response.extend_from_slice(&chunk[..read]);
+        };
+        let head = String::from_utf8_lossy(&response[..head_end]).into_owned();
+        let status = head.split_whitespace().nth(1).context("the proxy sent no status line")?;
+        let status = status.parse::<u16>().with_context(|| format!("{status:?} is not a status code"))?;
+        let mut answer = ProxyAnswer { status, head, body: String::new() };
+        if method == "CONNECT" && status == 200 {
+            return Ok(answer);
+        }
+        let mut body = response[head_end..].to_vec();
+        match answer.header("content-length").and_then(|length| length.parse::<usize>().ok()) {
+            Some(length) => {
+                while body.len() < length {
+                    let read = stream.read(&mut chunk).await?;
+                    if read == 0 {
+                        break;
+                    }
+                    body.extend_from_slice(&chunk[..read]);
+                }
+            }
+            None => {
+                stream.read_to_end(&mut body).await?;
+            }
+        }
+        answer.body = String::from_utf8_lossy(&body).into_owned();
+        Ok(answer)
     };
     tokio::time::timeout(Duration::from_secs(20), exchange).await.context("the request through the proxy timed out")?
 }

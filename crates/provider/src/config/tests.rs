@@ -294,7 +294,7 @@ providers:
     assert_eq!(
         messages,
         [
-            "providers[0].kubernetes.colour: unknown field (expected one of: namespace, image, imagePullPolicy, fdLimit, resources, machineTypes)",
+            "providers[0].kubernetes.colour: unknown field (expected one of: namespace, image, imagePullPolicy, fdLimit, resources, machineTypes, clusterNetworks)",
             r#"providers[1].name: duplicate provider name "pods""#,
             "providers[2].gcp.project: is required",
             r#"providers[3].name: "Bad_Name" must match [a-z0-9]([a-z0-9-]*[a-z0-9])? (at most 63 characters)"#,
@@ -324,4 +324,56 @@ fn quantities() {
     for bad in ["", "m", "1.", ".5", "1.2.3", "lots", "1MB", "-1"] {
         assert!(!is_quantity(bad), "{bad:?}");
     }
+}
+
+#[test]
+fn destinations_and_cluster_networks_parse() {
+    let config = parse(
+        r#"
+providers:
+  - name: pods
+    type: kubernetes
+    destinations:
+      allow: ["127.0.0.1:8080", "*:8443", "[fd00::/8]:443"]
+      deny: [203.0.113.0/24]
+    kubernetes: { clusterNetworks: [10.244.0.0/16, "fd10::/64"] }
+  - name: plain
+    type: kubernetes
+"#,
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let pods = config.get("pods").expect("pods");
+    let shown = |rules: &[DestinationRule]| rules.iter().map(ToString::to_string).collect::<Vec<_>>();
+    assert_eq!(shown(&pods.destinations.allow), ["127.0.0.1/32:8080", "*:8443", "[fd00::/8]:443"]);
+    assert_eq!(shown(&pods.destinations.deny), ["203.0.113.0/24"]);
+    let ProviderSettings::Kubernetes(settings) = &pods.settings else { panic!("kubernetes") };
+    let networks: Vec<String> = settings.cluster_networks.iter().map(ToString::to_string).collect();
+    assert_eq!(networks, ["10.244.0.0/16", "fd10::/64"]);
+    assert_eq!(config.get("plain").expect("plain").destinations, DestinationPolicy::default());
+}
+
+#[test]
+fn malformed_destinations_are_reported_with_their_paths() {
+    let found = problems(
+        r#"
+providers:
+  - name: pods
+    type: kubernetes
+    destinations:
+      allow: ["10.1.2.3/8", 8080]
+      deny: example.com
+      permit: []
+    kubernetes: { clusterNetworks: ["10.244.0.0/16:80", nope] }
+"#,
+    );
+    assert_eq!(found.len(), 6, "{found:#?}");
+    assert!(found[0].starts_with("providers[0].destinations.permit: unknown field (expected one of: allow, deny)"));
+    assert!(found[1].starts_with("providers[0].destinations.allow[0]: \"10.1.2.3/8\" is not a destination rule"));
+    assert_eq!(found[2], "providers[0].destinations.allow[1]: must be a string such as 10.0.0.0/8, found a number");
+    assert_eq!(found[3], "providers[0].destinations.deny: must be a list, found a string");
+    assert_eq!(
+        found[4],
+        "providers[0].kubernetes.clusterNetworks[0]: \"10.244.0.0/16:80\" is not a network in CIDR notation such as 10.244.0.0/16"
+    );
+    assert!(found[5].starts_with("providers[0].kubernetes.clusterNetworks[1]: \"nope\""), "{}", found[5]);
 }

@@ -272,6 +272,14 @@ impl NodeAgent {
         Some(self.container_view(namespace, pod, Some(container))?.restart_count)
     }
 
+    /// The access log of a Squid pod the agent runs (Squid writes it to a file in the pod's directory here, where
+    /// kubelet would collect it from the container's output); empty when there is none.
+    pub fn squid_access_log(&self, namespace: &str, pod: &str) -> String {
+        self.container_view(namespace, pod, None)
+            .and_then(|view| fs::read_to_string(view.log.parent()?.join("access.log")).ok())
+            .unwrap_or_default()
+    }
+
     /// The end of a container's output (every run of it, appended).
     pub fn container_log(&self, namespace: &str, pod: &str, container: &str) -> String {
         self.container_view(namespace, pod, Some(container))

@@ -764,7 +764,12 @@ pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts
                 let options = rest.get(1..).map(|options| options.join(" ")).unwrap_or_default();
                 format!("http_port {ip}:{port} {options}").trim_end().to_owned()
             }
-            "access_log" => format!("access_log stdio:{runtime}/access.log"),
+            // The log goes to a file Squid's own user may open (a pod's output is not reopenable by path here);
+            // the format and ACLs after the destination are kept.
+            "access_log" => {
+                let options: Vec<&str> = words.skip(1).collect();
+                format!("access_log stdio:{runtime}/access.log {}", options.join(" ")).trim_end().to_owned()
+            }
             "cache_log" => format!("cache_log {runtime}/cache.log"),
             "pid_filename" => format!("pid_filename {runtime}/squid.pid"),
             "coredump_dir" => format!("coredump_dir {runtime}"),
@@ -784,7 +789,7 @@ mod tests {
     #[test]
     fn squid_config_is_rewritten_for_the_local_machine() {
         let conf = "http_port 3128\nauth_param basic program /usr/lib/squid/basic_ncsa_auth /etc/squid-egress-auth/passwd\n\
-                    access_log stdio:/dev/stdout\ncache_log /dev/stderr\npid_filename none\ncoredump_dir /tmp\ncache deny all\n";
+                    access_log stdio:/dev/stdout egress\ncache_log /dev/stderr\npid_filename none\ncoredump_dir /tmp\ncache deny all\n";
         let mounts = vec![
             ("/etc/squid-egress-auth".to_owned(), "/tmp/p/root/etc/squid-egress-auth".to_owned()),
             ("/etc/squid-egress".to_owned(), "/tmp/p/root/etc/squid-egress".to_owned()),
@@ -792,7 +797,7 @@ mod tests {
         let out = rewrite_squid_config(conf, Ipv4Addr::new(127, 1, 0, 7), Path::new("/tmp/p"), &mounts);
         assert!(out.contains("http_port 127.1.0.7:3128\n"), "{out}");
         assert!(out.contains("basic_ncsa_auth /tmp/p/root/etc/squid-egress-auth/passwd\n"), "{out}");
-        assert!(out.contains("access_log stdio:/tmp/p/access.log\n"));
+        assert!(out.contains("access_log stdio:/tmp/p/access.log egress\n"));
         assert!(out.contains("cache_log /tmp/p/cache.log\n"));
         assert!(out.contains("pid_filename /tmp/p/squid.pid\n"));
         assert!(out.contains("coredump_dir /tmp/p\n"));
