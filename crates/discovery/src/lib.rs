@@ -11,6 +11,7 @@ pub mod auth;
 mod metrics;
 pub mod openapi;
 mod problem;
+mod server;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -20,12 +21,12 @@ use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use egress_lease::{LeaseStore, ProxyInfo};
-use tokio::net::TcpListener;
 
 pub use api::MAX_BODY_BYTES;
 pub use auth::{Auth, Scope, TokenFile, TokenFileError};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
+pub use server::{ServerLimits, ServerMetrics, serve, serve_with};
 
 /// One proxy as the discovery API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -189,13 +190,4 @@ pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: imp
         () = rounds => {}
         () = shutdown => {}
     }
-}
-
-/// Serves the router on `listener` (HTTP/1.1 and HTTP/2) until `shutdown` resolves, finishing in-flight requests.
-pub async fn serve(
-    listener: TcpListener,
-    router: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
 }

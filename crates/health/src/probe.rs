@@ -38,6 +38,8 @@ pub enum FailureReason {
     ProxyAuthRequired,
     /// The proxy answered `CONNECT` with this status instead of 200.
     ConnectStatus(u16),
+    /// The proxy's destination policy refused the probe URL (403 with `X-Egress-Policy`, naming the class).
+    DestinationDenied(String),
     /// The TLS handshake with the origin through the tunnel failed.
     Tls(String),
     /// The origin (or the proxy on its behalf) answered with this non-2xx status.
@@ -57,6 +59,7 @@ impl FailureReason {
             Self::ConnectFailed(_) => "connect_failed",
             Self::ProxyAuthRequired => "proxy_auth_required",
             Self::ConnectStatus(_) => "connect_status",
+            Self::DestinationDenied(_) => "destination_denied",
             Self::Tls(_) => "tls",
             Self::OriginStatus(_) => "origin_status",
             Self::Timeout => "timeout",
@@ -73,6 +76,11 @@ impl fmt::Display for FailureReason {
             Self::ConnectFailed(why) => write!(f, "connecting to the proxy failed: {why}"),
             Self::ProxyAuthRequired => f.write_str("the proxy requires authentication (407)"),
             Self::ConnectStatus(status) => write!(f, "the proxy answered CONNECT with {status}"),
+            Self::DestinationDenied(class) => write!(
+                f,
+                "the proxy's destination policy refuses the probe URL ({class}): probe a public URL, or allow it in \
+                 the provider's destinations"
+            ),
             Self::Tls(why) => write!(f, "TLS to the origin failed: {why}"),
             Self::OriginStatus(status) => write!(f, "the origin answered {status}"),
             Self::Timeout => f.write_str("the probe timed out"),
@@ -237,10 +245,23 @@ where
     sender.send_request(request).await.map_err(protocol)
 }
 
+/// The class a rendered proxy's destination policy names when it refused the request (`X-Egress-Policy: denied
+/// <class>` on a 403).
+fn policy_denial<B>(response: &hyper::Response<B>) -> Option<FailureReason> {
+    if response.status() != StatusCode::FORBIDDEN {
+        return None;
+    }
+    let value = response.headers().get("x-egress-policy")?.to_str().ok()?;
+    Some(FailureReason::DestinationDenied(value.trim().trim_start_matches("denied").trim().to_owned()))
+}
+
 async fn read_success_body(response: hyper::Response<hyper::body::Incoming>) -> Result<Bytes, FailureReason> {
     let status = response.status();
     if status == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
         return Err(FailureReason::ProxyAuthRequired);
+    }
+    if let Some(denial) = policy_denial(&response) {
+        return Err(denial);
     }
     if !status.is_success() {
         return Err(FailureReason::OriginStatus(status.as_u16()));
@@ -280,6 +301,9 @@ async fn through_tunnel(
     }
     let connect = connect.body(Empty::new()).map_err(protocol)?;
     let response = send(stream, connect, true).await?;
+    if let Some(denial) = policy_denial(&response) {
+        return Err(denial);
+    }
     match response.status() {
         StatusCode::OK => {}
         StatusCode::PROXY_AUTHENTICATION_REQUIRED => return Err(FailureReason::ProxyAuthRequired),
@@ -369,6 +393,7 @@ mod tests {
             FailureReason::ConnectTimeout,
             FailureReason::ProxyAuthRequired,
             FailureReason::ConnectStatus(403),
+            FailureReason::DestinationDenied("loopback".into()),
             FailureReason::Tls("x".into()),
             FailureReason::OriginStatus(503),
             FailureReason::Timeout,
@@ -383,10 +408,28 @@ mod tests {
                 "connect_timeout",
                 "proxy_auth_required",
                 "connect_status",
+                "destination_denied",
                 "tls",
                 "origin_status",
                 "timeout"
             ]
         );
+    }
+
+    #[test]
+    fn only_a_403_naming_the_policy_is_a_policy_denial() {
+        let response = |status: u16, header: Option<&str>| {
+            let mut builder = hyper::Response::builder().status(status);
+            if let Some(value) = header {
+                builder = builder.header("X-Egress-Policy", value);
+            }
+            builder.body(()).expect("a response")
+        };
+        assert_eq!(
+            policy_denial(&response(403, Some("denied private"))),
+            Some(FailureReason::DestinationDenied("private".into()))
+        );
+        assert_eq!(policy_denial(&response(403, None)), None, "a plain 403 is the origin's or another proxy's");
+        assert_eq!(policy_denial(&response(200, Some("denied private"))), None);
     }
 }

@@ -326,6 +326,19 @@ async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed
         assert!(answer.body.contains("Access control configuration prevents"), "{method} {target}: {}", answer.body);
     }
     assert_eq!(origin.requests(), 0, "no denied request reached anything");
+    // The health engine's probe names the policy, so a Proxy probing a denied URL says why it is not Ready.
+    let tls = egress_health::tls_connector(b"").expect("TLS");
+    for (url, class) in [
+        (format!("http://127.0.0.1:{apiserver}/version"), "loopback"),
+        ("https://169.254.169.254/".to_owned(), "link-local"),
+    ] {
+        let url = egress_health::ProbeUrl::parse(&url).expect("a probe URL");
+        let failure = egress_health::probe(&proxy.ip().to_string(), 3128, None, &url, Duration::from_secs(5), &tls)
+            .await
+            .expect_err("a denied probe fails");
+        assert_eq!(failure, egress_health::FailureReason::DestinationDenied(class.into()), "{}", url.as_str());
+        assert!(failure.to_string().contains("destination policy refuses the probe URL"), "{failure}");
+    }
     let allowed = egress_testenv::through_proxy(proxy, "GET", &origin.url(), None).await.expect("an answer");
     assert_eq!((allowed.status, allowed.header("x-egress-policy")), (200, None), "{}", allowed.head);
 

@@ -74,6 +74,26 @@ pub struct Cli {
     /// Watch Proxies in this namespace only (default: all namespaces). Use a cluster ID of its own per namespace.
     #[arg(long, env = "EGRESS_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
+    /// How long a client of the discovery, metrics and health servers may take to send a request's headers; also
+    /// the longest an HTTP/1 keep-alive connection may wait idle for its next request.
+    #[arg(long, env = "EGRESS_HTTP_HEADER_TIMEOUT", default_value = "10s")]
+    pub http_header_timeout: String,
+    /// How long a client may take to send a request's body once its headers arrived (408 after that).
+    #[arg(long, env = "EGRESS_HTTP_BODY_TIMEOUT", default_value = "10s")]
+    pub http_body_timeout: String,
+    /// How long an HTTP/2 connection may have no request in flight.
+    #[arg(long, env = "EGRESS_HTTP_IDLE_TIMEOUT", default_value = "60s")]
+    pub http_idle_timeout: String,
+    /// How often idle HTTP/2 connections are pinged; one whose ping goes unanswered for half that is closed.
+    #[arg(long, env = "EGRESS_HTTP2_KEEPALIVE_INTERVAL", default_value = "20s")]
+    pub http2_keepalive_interval: String,
+    /// Concurrent streams per HTTP/2 connection.
+    #[arg(long, env = "EGRESS_HTTP2_MAX_STREAMS", default_value_t = 100)]
+    pub http2_max_streams: u32,
+    /// Open connections per server; more are closed as soon as they are accepted (counted in
+    /// `egress_http_connections_refused_total`).
+    #[arg(long, env = "EGRESS_HTTP_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub http_max_connections: usize,
 }
 
 /// How the discovery API authenticates.
@@ -124,6 +144,8 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// Where spans are exported, when set.
     pub otlp_endpoint: Option<http::Uri>,
+    /// The limits of the discovery, metrics and health servers.
+    pub http_limits: egress_discovery::ServerLimits,
 }
 
 /// Parses `90s`, `5m`, `1h30m`, `250ms` (Go-style durations) and `0`.
@@ -233,6 +255,27 @@ impl Cli {
         if let Err(error) = &probe_ok {
             problems.push(format!("--default-probe-url: {error}"));
         }
+        let mut positive = |flag: &str, value: &str| match parse_duration(value) {
+            Ok(duration) if duration.is_zero() => {
+                problems.push(format!("--{flag} must be more than 0"));
+                None
+            }
+            Ok(duration) => Some(duration),
+            Err(why) => {
+                problems.push(format!("--{flag}: {why}"));
+                None
+            }
+        };
+        let header_timeout = positive("http-header-timeout", &self.http_header_timeout);
+        let body_timeout = positive("http-body-timeout", &self.http_body_timeout);
+        let idle_timeout = positive("http-idle-timeout", &self.http_idle_timeout);
+        let keepalive = positive("http2-keepalive-interval", &self.http2_keepalive_interval);
+        if !(1..=10_000).contains(&self.http2_max_streams) {
+            problems.push("--http2-max-streams must be from 1 to 10000".into());
+        }
+        if !(1..=1_000_000).contains(&self.http_max_connections) {
+            problems.push("--http-max-connections must be from 1 to 1000000".into());
+        }
         if self.probe_concurrency == 0 || self.probe_concurrency > 10_000 {
             problems.push("--probe-concurrency must be from 1 to 10000".into());
         }
@@ -322,6 +365,15 @@ impl Cli {
             watch_namespace: self.watch_namespace.clone(),
             log_format: self.log_format,
             otlp_endpoint,
+            http_limits: egress_discovery::ServerLimits {
+                header_timeout: header_timeout.expect("checked above"),
+                body_timeout: body_timeout.expect("checked above"),
+                idle_timeout: idle_timeout.expect("checked above"),
+                http2_keepalive_interval: keepalive.expect("checked above"),
+                http2_keepalive_timeout: keepalive.expect("checked above") / 2,
+                http2_max_streams: self.http2_max_streams,
+                max_connections: self.http_max_connections,
+            },
         })
     }
 }

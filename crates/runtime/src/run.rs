@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, TokenFile};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, ServerMetrics, TokenFile};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use egress_provider::ProviderMetrics;
@@ -84,6 +84,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let reconcile_metrics = ReconcileMetrics::register(&mut registry);
     let health_metrics = HealthMetrics::register(&mut registry);
     let discovery_metrics = DiscoveryMetrics::register(&mut registry);
+    let server_metrics = ServerMetrics::register(&mut registry);
     let monitor_metrics = MonitorMetrics::register(&mut registry);
     let registry = Arc::new(registry);
 
@@ -118,7 +119,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     tokio::spawn(run_discovery_feed(feed.clone(), verdicts.clone(), credentials.clone(), discovery.clone()));
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
 
-    let servers = serve_all(&settings, registry, discovery, leader.clone(), stop.clone()).await?;
+    let servers = serve_all(&settings, registry, server_metrics, discovery, leader.clone(), stop.clone()).await?;
 
     // The leader's Pod carries the label the discovery Service selects; a restarted process first removes the one
     // its previous incarnation may have left.
@@ -272,6 +273,7 @@ fn election_identity(pod_name: Option<String>) -> String {
 async fn serve_all(
     settings: &Settings,
     registry: Arc<Registry>,
+    server_metrics: ServerMetrics,
     discovery: Arc<Discovery>,
     leader: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
@@ -319,8 +321,11 @@ async fn serve_all(
             .with_context(|| format!("binding the {name} address {address}"))?;
         info!(%address, "{name} listening");
         let stop = stop.clone();
+        let (limits, metrics) = (settings.http_limits, server_metrics.clone());
         handles.push(tokio::spawn(async move {
-            if let Err(error) = egress_discovery::serve(listener, router, until_true(stop)).await {
+            if let Err(error) =
+                egress_discovery::serve_with(listener, router, limits, name, metrics, until_true(stop)).await
+            {
                 warn!(%error, "{name} server failed");
             }
         }));
