@@ -17,7 +17,7 @@ const ENCODING_VERSION: &[u8] = b"egress-spec-hash-v1";
 const HASH_LEN: usize = 16;
 
 /// A digest of the fields that change the instance: provider, placement, cloud-init content or reference, port,
-/// and auth reference, plus the `rotate` annotation's token when one is set.
+/// auth reference and destination deny rules, plus the `rotate` annotation's token when one is set.
 ///
 /// Fields that do not change the instance (`healthCheck`, `maxLeases`, `maxAge`, `endpoint`) do not change the
 /// hash, so editing them never replaces an instance. The result is 16 lowercase hex characters, valid as a label
@@ -40,6 +40,11 @@ pub fn spec_hash(spec: &ProxySpec, rotate_token: Option<&str>) -> String {
     encoder.field("port", Some(&spec.port.to_string()));
     encoder.field("auth.secretRef.name", spec.auth.as_ref().map(|a| a.secret_ref.name.as_str()));
     encoder.field("rotate", rotate_token.filter(|token| !token.is_empty()));
+    // Added after v1 shipped: encoded only when set, so every hash from before it stays the same.
+    let deny = spec.destinations.as_ref().map(|destinations| destinations.deny.as_slice()).unwrap_or_default();
+    if !deny.is_empty() {
+        encoder.field("destinations.deny", Some(&deny.join("\n")));
+    }
     let digest = encoder.0.finalize();
     let mut hex = String::with_capacity(HASH_LEN);
     for byte in &digest[..HASH_LEN / 2] {
@@ -92,13 +97,17 @@ mod tests {
     #[test]
     fn hash_is_stable_across_versions() {
         assert_eq!(spec_hash(&ProxySpec::new(ProxyMode::Managed), None), "340e470e78ddee5a");
+        // An empty deny list is the spec from before the field existed.
+        let empty =
+            ProxySpec { destinations: Some(crate::ProxyDestinations::default()), ..ProxySpec::new(ProxyMode::Managed) };
+        assert_eq!(spec_hash(&empty, None), "340e470e78ddee5a");
         assert_eq!(spec_hash(&base(), Some("2026-11-30")), spec_hash(&base(), Some("2026-11-30")));
     }
 
     #[test]
     fn fields_that_change_the_instance_change_the_hash() {
         type Edit = fn(&mut ProxySpec);
-        let edits: [(&str, Edit); 11] = [
+        let edits: [(&str, Edit); 12] = [
             ("provider", |s| s.provider = Some("gcp-us".into())),
             ("zone", |s| s.placement.as_mut().unwrap().zone = Some("europe-west1-c".into())),
             ("machine type", |s| s.placement.as_mut().unwrap().machine_type = Some("e2-small".into())),
@@ -117,6 +126,9 @@ mod tests {
             ("port", |s| s.port = 8080),
             ("auth added", |s| s.auth = Some(ProxyAuth { secret_ref: SecretNameRef { name: "creds".into() } })),
             ("empty zone differs from absent", |s| s.placement.as_mut().unwrap().zone = Some(String::new())),
+            ("destinations denied", |s| {
+                s.destinations = Some(crate::ProxyDestinations { deny: vec!["203.0.113.0/24".into()] })
+            }),
         ];
         let original = spec_hash(&base(), None);
         for (name, edit) in edits {

@@ -89,8 +89,8 @@ pub const CONDITION_HEALTHY: &str = "Healthy";
         .message("spec.endpoint is required when spec.mode is External: give the host and port of the existing proxy")
         .field_path(".endpoint")
         .reason(kube::core::Reason::FieldValueRequired),
-    validation = Rule::new("self.mode != 'External' || !(has(self.provider) || has(self.placement) || has(self.cloudInit))")
-        .message("spec.provider, spec.placement and spec.cloudInit must not be set when spec.mode is External: the operator does not create an External proxy")
+    validation = Rule::new("self.mode != 'External' || !(has(self.provider) || has(self.placement) || has(self.cloudInit) || has(self.destinations))")
+        .message("spec.provider, spec.placement, spec.cloudInit and spec.destinations must not be set when spec.mode is External: the operator does not create an External proxy")
         .reason(kube::core::Reason::FieldValueForbidden),
     validation = Rule::new("self.mode != 'Managed' || !has(self.endpoint)")
         .message("spec.endpoint must not be set when spec.mode is Managed: the operator publishes the instance's address in status.endpoint")
@@ -144,6 +144,22 @@ pub struct ProxySpec {
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("spec.maxAge must be a positive duration such as 90m or 24h"))]
     #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"))]
     pub max_age: Option<Duration>,
+
+    /// Managed only: destinations this proxy refuses on top of its provider's destination policy. A Proxy can only
+    /// narrow the policy; widening it is for whoever writes the operator's providers file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destinations: Option<ProxyDestinations>,
+}
+
+/// A Proxy's additions to its provider's destination policy.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyDestinations {
+    /// Rules denied on top of the provider's policy: `CIDR`, an address, `CIDR:PORT`, `CIDR:PORT-PORT`,
+    /// `[IPv6 CIDR]:PORT` or `*:PORT`. A malformed rule fails the Proxy with a message naming it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 64)))]
+    pub deny: Vec<String>,
 }
 
 /// Makes every `Option` field inside a schema non-nullable.
@@ -376,6 +392,7 @@ impl ProxySpec {
             health_check: HealthCheck::default(),
             max_leases: None,
             max_age: None,
+            destinations: None,
         }
     }
 

@@ -113,15 +113,19 @@ async fn rule_external_requires_endpoint() {
     assert_accepted(apply(&api, "with", external()).await);
 }
 
-// Rule 5: External forbids provider, placement and cloudInit.
+// Rule 5: External forbids provider, placement, cloudInit and destinations.
 #[tokio::test]
 async fn rule_external_forbids_instance_fields() {
     let (_ns, api) = proxies("cel-external-forbids").await;
-    let message = "spec.provider, spec.placement and spec.cloudInit must not be set when spec.mode is External";
+    let message = "spec.provider, spec.placement, spec.cloudInit and spec.destinations must not be set when spec.mode is External";
     assert_rejected(apply(&api, "provider", with(external(), "provider", json!("pods"))).await, message);
     assert_rejected(apply(&api, "placement", with(external(), "placement", json!({ "zone": "z" }))).await, message);
     assert_rejected(
         apply(&api, "cloudinit", with(external(), "cloudInit", json!({ "inline": "#cloud-config" }))).await,
+        message,
+    );
+    assert_rejected(
+        apply(&api, "destinations", with(external(), "destinations", json!({ "deny": ["10.0.0.0/8"] }))).await,
         message,
     );
     assert_accepted(

@@ -189,10 +189,11 @@ impl GcpProvider {
             };
             interface = interface.set_subnetwork(subnetwork);
         }
-        let user_data = String::from_utf8(egress_provider::cloud_init::for_request(request, &self.destinations))
-            .map_err(|_| {
-                ProviderError::permanent("the cloud-init is not UTF-8 text, which instance metadata requires")
-            })?;
+        let user_data = String::from_utf8(egress_provider::cloud_init::for_request(
+            request,
+            &self.destinations.narrowed_by(&request.deny_destinations),
+        ))
+        .map_err(|_| ProviderError::permanent("the cloud-init is not UTF-8 text, which instance metadata requires"))?;
         Ok(model::Instance::new()
             .set_name(request.name.clone())
             .set_description("An egress proxy managed by egress-operator")
@@ -332,6 +333,16 @@ fn log_call(operation: &str, target: &str, started: Instant, outcome: &str, oper
 
 #[async_trait]
 impl Provider for GcpProvider {
+    fn destination_denial(
+        &self,
+        host: &str,
+        port: u16,
+        connect: bool,
+        deny: &[egress_provider::destinations::DestinationRule],
+    ) -> Option<egress_provider::destinations::Denial> {
+        self.destinations.narrowed_by(deny).check_host(host, port, connect, &[])
+    }
+
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
         let zone = self.zone_for(request)?;
         let project = &self.config.project;

@@ -145,6 +145,16 @@ pub fn instance_from_pod(pod: &Pod) -> Instance {
 
 #[async_trait]
 impl Provider for KubernetesProvider {
+    fn destination_denial(
+        &self,
+        host: &str,
+        port: u16,
+        connect: bool,
+        deny: &[egress_provider::destinations::DestinationRule],
+    ) -> Option<egress_provider::destinations::Denial> {
+        self.destinations.narrowed_by(deny).check_host(host, port, connect, &self.config.cluster_networks)
+    }
+
     #[instrument(skip(self, request), fields(provider = "kubernetes", instance = %request.name))]
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
         let namespace = request.zone.as_deref().unwrap_or(&self.config.namespace);
@@ -183,7 +193,13 @@ impl Provider for KubernetesProvider {
             owner
         });
         let config_maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), namespace);
-        let config_map = objects::config_map(request, namespace, owner.clone(), &self.destinations, &self.config);
+        let config_map = objects::config_map(
+            request,
+            namespace,
+            owner.clone(),
+            &self.destinations.narrowed_by(&request.deny_destinations),
+            &self.config,
+        );
         match config_maps.create(&PostParams::default(), &config_map).await {
             Ok(_) => {}
             Err(error) if is_conflict(&error) => {}

@@ -277,6 +277,16 @@ fn unix_now() -> u64 {
 
 #[async_trait]
 impl Provider for KvmProvider {
+    fn destination_denial(
+        &self,
+        host: &str,
+        port: u16,
+        connect: bool,
+        deny: &[egress_provider::destinations::DestinationRule],
+    ) -> Option<egress_provider::destinations::Denial> {
+        self.destinations.narrowed_by(deny).check_host(host, port, connect, &[])
+    }
+
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
         let host = self.host_for(request)?.clone();
         let (image_key, image) = self.image_for(request)?;
@@ -300,8 +310,12 @@ impl Provider for KvmProvider {
                 )));
             }
         };
-        let seed = seed::image(request, self.config.vendor_data.as_deref(), &self.destinations)
-            .map_err(|error| ProviderError::permanent("building the seed ISO").with_source(error))?;
+        let seed = seed::image(
+            request,
+            self.config.vendor_data.as_deref(),
+            &self.destinations.narrowed_by(&request.deny_destinations),
+        )
+        .map_err(|error| ProviderError::permanent("building the seed ISO").with_source(error))?;
         let capacity = u64::from(machine.disk_gib) << 30;
         let made = async {
             let overlay = names::overlay_volume(&request.name);

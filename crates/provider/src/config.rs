@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use ipnet::IpNet;
 use serde_json::{Map, Value};
 
-use crate::destinations::{self, Denial, DestinationPolicy, DestinationRule};
+use crate::destinations::{Denial, DestinationPolicy, DestinationRule};
 
 /// The pattern every name and key in the file must match: it keeps IDs, file names and label values parseable.
 pub const IDENTIFIER_PATTERN: &str = "[a-z0-9]([a-z0-9-]*[a-z0-9])?";
@@ -245,8 +245,7 @@ impl ProviderConfig {
     /// Why this provider's proxies would refuse a request to `host`:`port` (a CONNECT tunnel when `connect`), when
     /// that is known without DNS (an IP literal or `localhost`); `None` when it is allowed or only DNS can tell.
     pub fn denies(&self, host: &str, port: u16, connect: bool) -> Option<Denial> {
-        let address = destinations::literal_address(host)?;
-        self.destinations.check(address, port, connect, self.provider_networks())
+        self.destinations.check_host(host, port, connect, self.provider_networks())
     }
 }
 

@@ -206,6 +206,12 @@ impl DestinationPolicy {
         policy
     }
 
+    /// [`DestinationPolicy::check`] for a URL's host, when its address is known without DNS
+    /// ([`literal_address`]); `None` when allowed or when only DNS can tell.
+    pub fn check_host(&self, host: &str, port: u16, connect: bool, extra_denied: &[IpNet]) -> Option<Denial> {
+        self.check(literal_address(host)?, port, connect, extra_denied)
+    }
+
     /// What the rendered Squid does with a request to `address`:`port` (a CONNECT tunnel when `connect`), given
     /// the networks the provider denies besides the defaults (`extra_denied`, for example a cluster's own).
     /// `None` when it is allowed.

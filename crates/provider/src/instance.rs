@@ -6,6 +6,8 @@ use std::fmt;
 use std::net::IpAddr;
 use std::time::SystemTime;
 
+use crate::destinations::DestinationRule;
+
 /// The life-cycle state of an instance, as the provider sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum InstanceState {
@@ -114,6 +116,8 @@ pub struct CreateRequest {
     pub credentials: Option<ProxyCredentials>,
     /// Tags to put on the instance (the GC contract at least).
     pub tags: Tags,
+    /// Destinations the Proxy denies on top of the provider's destination policy (a Proxy can only narrow it).
+    pub deny_destinations: Vec<DestinationRule>,
 }
 
 impl CreateRequest {
@@ -129,6 +133,7 @@ impl CreateRequest {
             port,
             credentials: None,
             tags,
+            deny_destinations: Vec::new(),
         }
     }
 }

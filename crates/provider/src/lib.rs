@@ -29,6 +29,8 @@ pub use instance::{CreateRequest, Instance, InstanceState, ProxyCredentials, Sen
 pub use metrics::{ProviderMetrics, WithMetrics};
 pub use naming::instance_name;
 
+use destinations::{Denial, DestinationRule};
+
 /// A backend that creates, observes and deletes proxy instances.
 ///
 /// Every method is safe to call again after a crash at any point: `create` adopts an existing instance with the
@@ -47,6 +49,15 @@ pub trait Provider: Send + Sync {
 
     /// Every instance carrying all of `tags`, across all zones, hosts or namespaces of this provider.
     async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError>;
+
+    /// Why a proxy this provider renders, with `deny` added to its policy, would refuse a request to `host`:`port`
+    /// (a CONNECT tunnel when `connect`), when that is known without DNS (an IP literal or `localhost`). `None`
+    /// when it is allowed, when only DNS can tell, or when the provider renders no destination policy (the
+    /// default).
+    fn destination_denial(&self, host: &str, port: u16, connect: bool, deny: &[DestinationRule]) -> Option<Denial> {
+        let _ = (host, port, connect, deny);
+        None
+    }
 }
 
 /// A provider's own health: one verdict per target (a project, a host, a cluster). It never fails as a whole.

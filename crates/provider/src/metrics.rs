@@ -113,6 +113,16 @@ impl Provider for WithMetrics {
         self.metrics.observe(&self.name, "list_by_tag", started, &result);
         result
     }
+
+    fn destination_denial(
+        &self,
+        host: &str,
+        port: u16,
+        connect: bool,
+        deny: &[crate::destinations::DestinationRule],
+    ) -> Option<crate::destinations::Denial> {
+        self.inner.destination_denial(host, port, connect, deny)
+    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use egress_api::annotations::{self, FINALIZER};
 use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
+use egress_provider::destinations::DestinationRule;
 use egress_provider::{
     CreateRequest, ErrorClass, Instance, Provider, ProviderError, ProxyCredentials, Sensitive, Tags,
 };
@@ -485,8 +486,12 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
                 debug!(wait_secs = wait.as_secs(), "create deferred by the quota backoff");
                 return Ok(Action::requeue(wait));
             }
-            let request = match create_request(proxy, context, &facts).await {
+            let request = match create_request(proxy, context, &facts, provider.as_ref()).await {
                 Ok(request) => request,
+                // A spec the provider can never serve (a malformed deny rule, a denied probe URL): latched.
+                Err(Error::Provider(error)) if error.class() == ErrorClass::Permanent => {
+                    return latch(proxy, context, &facts, &error).await;
+                }
                 Err(error) => {
                     // Say why on the object (a Secret missing or not yet seen); the error backoff retries.
                     let status = decide::on_transient_failure(&facts, &error.to_string());
@@ -567,7 +572,40 @@ fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
 
 /// Builds the provider request, reading the cloud-init and credentials Secrets. A missing Secret or key is
 /// transient: the Secret may be created after the Proxy.
-async fn create_request(proxy: &Proxy, context: &Context, facts: &Facts) -> Result<CreateRequest, Error> {
+/// `spec.destinations.deny` as rules; a malformed one is a permanent error naming it.
+fn deny_rules(proxy: &Proxy) -> Result<Vec<DestinationRule>, ProviderError> {
+    let deny = proxy.spec.destinations.as_ref().map(|destinations| destinations.deny.as_slice()).unwrap_or_default();
+    deny.iter()
+        .enumerate()
+        .map(|(index, text)| {
+            text.parse::<DestinationRule>()
+                .map_err(|error| ProviderError::permanent(format!("spec.destinations.deny[{index}]: {error}")))
+        })
+        .collect()
+}
+
+/// A permanent error when the Proxy's own probe URL is one its proxy would refuse: it could never turn Ready.
+fn check_probe_url(proxy: &Proxy, provider: &dyn Provider, deny: &[DestinationRule]) -> Result<(), ProviderError> {
+    let Some(url) = proxy.spec.health_check.probe_url.as_deref() else { return Ok(()) };
+    let Ok(probe) = egress_health::ProbeUrl::parse(url) else { return Ok(()) };
+    match provider.destination_denial(probe.host(), probe.port(), probe.is_https(), deny) {
+        None => Ok(()),
+        Some(denial) => Err(ProviderError::permanent(format!(
+            "spec.healthCheck.probeUrl {url} is refused by the destination policy of provider {:?}: {denial}; probe \
+             a public URL, or have it allowed in the provider's destinations (the operator's providers file)",
+            proxy.spec.provider.as_deref().unwrap_or_default()
+        ))),
+    }
+}
+
+async fn create_request(
+    proxy: &Proxy,
+    context: &Context,
+    facts: &Facts,
+    provider: &dyn Provider,
+) -> Result<CreateRequest, Error> {
+    let deny_destinations = deny_rules(proxy)?;
+    check_probe_url(proxy, provider, &deny_destinations)?;
     let uid = proxy.uid().unwrap_or_default();
     let namespace = proxy.namespace().unwrap_or_default();
     let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
@@ -617,6 +655,7 @@ async fn create_request(proxy: &Proxy, context: &Context, facts: &Facts) -> Resu
         port: u16::try_from(proxy.spec.port).unwrap_or(3128),
         credentials,
         tags: Tags::gc_contract(&context.config.cluster_id, &uid, &facts.desired_hash),
+        deny_destinations,
     })
 }
 

@@ -404,13 +404,58 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
         ..egress_api::ProxySpec::new(egress_api::ProxyMode::Managed)
     };
     let proxies: Api<Proxy> = ns.api();
-    proxies.create(&PostParams::default(), &Proxy::new("web", spec)).await.expect("create");
+    proxies.create(&PostParams::default(), &Proxy::new("web", spec.clone())).await.expect("create");
     let running = wait_for(&proxies, "web", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
     let instance = running.status.as_ref().and_then(|s| s.instance.clone()).expect("instance");
     let pod: k8s_openapi::api::core::v1::Pod = ns.api().get(&instance.name).await.expect("the pod exists");
     let pod_ip = pod.status.and_then(|s| s.pod_ip).expect("pod IP");
     assert_eq!(address(&running), Some(format!("{pod_ip}:3128")));
     assert_eq!(pod_ip, _agent.pod_ip(ns.name(), &instance.name).expect("the agent runs it").to_string());
+
+    // A Proxy narrows its provider's destination policy: its rules reach its own squid.conf.
+    let narrowed = egress_api::ProxySpec {
+        destinations: Some(egress_api::ProxyDestinations { deny: vec!["203.0.113.0/24".into(), "*:8443".into()] }),
+        ..spec.clone()
+    };
+    proxies.create(&PostParams::default(), &Proxy::new("narrow", narrowed)).await.expect("create");
+    let narrow = wait_for(&proxies, "narrow", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    let instance_name =
+        narrow.status.as_ref().and_then(|s| s.instance.as_ref()).map(|i| i.name.clone()).expect("instance");
+    let config_map: k8s_openapi::api::core::v1::ConfigMap = ns.api().get(&instance_name).await.expect("its ConfigMap");
+    let conf = config_map.data.unwrap_or_default().remove("squid.conf").unwrap_or_default();
+    assert!(conf.contains("\nacl egress_deny_0_dst dst 203.0.113.0/24\n"), "{conf}");
+    assert!(conf.contains("\nacl egress_deny_1_port port 8443\n"), "{conf}");
+    // What it can never serve fails at once, saying why, without creating anything.
+    let cases = [
+        (
+            "typo",
+            egress_api::ProxySpec {
+                destinations: Some(egress_api::ProxyDestinations { deny: vec!["10.1.2.3/8".into()] }),
+                ..spec.clone()
+            },
+            "spec.destinations.deny[0]: \"10.1.2.3/8\" is not a destination rule",
+        ),
+        (
+            "metadata-probe",
+            egress_api::ProxySpec {
+                health_check: egress_api::HealthCheck {
+                    probe_url: Some("http://169.254.169.254/latest/meta-data/".into()),
+                    ..egress_api::HealthCheck::default()
+                },
+                ..spec.clone()
+            },
+            "spec.healthCheck.probeUrl http://169.254.169.254/latest/meta-data/ is refused by the destination policy of provider \"pods\": link-local",
+        ),
+    ];
+    for (name, spec, message) in cases {
+        proxies.create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create");
+        let failed = wait_for(&proxies, name, "Failed", |p| phase(p) == Some(ProxyPhase::Failed)).await;
+        let failure = failed.status.as_ref().and_then(|s| s.failure.clone()).expect("a failure");
+        assert!(failure.message.contains(message), "{name}: {}", failure.message);
+        assert!(failed.status.as_ref().and_then(|s| s.instance.as_ref()).is_none(), "{name}: nothing was created");
+        delete_and_wait_gone(&proxies, name).await;
+    }
+    delete_and_wait_gone(&proxies, "narrow").await;
 
     delete_and_wait_gone(&proxies, "web").await;
     let pods: Api<k8s_openapi::api::core::v1::Pod> = ns.api();

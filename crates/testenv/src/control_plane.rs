@@ -132,6 +132,12 @@ impl ControlPlane {
         }
 
         let dir = tempfile::Builder::new().prefix("egress-testenv-").tempdir().context("creating a temp dir")?.keep();
+        // The cluster's keys live here: nobody else may even list it.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+                .context("making the state directory private")?;
+        }
         let files = Files::write(&dir)?;
         let etcd_client_port = free_port()?;
         let etcd_peer_port = free_port()?;
@@ -179,8 +185,11 @@ impl ControlPlane {
         let apiserver = spawn_logged(apiserver, &apiserver_log)?;
 
         let kubeconfig_path = dir.join("kubeconfig");
-        fs::write(&kubeconfig_path, kubeconfig_yaml(&server_url, &files.ca_cert, &files.admin_cert, &files.admin_key))
-            .with_context(|| format!("writing {}", kubeconfig_path.display()))?;
+        write_private(
+            &kubeconfig_path,
+            kubeconfig_yaml(&server_url, &files.ca_cert, &files.admin_cert, &files.admin_key),
+        )
+        .with_context(|| format!("writing {}", kubeconfig_path.display()))?;
         let controller_manager_log = dir.join("kube-controller-manager.log");
         let supervisor = spawn_supervisor(&dir, &[etcd.id(), apiserver.id()])?;
 
@@ -269,7 +278,7 @@ impl ControlPlane {
         auth.impersonate_groups =
             (!groups.is_empty()).then(|| groups.iter().map(|group| (*group).to_owned()).collect());
         let text = serde_json::to_string_pretty(&config).context("serializing the kubeconfig")?;
-        fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+        write_private(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
     /// How long the start took, from spawning etcd to the last CRD Established.
@@ -327,8 +336,11 @@ impl ControlPlane {
         let controller_manager_log = local.controller_manager_log.clone();
         let manager_bin = assets::kube_controller_manager();
         let kubeconfig = dir.join("controller-manager.kubeconfig");
-        fs::write(&kubeconfig, kubeconfig_yaml(&server_url, &files.ca_cert, &files.manager_cert, &files.manager_key))
-            .with_context(|| format!("writing {}", kubeconfig.display()))?;
+        write_private(
+            &kubeconfig,
+            kubeconfig_yaml(&server_url, &files.ca_cert, &files.manager_cert, &files.manager_key),
+        )
+        .with_context(|| format!("writing {}", kubeconfig.display()))?;
         let mut manager = Command::new(&manager_bin);
         manager.args([
             &format!("--kubeconfig={}", kubeconfig.display()),
@@ -531,10 +543,19 @@ impl Files {
             (&files.service_account_public_key, service_account.cert),
         ];
         for (path, pem) in contents {
-            fs::write(path, pem).with_context(|| format!("writing {}", path.display()))?;
+            write_private(path, pem).with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(files)
     }
+}
+
+/// Writes a file only its owner may read (0600, also when it existed): keys, certificates and kubeconfigs.
+fn write_private(path: &Path, contents: impl AsRef<[u8]>) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut file = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    file.set_permissions(fs::Permissions::from_mode(0o600))?;
+    file.write_all(contents.as_ref())
 }
 
 fn kubeconfig_yaml(server_url: &str, ca: &Path, cert: &Path, key: &Path) -> String {

@@ -41,6 +41,20 @@ async fn dropping_the_control_plane_stops_it_and_removes_its_files() {
     let dir = state_dir(&plane);
     let pids = control_plane_pids(&dir);
     assert!(pids.len() >= 2, "etcd and kube-apiserver run with the state directory on their command line: {pids:?}");
+    // Keys and kubeconfigs are the cluster's credentials: only their owner reads them.
+    let mode = |path: &Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).expect("metadata").permissions()) & 0o777
+    };
+    assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+    let mut private = 0;
+    for entry in std::fs::read_dir(&dir).expect("the state directory").flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".key") || name.ends_with(".crt") || name.contains("kubeconfig") {
+            assert_eq!(mode(&entry.path()), 0o600, "{name}");
+            private += 1;
+        }
+    }
+    assert!(private >= 6, "the keys, certificates and kubeconfig were found: {private}");
     drop(plane);
     assert!(!dir.exists(), "{} is removed", dir.display());
     for pid in pids {
