@@ -89,6 +89,7 @@ fn proxy(index: usize, squids: &[Squid], interval: i32) -> Proxy {
             healthy_threshold: 1,
             unhealthy_threshold: 2,
             probe_url: None,
+            ..HealthCheck::default()
         },
         ..ProxySpec::new(ProxyMode::External)
     };

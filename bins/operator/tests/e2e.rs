@@ -108,6 +108,7 @@ async fn create(client: &Client, namespace: &str, name: &str) {
             healthy_threshold: 1,
             unhealthy_threshold: 2,
             probe_url: None,
+            ..HealthCheck::default()
         },
         ..ProxySpec::new(ProxyMode::Managed)
     };

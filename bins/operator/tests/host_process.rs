@@ -140,6 +140,7 @@ impl Env {
                 healthy_threshold: 1,
                 unhealthy_threshold: 2,
                 probe_url: None,
+                ..HealthCheck::default()
             },
             ..ProxySpec::new(ProxyMode::Managed)
         };

@@ -24,6 +24,8 @@ pub const DEFAULT_TIMEOUT_SECONDS: i32 = 10;
 pub const DEFAULT_HEALTHY_THRESHOLD: i32 = 2;
 /// Consecutive failures to become unhealthy when `healthCheck.unhealthyThreshold` is not given.
 pub const DEFAULT_UNHEALTHY_THRESHOLD: i32 = 3;
+/// Seconds a Managed instance may stay dead (probes cannot reach or get an answer from it) before it is replaced.
+pub const DEFAULT_REPLACE_AFTER_SECONDS: i32 = 300;
 /// The smallest probe interval the schema accepts.
 pub const MIN_INTERVAL_SECONDS: i32 = 5;
 
@@ -318,6 +320,16 @@ pub struct HealthCheck {
     #[serde(rename = "probeURL", default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^https?://[^\s/?#]+([/?#]\S*)?$"), length(max = 2048))]
     pub probe_url: Option<String>,
+    /// Managed only: seconds the instance may stay dead (probes time out, or cannot connect or get an answer)
+    /// before it is replaced, make-before-break; 0 never replaces it. A replacement that is itself dead waits
+    /// twice as long each time (at most 16 times), so a proxy that cannot work does not churn instances.
+    #[serde(default = "default_replace_after_seconds")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub replace_after_seconds: i32,
+}
+
+fn default_replace_after_seconds() -> i32 {
+    DEFAULT_REPLACE_AFTER_SECONDS
 }
 
 fn default_interval_seconds() -> i32 {
@@ -341,6 +353,7 @@ impl Default for HealthCheck {
             healthy_threshold: DEFAULT_HEALTHY_THRESHOLD,
             unhealthy_threshold: DEFAULT_UNHEALTHY_THRESHOLD,
             probe_url: None,
+            replace_after_seconds: DEFAULT_REPLACE_AFTER_SECONDS,
         }
     }
 }
@@ -361,6 +374,12 @@ pub struct EffectiveHealthCheck {
 }
 
 impl HealthCheck {
+    /// How long a dead Managed instance is kept before it is replaced; `None` never replaces it.
+    pub fn replace_after(&self) -> Option<StdDuration> {
+        (self.replace_after_seconds > 0)
+            .then(|| StdDuration::from_secs(self.replace_after_seconds.unsigned_abs().into()))
+    }
+
     /// Resolves the probe URL default and clamps every value into the schema's bounds.
     ///
     /// The apiserver already enforces the bounds; clamping here keeps a Proxy built in Rust (a test fixture, an
@@ -439,6 +458,10 @@ pub struct ProxyStatus {
     /// replacement that survives an operator restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_age_rotations: Option<u32>,
+    /// How many times self-healing has replaced a dead instance (`healthCheck.replaceAfterSeconds`); part of the
+    /// desired spec hash like `maxAgeRotations`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replacements: Option<u32>,
     /// `Ready`, `Provisioned` and `Healthy`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
@@ -558,11 +581,16 @@ impl Proxy {
     pub fn rotation_token(&self) -> Option<String> {
         let annotation = crate::annotations::annotation(self, crate::annotations::ROTATE);
         let rotations = self.status.as_ref().and_then(|status| status.max_age_rotations).unwrap_or(0);
-        match (annotation, rotations) {
+        let replacements = self.status.as_ref().and_then(|status| status.replacements).unwrap_or(0);
+        let mut token = match (annotation, rotations) {
             (None, 0) => None,
             (Some(token), 0) => Some(token.to_owned()),
             (token, rotations) => Some(format!("{}#maxAge{rotations}", token.unwrap_or_default())),
+        };
+        if replacements > 0 {
+            token = Some(format!("{}#heal{replacements}", token.unwrap_or_default()));
         }
+        token
     }
 
     /// The spec hash the current instance should have: [`crate::spec_hash`] over the spec and the rotation token.
@@ -630,19 +658,21 @@ mod tests {
     #[test]
     fn rotation_token_combines_the_annotation_and_max_age_rotations() {
         let cases = [
-            (None, None, None),
-            (None, Some(0), None),
-            (Some("a"), None, Some("a")),
-            (None, Some(2), Some("#maxAge2")),
-            (Some("a"), Some(1), Some("a#maxAge1")),
+            (None, None, None, None),
+            (None, Some(0), Some(0), None),
+            (Some("a"), None, None, Some("a")),
+            (None, Some(2), None, Some("#maxAge2")),
+            (Some("a"), Some(1), None, Some("a#maxAge1")),
+            (None, None, Some(1), Some("#heal1")),
+            (Some("a"), Some(2), Some(3), Some("a#maxAge2#heal3")),
         ];
-        for (annotation, rotations, expected) in cases {
+        for (annotation, rotations, replacements, expected) in cases {
             let mut proxy = Proxy::new("p", managed());
             if let Some(token) = annotation {
                 proxy.metadata.annotations = Some([(crate::annotations::ROTATE.to_owned(), token.to_owned())].into());
             }
-            proxy.status = Some(ProxyStatus { max_age_rotations: rotations, ..ProxyStatus::default() });
-            assert_eq!(proxy.rotation_token().as_deref(), expected, "{annotation:?} {rotations:?}");
+            proxy.status = Some(ProxyStatus { max_age_rotations: rotations, replacements, ..ProxyStatus::default() });
+            assert_eq!(proxy.rotation_token().as_deref(), expected, "{annotation:?} {rotations:?} {replacements:?}");
             assert_eq!(proxy.desired_spec_hash(), crate::spec_hash(&proxy.spec, expected));
         }
     }
@@ -698,6 +728,7 @@ mod tests {
                     healthy_threshold: 1,
                     unhealthy_threshold: 7,
                     probe_url: Some("http://o.example/".into()),
+                    replace_after_seconds: 60,
                 },
                 (60, 5, 1, 7, "http://o.example/"),
             ),
@@ -709,6 +740,7 @@ mod tests {
                     healthy_threshold: 0,
                     unhealthy_threshold: -1,
                     probe_url: None,
+                    replace_after_seconds: -5,
                 },
                 (5, 4, 1, 1, default_url),
             ),

@@ -51,6 +51,16 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Whether the failure says the proxy itself does not work: nothing listens, the connection cannot be made,
+    /// or the proxy never answers or answers garbage. Refusals with a status (credentials, its destination
+    /// policy, the origin's answer) and TLS to the origin are not the proxy being dead.
+    pub fn means_dead(&self) -> bool {
+        matches!(
+            self,
+            Self::ConnectRefused | Self::ConnectTimeout | Self::ConnectFailed(_) | Self::Timeout | Self::Protocol(_)
+        )
+    }
+
     /// A stable short string, used as a metric label.
     pub fn kind(&self) -> &'static str {
         match self {

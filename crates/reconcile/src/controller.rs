@@ -372,6 +372,7 @@ async fn observe(
         desired_hash: proxy.desired_spec_hash(),
         retry_token,
         max_age: jittered_max_age(proxy),
+        replace_after: proxy.spec.health_check.replace_after(),
         resync: context.config.resync,
         now: SystemTime::now(),
         desired: Observed::NotRecorded,
@@ -591,7 +592,7 @@ fn check_probe_url(proxy: &Proxy, provider: &dyn Provider, deny: &[DestinationRu
     match provider.destination_denial(probe.host(), probe.port(), probe.is_https(), deny) {
         None => Ok(()),
         Some(denial) => Err(ProviderError::permanent(format!(
-            "spec.healthCheck.probeUrl {url} is refused by the destination policy of provider {:?}: {denial}; probe \
+            "spec.healthCheck.probeURL {url} is refused by the destination policy of provider {:?}: {denial}; probe \
              a public URL, or have it allowed in the provider's destinations (the operator's providers file)",
             proxy.spec.provider.as_deref().unwrap_or_default()
         ))),

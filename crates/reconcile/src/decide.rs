@@ -72,6 +72,8 @@ pub struct Facts {
     pub retry_token: Option<String>,
     /// `maxAge`, already jittered for this Proxy.
     pub max_age: Option<Duration>,
+    /// `healthCheck.replaceAfterSeconds`: how long a dead instance is kept; `None` never replaces it.
+    pub replace_after: Option<Duration>,
     /// How long a Running, settled Proxy waits before looking at its instance again (to notice preemption).
     pub resync: Duration,
     /// The current time.
@@ -298,7 +300,13 @@ fn decide_managed(facts: &Facts) -> Decision {
                 if healthy != Some(true) {
                     // Make before break: the old instance serves until the new one is proven healthy.
                     status.phase = Some(ProxyPhase::Replacing);
-                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(facts.resync) };
+                    // A replacement that is itself dead is replaced in turn, each time after twice as long.
+                    let factor = 1_u32 << status.replacements.unwrap_or(0).min(4);
+                    let requeue = match self_heal(facts, &mut status, &mut events, &current.name, factor) {
+                        Some(wait) => wait.min(facts.resync),
+                        None => facts.resync,
+                    };
+                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) };
                 }
                 // The new instance is healthy: switch the endpoint in this one write.
                 status.endpoint = Some(EndpointStatus::from(&candidate));
@@ -329,6 +337,12 @@ fn decide_managed(facts: &Facts) -> Decision {
                 None => ProxyPhase::Running,
             });
             let mut requeue = facts.resync;
+            if let Some(wait) = self_heal(facts, &mut status, &mut events, &current.name, 1) {
+                if wait.is_zero() {
+                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(wait) };
+                }
+                requeue = requeue.min(wait);
+            }
             if let (Some(max_age), Some(created_at)) = (facts.max_age, created_at) {
                 let expires = *created_at + max_age;
                 match expires.duration_since(facts.now) {
@@ -348,6 +362,38 @@ fn decide_managed(facts: &Facts) -> Decision {
             Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) }
         }
     }
+}
+
+/// Self-healing: when the instance `name` has been dead (unhealthy, and the failure says it does not answer) for
+/// `replaceAfterSeconds` × `factor`, counts a replacement, which changes the desired spec hash; the next reconcile
+/// creates the new instance, make-before-break. Returns how long until that is due (zero once counted), or `None`
+/// when the instance is not dead or self-healing is off.
+fn self_heal(
+    facts: &Facts,
+    status: &mut ProxyStatus,
+    events: &mut Vec<EventSpec>,
+    name: &str,
+    factor: u32,
+) -> Option<Duration> {
+    let after = facts.replace_after?;
+    let verdict = facts.health.as_ref().filter(|verdict| !verdict.healthy && verdict.dead)?;
+    let limit = after.saturating_mul(factor);
+    let dead_for = facts.now.duration_since(verdict.since).unwrap_or_default();
+    if dead_for < limit {
+        return Some(limit - dead_for);
+    }
+    let count = status.replacements.unwrap_or(0) + 1;
+    status.replacements = Some(count);
+    events.push(EventSpec::warning(
+        "SelfHealing",
+        format!(
+            "instance {name} has not worked for {}s ({}; replacing after {}s): creating replacement {count}",
+            dead_for.as_secs(),
+            verdict.last_error.as_deref().unwrap_or("no answer"),
+            limit.as_secs()
+        ),
+    ));
+    Some(Duration::ZERO)
 }
 
 /// Writes `status.health` and `status.egressIP` from the verdict, only when `healthy` flips (or first appears), so

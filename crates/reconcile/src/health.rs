@@ -43,6 +43,9 @@ pub struct Verdict {
     pub last_error: Option<String>,
     /// The address the probe target saw, when it echoes one.
     pub egress_ip: Option<String>,
+    /// Whether the last failure says the proxy itself is dead (no connection, no answer, or garbage) rather than
+    /// refusing for a reason of its own (credentials, its policy, the origin's answer): what self-healing acts on.
+    pub dead: bool,
 }
 
 impl From<CurrentVerdict> for Verdict {
@@ -50,6 +53,7 @@ impl From<CurrentVerdict> for Verdict {
         Self {
             healthy: verdict.healthy,
             since: verdict.since,
+            dead: !verdict.healthy && verdict.last_error.as_ref().is_some_and(egress_health::FailureReason::means_dead),
             last_error: verdict.last_error.map(|reason| reason.to_string()),
             egress_ip: verdict.egress_ip.map(|ip| ip.to_string()),
         }

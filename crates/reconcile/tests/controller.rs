@@ -444,7 +444,7 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
                 },
                 ..spec.clone()
             },
-            "spec.healthCheck.probeUrl http://169.254.169.254/latest/meta-data/ is refused by the destination policy of provider \"pods\": link-local",
+            "spec.healthCheck.probeURL http://169.254.169.254/latest/meta-data/ is refused by the destination policy of provider \"pods\": link-local",
         ),
     ];
     for (name, spec, message) in cases {

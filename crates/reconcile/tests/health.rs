@@ -25,12 +25,8 @@ fn phase(proxy: &Proxy) -> Option<ProxyPhase> {
     proxy.status.as_ref().and_then(|status| status.phase)
 }
 
-#[tokio::test]
-async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
-    let ns = egress_testenv::namespace("rc-health").await;
-    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
-    let origin = LocalOrigin::start().await.expect("origin");
-
+/// The kubernetes provider `pods` in the test's namespace, its proxies allowed to reach `origin`.
+fn pods_provider(ns: &egress_testenv::TestNamespace, origin: &LocalOrigin) -> Arc<dyn Provider> {
     let text = format!(
         "providers:\n  - name: pods\n    type: kubernetes\n    destinations: {}\n    kubernetes: {{ namespace: {} }}\n",
         origin.destinations_yaml(),
@@ -38,9 +34,16 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     );
     let config = ProvidersConfig::parse(&text, "test").expect("config");
     let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
-    let provider = Arc::new(
-        KubernetesProvider::new(ns.client(), settings).with_destinations(config.providers[0].destinations.clone()),
-    ) as Arc<dyn Provider>;
+    Arc::new(KubernetesProvider::new(ns.client(), settings).with_destinations(config.providers[0].destinations.clone()))
+}
+
+#[tokio::test]
+async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
+    let ns = egress_testenv::namespace("rc-health").await;
+    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+    let origin = LocalOrigin::start().await.expect("origin");
+
+    let provider = pods_provider(&ns, &origin);
     let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     // Composed as the operator does: one Proxy store for the controller and the health feed.
     let (proxies, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
@@ -66,6 +69,7 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
             healthy_threshold: 1,
             unhealthy_threshold: 2,
             probe_url: None,
+            ..HealthCheck::default()
         },
         ..ProxySpec::new(ProxyMode::Managed)
     };
@@ -116,6 +120,82 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     // it times out.
     assert!(health.last_error.as_deref().is_some_and(|error| error.contains("timed out")), "{health:?}");
 
+    leader.stop();
+    watch.abort();
+}
+
+/// Self-healing: a Managed Proxy whose Squid stops answering for good is replaced, make-before-break, within
+/// `replaceAfterSeconds` plus one provisioning time of turning Unhealthy, and the dead instance is deleted.
+#[tokio::test]
+async fn a_dead_instance_is_replaced_after_replace_after_seconds() {
+    let ns = egress_testenv::namespace("rc-heal").await;
+    let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = pods_provider(&ns, &origin);
+    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
+    let (feed, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
+    let leader =
+        Leader::start(&ns.client(), ns.name(), provider, feed, credentials, origin.url(), HealthMetrics::default());
+    let replace_after = Duration::from_secs(5);
+    let spec = ProxySpec {
+        provider: Some("pods".into()),
+        health_check: HealthCheck {
+            interval_seconds: 5,
+            timeout_seconds: 2,
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+            replace_after_seconds: 5,
+            ..HealthCheck::default()
+        },
+        ..ProxySpec::new(ProxyMode::Managed)
+    };
+    let proxies: Api<Proxy> = ns.api();
+    let created = std::time::Instant::now();
+    proxies.create(&PostParams::default(), &Proxy::new("healer", spec)).await.expect("create");
+    let instance_of = |proxy: &Proxy| proxy.status.as_ref().and_then(|s| s.instance.as_ref()).map(|i| i.name.clone());
+    let ready = eventually("the Proxy to turn Ready", WAIT, || async {
+        let proxy = proxies.get("healer").await.ok()?;
+        (phase(&proxy) == Some(ProxyPhase::Ready)).then_some(proxy)
+    })
+    .await;
+    let provisioning = created.elapsed();
+    let dead = instance_of(&ready).expect("an instance");
+    assert!(agent.kill_squid(ns.name(), &dead).await, "the node agent froze the Squid");
+    eventually("the Proxy to turn Unhealthy", WAIT, || async {
+        let proxy = proxies.get("healer").await.ok()?;
+        (phase(&proxy) == Some(ProxyPhase::Unhealthy)).then_some(())
+    })
+    .await;
+    let unhealthy = std::time::Instant::now();
+    let healed = eventually("Ready on a new instance", WAIT, || async {
+        let proxy = proxies.get("healer").await.ok()?;
+        (phase(&proxy) == Some(ProxyPhase::Ready) && instance_of(&proxy).is_some_and(|name| name != dead))
+            .then_some(proxy)
+    })
+    .await;
+    let took = unhealthy.elapsed();
+    println!(
+        "self-healing: Ready on {} {took:.1?} after turning Unhealthy (replaceAfterSeconds {}s + provisioning {provisioning:.1?})",
+        instance_of(&healed).unwrap_or_default(),
+        replace_after.as_secs()
+    );
+    assert!(took <= replace_after + provisioning + Duration::from_secs(3), "took {took:?}");
+    assert_eq!(healed.status.as_ref().and_then(|s| s.replacements), Some(1));
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = ns.api();
+    eventually("the dead instance to be deleted", WAIT, || async {
+        let gone = pods.get_opt(&dead).await.ok()?.is_none();
+        let proxy = proxies.get("healer").await.ok()?;
+        (gone && proxy.status.as_ref().is_some_and(|s| s.previous_instance.is_none())).then_some(())
+    })
+    .await;
+    let events: Api<k8s_openapi::api::core::v1::Event> = ns.api();
+    let list =
+        events.list(&kube::api::ListParams::default().fields("involvedObject.name=healer")).await.expect("events");
+    assert!(
+        list.items.iter().any(|event| event.reason.as_deref() == Some("SelfHealing")),
+        "a SelfHealing Event: {:?}",
+        list.items.iter().map(|event| event.reason.clone()).collect::<Vec<_>>()
+    );
     leader.stop();
     watch.abort();
 }

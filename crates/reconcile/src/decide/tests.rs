@@ -26,6 +26,7 @@ fn verdict(healthy: bool) -> Option<Verdict> {
         since: at(1_500),
         last_error: (!healthy).then(|| "connect refused".into()),
         egress_ip: None,
+        dead: !healthy,
     })
 }
 
@@ -39,6 +40,7 @@ fn facts() -> Facts {
         desired_hash: HASH.into(),
         retry_token: None,
         max_age: None,
+        replace_after: None,
         resync: Duration::from_secs(60),
         now: at(2_000),
         desired: Observed::NotRecorded,
@@ -261,6 +263,68 @@ fn replacement_switches_the_endpoint_only_when_the_new_instance_is_healthy() {
     assert_eq!(done.action, Action::Nothing);
     assert_eq!(done.status.previous_instance, None);
     assert!(reasons(&done).contains(&"Replaced"));
+}
+
+// Row: the instance has been dead (unhealthy, no answer) for replaceAfterSeconds → count a replacement, which
+// changes the desired hash; the next pass starts a make-before-break replacement.
+#[test]
+fn a_dead_instance_is_replaced_after_replace_after() {
+    // Dead since 1500, now 2000: 500 s.
+    let mut dead = with_current(InstanceState::Running, Some("10.0.0.2"));
+    dead.health = verdict(false);
+    dead.replace_after = Some(Duration::from_secs(300));
+    let decision = decide(&dead);
+    assert_eq!(decision.status.replacements, Some(1));
+    assert_eq!(reasons(&decision), ["Unhealthy", "SelfHealing"]);
+    assert!(
+        decision.events[1].warning && decision.events[1].note.contains("not worked for 500s"),
+        "{:?}",
+        decision.events
+    );
+    assert_eq!(decision.requeue, Requeue::After(Duration::ZERO));
+    assert_eq!(decision.status.phase, Some(ProxyPhase::Unhealthy), "it keeps serving what it can until replaced");
+
+    let mut early = dead.clone();
+    early.replace_after = Some(Duration::from_secs(600));
+    let decision = decide(&early);
+    assert_eq!(decision.status.replacements, None);
+    assert_eq!(decision.requeue, Requeue::After(Duration::from_secs(60)), "resync first, then the due time");
+    early.replace_after = Some(Duration::from_secs(530));
+    assert_eq!(decide(&early).requeue, Requeue::After(Duration::from_secs(30)), "wake up when it is due");
+
+    let mut off = dead.clone();
+    off.replace_after = None;
+    assert_eq!(decide(&off).status.replacements, None, "replaceAfterSeconds 0 never replaces");
+
+    // Refusing for a reason of its own (credentials, its policy, the origin) is not dead.
+    let mut refusing = dead.clone();
+    refusing.health = verdict(false).map(|verdict| Verdict { dead: false, ..verdict });
+    assert_eq!(decide(&refusing).status.replacements, None);
+}
+
+// Row: a replacement that is itself dead is replaced in turn, waiting twice as long per replacement so far.
+#[test]
+fn a_dead_replacement_is_replaced_with_backoff() {
+    let mut facts = replacing(verdict(false), PreviousObserved::Present);
+    facts.replace_after = Some(Duration::from_secs(300));
+    facts.status.replacements = Some(1);
+    // 500 s dead, but the second try waits 2 × 300 s.
+    let waiting = decide(&facts);
+    assert_eq!(waiting.status.replacements, Some(1));
+    assert_eq!(waiting.status.phase, Some(ProxyPhase::Replacing));
+    assert_eq!(waiting.requeue, Requeue::After(Duration::from_secs(60)));
+    assert_eq!(waiting.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("10.0.0.1:3128"), "old serves");
+    facts.replace_after = Some(Duration::from_secs(200));
+    let retry = decide(&facts);
+    assert_eq!(retry.status.replacements, Some(2));
+    assert_eq!(reasons(&retry), ["SelfHealing"]);
+    // The next pass deletes the unfinished replacement; the old instance keeps serving until the newest is ready.
+    let mut next = facts.clone();
+    next.status = retry.status.clone();
+    next.desired_hash = "2222222222222222".into();
+    let cleanup = decide(&next);
+    assert_eq!(cleanup.action, Action::Delete { provider_id: "scripted/px-new".into() });
+    assert_eq!(cleanup.status.previous_instance.as_ref().map(|p| p.name.as_str()), Some("px-old"));
 }
 
 // Row: maxAge set and instance older → start a replacement.
