@@ -26,7 +26,7 @@ pub use api::MAX_BODY_BYTES;
 pub use auth::{Auth, Scope, TokenFile, TokenFileError};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
-pub use server::{ServerLimits, ServerMetrics, serve, serve_with};
+pub use server::{LISTEN_BACKLOG, ServerLimits, ServerMetrics, bind, serve, serve_with};
 
 /// One proxy as the discovery API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -169,6 +169,19 @@ impl Drop for InFlight {
     }
 }
 
+/// How many accepted-but-not-yet-served connections the kernel queues. The standard library's (and mio's) 128
+/// overflows under a burst of connections; the kernel then answers with SYN cookies and drops the handshake's last
+/// ACK, so a client that connected but has not sent anything yet holds a connection the server never sees.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener for [`serve_with`] with [`LISTEN_BACKLOG`] (the kernel caps it at `net.core.somaxconn`).
+pub fn bind(address: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if address.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(address)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Serves `router` on `listener` with the default limits until `shutdown` resolves, finishing in-flight requests.
 pub async fn serve(
     listener: TcpListener,

@@ -32,7 +32,8 @@ async fn start(limits: ServerLimits) -> (SocketAddr, ServerMetrics) {
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let state = Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()));
     state.mark_synced();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    // As the operator binds: a burst of 350 connections must not overflow the accept queue.
+    let listener = egress_discovery::bind("127.0.0.1:0".parse().expect("an address")).expect("bind");
     let address = listener.local_addr().expect("address");
     let metrics = ServerMetrics::default();
     tokio::spawn(serve_with(listener, router(state), limits, "discovery", metrics.clone(), std::future::pending()));

@@ -316,9 +316,8 @@ async fn serve_all(
         ("health", settings.health_addr, health),
         ("discovery", settings.discovery_addr, egress_discovery::router(discovery)),
     ] {
-        let listener = tokio::net::TcpListener::bind(address)
-            .await
-            .with_context(|| format!("binding the {name} address {address}"))?;
+        let listener =
+            egress_discovery::bind(address).with_context(|| format!("binding the {name} address {address}"))?;
         info!(%address, "{name} listening");
         let stop = stop.clone();
         let (limits, metrics) = (settings.http_limits, server_metrics.clone());
