@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ServerLimits, ServerMetrics, router, serve_with};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use egress_testenv::eventually;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -226,11 +227,11 @@ async fn connections_over_the_cap_are_refused_at_once_and_counted() {
         held.push(TcpStream::connect(address).await.expect("connect"));
     }
     // The server takes the 50 before the next ones.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while metrics.open("discovery") < 50 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(metrics.open("discovery"), 50);
+    eventually("the server to hold 50 connections", Duration::from_secs(5), || {
+        let open = metrics.open("discovery");
+        async move { (open == 50).then_some(()) }
+    })
+    .await;
     for _ in 0..30 {
         let started = Instant::now();
         let mut stream = TcpStream::connect(address).await.expect("the kernel accepts the connection");
@@ -243,10 +244,11 @@ async fn connections_over_the_cap_are_refused_at_once_and_counted() {
     assert_eq!(metrics.open("discovery"), 50, "the cap held");
     drop(held);
     // Slots come back as the held connections close.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while metrics.open("discovery") > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the held connections to close", Duration::from_secs(5), || {
+        let open = metrics.open("discovery");
+        async move { (open == 0).then_some(()) }
+    })
+    .await;
     let (status, _) = get(address).await;
     assert_eq!(status, 200, "served again once the held connections closed");
 }
