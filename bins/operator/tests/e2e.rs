@@ -406,6 +406,23 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
         create(&client, ns, name).await;
     }
 
+    // A lease held across the failover, and a ban that must outlive the leader that heard it.
+    let discovery = discovery();
+    let mut held = eventually("a lease before the failover", WAIT, || {
+        let discovery = discovery.clone();
+        async move { discovery.lease(LeaseOptions::for_target("held.example").ttl(Duration::from_secs(600))).await.ok() }
+    })
+    .await;
+    let banned = discovery.lease(LeaseOptions::for_target("banned.example")).await.expect("a lease to ban");
+    let banned_proxy = banned.proxy();
+    banned.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
+    banned.release().await.expect("release");
+    // Kept before the report was answered: the Proxy's status has it already.
+    let (banned_ns, banned_name) = banned_proxy.split_once('/').expect("namespace/name");
+    let kept = Api::<Proxy>::namespaced(client.clone(), banned_ns).get(banned_name).await.expect("banned Proxy");
+    let kept = kept.status.map(|status| status.cooldowns).unwrap_or_default();
+    assert!(kept.iter().any(|cooldown| cooldown.site == "banned.example" && cooldown.streak == 1), "{kept:?}");
+
     let pods = operator_pods(&client).await;
     let leader = pods.iter().find(|pod| is_leader(pod)).expect("a leader").clone();
     let other = pods.iter().find(|pod| !is_leader(pod)).expect("a follower").clone();
@@ -450,13 +467,25 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     })
     .await;
     // Discovery works through the Service on the new leader.
-    let discovery = discovery();
     let lease = eventually("a lease from the new leader", WAIT, || {
         let discovery = discovery.clone();
         async move { discovery.lease(LeaseOptions::for_target("example.com")).await.ok() }
     })
     .await;
     lease.release().await.expect("release");
+    // The held lease is still good: the new leader adopts it. The ban survived: the banned proxy is not leased for
+    // that site, and the cooldown is listed.
+    held.renew(None).await.expect("the lease held across the failover renews");
+    held.release().await.expect("and releases");
+    let cooldowns = discovery.cooldowns(Some("banned.example")).await.expect("cooldowns");
+    assert!(cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy && cooldown.streak == 1), "{cooldowns:?}");
+    for _ in 0..4 {
+        let lease = discovery.lease(LeaseOptions::for_target("banned.example")).await;
+        if let Ok(lease) = &lease {
+            assert_ne!(lease.proxy(), banned_proxy, "a proxy cooling down for the site was leased for it");
+        }
+        std::mem::drop(lease);
+    }
     for name in before {
         let proxy = proxies.get(name).await.expect("get Proxy");
         assert_eq!(proxy.status.and_then(|status| status.phase), Some(ProxyPhase::Ready), "{name} stayed Ready");

@@ -18,9 +18,9 @@ pub mod proxy;
 pub use hash::spec_hash;
 pub use provider_health::{ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, TargetHealth};
 pub use proxy::{
-    CloudInit, EffectiveHealthCheck, Endpoint, EndpointStatus, FailureStatus, HealthCheck, HealthStatus, InstanceState,
-    InstanceStatus, Placement, Proxy, ProxyAuth, ProxyDestinations, ProxyMode, ProxyPhase, ProxySpec, ProxyStatus,
-    SecretKeyRef, SecretNameRef,
+    CloudInit, CooldownStatus, EffectiveHealthCheck, Endpoint, EndpointStatus, FailureStatus, HealthCheck,
+    HealthStatus, InstanceState, InstanceStatus, Placement, Proxy, ProxyAuth, ProxyDestinations, ProxyMode, ProxyPhase,
+    ProxySpec, ProxyStatus, SecretKeyRef, SecretNameRef,
 };
 
 /// The API group of every resource in this crate.

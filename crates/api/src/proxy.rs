@@ -466,6 +466,25 @@ pub struct ProxyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// The sites that banned this proxy and for how long it is not leased for them, kept so a restart or a new
+    /// leader keeps every cooldown. Written by the discovery API under its own field manager
+    /// (`egress-operator-cooldowns`), never by the reconciler; at most 64, the latest-ending first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub cooldowns: Vec<CooldownStatus>,
+}
+
+/// A proxy's cooldown for one site.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CooldownStatus {
+    /// The site, as leases name it (its registrable domain by default).
+    #[schemars(length(max = 2048))]
+    pub site: String,
+    /// When the proxy may be leased for the site again.
+    pub until: Time,
+    /// How many bans in a row led to this cooldown; the next one in a row doubles it.
+    pub streak: u32,
 }
 
 /// The life-cycle phase of a proxy.

@@ -156,6 +156,20 @@ pub struct ProxyInfo {
     pub cooling_down_until: Option<String>,
 }
 
+/// A live cooldown as the API lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CooldownInfo {
+    /// The proxy, `namespace/name`.
+    pub proxy: String,
+    /// The normalised target (site).
+    pub target: String,
+    /// When the proxy may be leased for the site again (RFC 3339).
+    pub until: String,
+    /// Bans in a row.
+    pub streak: u32,
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct LeasedProxy {
@@ -171,6 +185,15 @@ struct LeaseBody {
     proxy: LeasedProxy,
     target: String,
     expires_at: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RenewBody {
+    #[serde(flatten)]
+    lease: LeaseBody,
+    #[serde(default)]
+    replaced: bool,
 }
 
 struct Inner {
@@ -269,6 +292,22 @@ impl DiscoveryClient {
             .map_err(|error| ClientError::Decode(error.to_string()))
     }
 
+    /// Live cooldowns, for one target or all: which proxy may not be leased for which site until when.
+    pub async fn cooldowns(&self, target: Option<&str>) -> Result<Vec<CooldownInfo>, ClientError> {
+        let path = match target {
+            Some(target) => format!("/v1/cooldowns?target={}", encode(target)),
+            None => "/v1/cooldowns".to_owned(),
+        };
+        let (_, body) = self.call(Method::GET, &path, None).await?;
+        #[derive(Deserialize)]
+        struct List {
+            cooldowns: Vec<CooldownInfo>,
+        }
+        serde_json::from_slice::<List>(&body)
+            .map(|list| list.cooldowns)
+            .map_err(|error| ClientError::Decode(error.to_string()))
+    }
+
     /// Leases a proxy.
     pub async fn lease(&self, options: LeaseOptions) -> Result<LeaseGuard, ClientError> {
         let mut body = json!({ "target": options.target });
@@ -326,16 +365,17 @@ impl LeaseGuard {
         &self.lease.expires_at
     }
 
-    /// Extends the lease.
-    pub async fn renew(&mut self, ttl: Option<Duration>) -> Result<(), ClientError> {
+    /// Extends the lease. Returns whether the proxy's instance was replaced since this guard last heard of it:
+    /// then [`LeaseGuard::proxy_url`] has changed, and requests must go to the new URL from now on (the old
+    /// instance is kept only until its holders have renewed, or a drain timeout). The guard keeps the renewed ID.
+    pub async fn renew(&mut self, ttl: Option<Duration>) -> Result<bool, ClientError> {
         let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
         let (_, bytes) =
             self.client.call(Method::POST, &format!("/v1/leases/{}/renew", encode(&self.lease.id)), Some(body)).await?;
-        let renewed: Value = serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
-        if let Some(expires_at) = renewed["expiresAt"].as_str() {
-            self.lease.expires_at = expires_at.to_owned();
-        }
-        Ok(())
+        let renewed: RenewBody =
+            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        self.lease = renewed.lease;
+        Ok(renewed.replaced)
     }
 
     /// Reports what happened; for a ban, returns when the proxy's cooldown for this site ends.

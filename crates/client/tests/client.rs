@@ -21,6 +21,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         max_leases,
         healthy: true,
         credentials: Some(("crawler".into(), "secret".into())),
+        cooldowns: Vec::new(),
     }
 }
 
@@ -65,12 +66,18 @@ async fn lease_report_renew_and_release() {
         .expect("lease");
     assert_eq!(lease.target(), "example.com");
     assert_eq!(lease.proxy_url(), "http://crawler:secret@127.0.0.1:3128");
-    let before = lease.expires_at().to_owned();
-    lease.renew(Some(Duration::from_secs(600))).await.expect("renew");
+    let (before, first_id) = (lease.expires_at().to_owned(), lease.id().to_owned());
+    assert!(!lease.renew(Some(Duration::from_secs(600))).await.expect("renew"), "no replacement");
     assert_ne!(lease.expires_at(), before);
+    assert_ne!(lease.id(), first_id, "the guard keeps the renewed ID");
     let until = lease.report(Outcome::Banned, Some(403)).await.expect("report");
     assert!(until.is_some(), "a ban returns the cooldown's end");
     let banned = lease.proxy();
+    let cooldowns = client.cooldowns(Some("img.example.com")).await.expect("cooldowns");
+    assert_eq!(cooldowns.len(), 1);
+    assert_eq!((cooldowns[0].proxy.as_str(), cooldowns[0].target.as_str(), cooldowns[0].streak), (banned.as_str(), "example.com", 1));
+    assert_eq!(Some(&cooldowns[0].until), until.as_ref());
+    assert!(client.cooldowns(Some("other.org")).await.expect("cooldowns").is_empty());
     lease.release().await.expect("release");
     assert_eq!(active(&client).await, 0);
 

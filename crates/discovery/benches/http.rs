@@ -34,6 +34,7 @@ async fn discovery_server() -> SocketAddr {
             max_leases: 5,
             healthy: true,
             credentials: None,
+            cooldowns: Vec::new(),
         })
         .collect::<Vec<_>>();
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));

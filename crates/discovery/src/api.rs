@@ -82,10 +82,17 @@ async fn readyz(State(state): Shared) -> Response {
     "ok".into_response()
 }
 
-/// Checks the bearer token and the gate; returns the caller's scope.
-fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Scope, Problem> {
-    let scope = match &state.auth {
-        Auth::Disabled => Scope::Lease,
+/// Who is calling.
+struct Caller {
+    scope: Scope,
+    /// What the caller's leases are bound to: its token (never stored; it only enters lease IDs' MACs).
+    owner: String,
+}
+
+/// Checks the bearer token and the gate; returns the caller.
+fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Caller, Problem> {
+    let (scope, owner) = match &state.auth {
+        Auth::Disabled => (Scope::Lease, String::new()),
         Auth::Tokens(tokens) => {
             let value = headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok());
             // The scheme is case-insensitive (RFC 9110, section 11.1).
@@ -96,7 +103,9 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Sc
             let Some(token) = token else {
                 return Err(Problem::unauthorized("send `Authorization: Bearer <token>`"));
             };
-            tokens.scope_of(token.trim()).ok_or_else(|| Problem::unauthorized("the token is not known"))?
+            let token = token.trim();
+            let scope = tokens.scope_of(token).ok_or_else(|| Problem::unauthorized("the token is not known"))?;
+            (scope, token.to_owned())
         }
     };
     if scope < needed {
@@ -108,7 +117,7 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Sc
             .with_reason("not-serving")
             .with_retry_after(Duration::from_secs(5)));
     }
-    Ok(scope)
+    Ok(Caller { scope, owner })
 }
 
 /// Parses a JSON body strictly; an empty body reads as `{}` when `empty_ok`.
@@ -201,21 +210,13 @@ fn userinfo(text: &str) -> String {
     out
 }
 
-fn host_port(record: &ProxyRecord) -> String {
-    if record.host.contains(':') {
-        format!("[{}]:{}", record.host, record.port)
-    } else {
-        format!("{}:{}", record.host, record.port)
-    }
-}
-
 /// The proxy URL; with credentials only for the lease scope.
 fn proxy_url(record: &ProxyRecord, scope: Scope) -> String {
     match (&record.credentials, scope) {
         (Some((user, password)), Scope::Lease) => {
-            format!("http://{}:{}@{}", userinfo(user), userinfo(password), host_port(record))
+            format!("http://{}:{}@{}", userinfo(user), userinfo(password), record.endpoint())
         }
-        _ => format!("http://{}", host_port(record)),
+        _ => format!("http://{}", record.endpoint()),
     }
 }
 
@@ -245,7 +246,7 @@ async fn list_proxies(
     headers: HeaderMap,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let scope = authorize(&state, &headers, Scope::Read)?;
+    let scope = authorize(&state, &headers, Scope::Read)?.scope;
     let query = parse_query(query, &["selector", "target"])?;
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
@@ -321,10 +322,14 @@ struct LeaseResponse<'a> {
     proxy: LeasedProxy<'a>,
     target: &'a str,
     expires_at: String,
+    /// On renew only: whether the proxy's instance was replaced since the holder was last told its URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replaced: Option<bool>,
 }
 
 /// The lease as JSON bytes, serialised straight from the record under the read lock (no copies on the hot path).
-fn lease_json(state: &Discovery, lease: &Lease, scope: Scope) -> Result<Vec<u8>, Problem> {
+/// `replaced` is given on renew.
+fn lease_json(state: &Discovery, lease: &Lease, scope: Scope, replaced: Option<bool>) -> Result<Vec<u8>, Problem> {
     let records = state.records.read().expect("record lock");
     let record = records.get(&lease.proxy).ok_or_else(|| {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "proxy-gone", "The proxy just went away", "retry the request")
@@ -342,6 +347,7 @@ fn lease_json(state: &Discovery, lease: &Lease, scope: Scope) -> Result<Vec<u8>,
         },
         target: &lease.target,
         expires_at: timestamp(lease.expires_at),
+        replaced,
     };
     serde_json::to_vec(&response).map_err(|error| {
         Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", error.to_string())
@@ -353,7 +359,7 @@ async fn create_lease(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    let scope = authorize(&state, &headers, Scope::Lease)?;
+    let caller = authorize(&state, &headers, Scope::Lease)?;
     let body: LeaseBody = parse_body(&headers, body, false)?;
     if body.target.trim().is_empty() || body.target.len() > 2048 {
         return Err(Problem::bad_request("target must be a host name or URL of at most 2048 characters"));
@@ -374,12 +380,13 @@ async fn create_lease(
         ttl: ttl(body.ttl_seconds)?,
         proxy: body.proxy,
         session: body.session,
+        owner: caller.owner,
     };
     let now = SystemTime::now();
     match state.store.lease(&request, now) {
         Ok(lease) => {
             state.metrics.granted();
-            let body = lease_json(&state, &lease, scope)?;
+            let body = lease_json(&state, &lease, caller.scope, None)?;
             let location = format!("/v1/leases/{}", lease.id);
             Ok((
                 StatusCode::CREATED,
@@ -446,11 +453,13 @@ async fn renew_lease(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    authorize(&state, &headers, Scope::Lease)?;
+    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let body: RenewBody = parse_body(&headers, body, true)?;
-    let lease = state.store.renew(&id, ttl(body.ttl_seconds)?, SystemTime::now()).map_err(lease_problem)?;
-    Ok(Json(json!({ "id": lease.id, "expiresAt": timestamp(lease.expires_at) })).into_response())
+    let renewed =
+        state.store.renew(&id, &caller.owner, ttl(body.ttl_seconds)?, SystemTime::now()).map_err(lease_problem)?;
+    let body = lease_json(&state, &renewed.lease, caller.scope, Some(renewed.moved_from.is_some()))?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 async fn release_lease(
@@ -458,9 +467,9 @@ async fn release_lease(
     id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    authorize(&state, &headers, Scope::Lease)?;
+    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
-    state.store.release(&id, SystemTime::now()).map_err(lease_problem)?;
+    state.store.release(&id, &caller.owner, SystemTime::now()).map_err(lease_problem)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -486,7 +495,7 @@ async fn report_lease(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    authorize(&state, &headers, Scope::Lease)?;
+    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let body: ReportBody = parse_body(&headers, body, false)?;
     if let Some(code) = body.status_code
@@ -499,10 +508,15 @@ async fn report_lease(
         OutcomeBody::Banned => Outcome::Banned,
         OutcomeBody::Failed => Outcome::Failed,
     };
-    let until =
-        state.store.report(&id, outcome, body.release.unwrap_or(false), SystemTime::now()).map_err(lease_problem)?;
+    let reported = state
+        .store
+        .report(&id, &caller.owner, outcome, body.release.unwrap_or(false), SystemTime::now())
+        .map_err(lease_problem)?;
+    let until = reported.cooldown_until;
     if until.is_some() {
         state.metrics.cooldown_started();
+        // Answered once the cooldown is kept: a restart or a new leader after this answer still has it.
+        state.journal.persist(state.store.as_ref(), &reported.proxy, &state.metrics).await;
     }
     Ok(Json(match until {
         Some(until) => json!({ "cooldownUntil": timestamp(until) }),

@@ -5,9 +5,14 @@
 //! ([`Discovery::upsert`], [`Discovery::remove`]), one at a time, and leases live in an
 //! [`egress_lease::LeaseStore`]. [`router`] builds the whole API (so tests drive it in-process or over a real
 //! socket); [`run_expiry`] releases expired leases in the background.
+//!
+//! Cooldowns outlive the process through a [`CooldownJournal`] the operator provides: a ban is written there
+//! (coalesced per proxy) before the report is answered, and the cooldowns a record carries are taken back into
+//! the lease store when it arrives ([`ProxyRecord::cooldowns`]).
 
 mod api;
 pub mod auth;
+mod journal;
 mod metrics;
 pub mod openapi;
 mod problem;
@@ -20,10 +25,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
-use egress_lease::{LeaseStore, ProxyInfo};
+use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
 pub use api::MAX_BODY_BYTES;
 pub use auth::{Auth, Scope, TokenFile, TokenFileError};
+pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
 pub use server::{LISTEN_BACKLOG, ServerLimits, ServerMetrics, bind, serve, serve_with};
@@ -53,12 +59,24 @@ pub struct ProxyRecord {
     pub healthy: bool,
     /// Proxy credentials (user, password), handed only to `lease`-scope tokens.
     pub credentials: Option<(String, String)>,
+    /// Cooldowns kept for this proxy (by a [`CooldownJournal`]), taken into the lease store when they are newer
+    /// than what it knows.
+    pub cooldowns: Vec<Cooldown>,
 }
 
 impl ProxyRecord {
     /// `namespace/name`: the identifier in the lease store.
     pub fn id(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// `host:port` (`[host]:port` for IPv6): the endpoint leases remember.
+    pub fn endpoint(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
     }
 }
 
@@ -85,6 +103,7 @@ pub struct Discovery {
     metrics: DiscoveryMetrics,
     records: std::sync::RwLock<BTreeMap<String, Arc<ProxyRecord>>>,
     synced: AtomicBool,
+    journal: journal::Persister,
 }
 
 impl Discovery {
@@ -97,7 +116,14 @@ impl Discovery {
             metrics,
             records: std::sync::RwLock::default(),
             synced: AtomicBool::new(false),
+            journal: journal::Persister::default(),
         }
+    }
+
+    /// Keeps cooldowns in `journal`: every ban is written there before its report is answered.
+    pub fn with_journal(mut self, journal: Arc<dyn CooldownJournal>) -> Self {
+        self.journal = journal::Persister::new(journal);
+        self
     }
 
     /// Refuses lease routes (503) while `gate` says so.
@@ -115,26 +141,41 @@ impl Discovery {
         if previous.is_some_and(|previous| **previous == record) {
             return;
         }
+        let endpoint = record.endpoint();
         let store_changed = previous.is_none_or(|previous| {
             previous.healthy != record.healthy
                 || previous.max_leases != record.max_leases
                 || previous.labels != record.labels
+                || previous.endpoint() != endpoint
         });
+        let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
         if store_changed {
             self.store.upsert_proxy(ProxyInfo {
                 id: id.clone(),
                 healthy: record.healthy,
                 max_leases: record.max_leases,
                 labels: record.labels.clone(),
+                endpoint,
             });
         }
+        if cooldowns_changed && !record.cooldowns.is_empty() {
+            // Our own writes come back here too; the store keeps whichever ends later, so they change nothing.
+            self.store.restore_cooldowns(&record.cooldowns, SystemTime::now());
+        }
         records.insert(id, Arc::new(record));
+    }
+
+    /// How many live leases on proxy `id` were last told `endpoint` (`host:port`): while this is above zero, a
+    /// replaced instance at that endpoint still has holders who have not renewed since.
+    pub fn leases_on(&self, id: &str, endpoint: &str) -> usize {
+        self.store.leases_on(id, endpoint, SystemTime::now())
     }
 
     /// Removes one proxy (by `namespace/name`) and revokes its leases.
     pub fn remove(&self, id: &str) {
         if self.records.write().expect("record lock").remove(id).is_some() {
             self.store.remove_proxy(id);
+            self.journal.forget(id);
         }
     }
 
@@ -164,6 +205,12 @@ impl Discovery {
         let expired = self.store.expire(SystemTime::now());
         self.metrics.expired(expired);
         self.metrics.set_active(u64::try_from(self.store.active_leases()).unwrap_or(u64::MAX));
+        self.metrics.set_adopted(self.store.adopted());
+    }
+
+    /// Writes again the cooldowns of proxies whose last journal write failed.
+    pub async fn retry_journal(&self) {
+        self.journal.retry(self.store.as_ref(), &self.metrics).await;
     }
 
     /// Whether every proxy has been given at least once.
@@ -184,6 +231,7 @@ pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: imp
         loop {
             tick.tick().await;
             state.expire();
+            state.retry_journal().await;
         }
     };
     tokio::select! {

@@ -1,5 +1,5 @@
 //! Discovery metrics: requests by route and status with latency, leases granted and denied by reason, active
-//! leases, expired leases and cooldowns started.
+//! leases, expired leases, cooldowns started and written, leases adopted.
 
 use std::time::Duration;
 
@@ -35,6 +35,11 @@ const ROUTES: [&str; 9] = [
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: String,
 }
@@ -49,6 +54,8 @@ pub struct DiscoveryMetrics {
     active: Gauge,
     expired: Counter,
     cooldowns: Counter,
+    cooldown_writes: Family<ResultLabels, Counter>,
+    adopted: Counter,
     not_serving: Counter,
 }
 
@@ -62,6 +69,8 @@ impl Default for DiscoveryMetrics {
             active: Gauge::default(),
             expired: Counter::default(),
             cooldowns: Counter::default(),
+            cooldown_writes: Family::default(),
+            adopted: Counter::default(),
             not_serving: Counter::default(),
         }
     }
@@ -79,6 +88,17 @@ impl DiscoveryMetrics {
         registry.register("leases_active", "Leases currently held", metrics.active.clone());
         registry.register("leases_expired", "Leases released because they expired", metrics.expired.clone());
         registry.register("cooldowns_started", "Ban reports that started a cooldown", metrics.cooldowns.clone());
+        registry.register(
+            "cooldown_writes",
+            "Writes of a proxy's cooldowns to the apiserver (each covers every ban reported while the one before was \
+             in flight), by result",
+            metrics.cooldown_writes.clone(),
+        );
+        registry.register(
+            "leases_adopted",
+            "Leases taken over from IDs this process had not issued (granted before a restart or a change of leader)",
+            metrics.adopted.clone(),
+        );
         registry.register(
             "not_serving",
             "Requests refused with reason not-serving: this replica is a follower or shutting down (with the shipped \
@@ -118,5 +138,17 @@ impl DiscoveryMetrics {
 
     pub(crate) fn cooldown_started(&self) {
         self.cooldowns.inc();
+    }
+
+    pub(crate) fn cooldown_write(&self, ok: bool) {
+        self.cooldown_writes.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).inc();
+    }
+
+    /// Brings the adopted-leases counter up to the store's total.
+    pub(crate) fn set_adopted(&self, total: u64) {
+        let counted = self.adopted.get();
+        if total > counted {
+            self.adopted.inc_by(total - counted);
+        }
     }
 }

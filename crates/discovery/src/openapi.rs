@@ -75,9 +75,9 @@ pub fn document() -> Value {
                 "parameters": [lease_id()],
                 "requestBody": json_body("RenewRequest", false),
                 "responses": auth_errors(serde_json::Map::from_iter([
-                    ("200".to_owned(), json_response("the new expiry", "Renewed")),
+                    ("200".to_owned(), json_response("the lease with its new expiry and ID, and the proxy's current URL", "Renewed")),
                     ("400".to_owned(), problem_response("invalid body")),
-                    ("404".to_owned(), problem_response("no such lease (expired or released)")),
+                    ("404".to_owned(), problem_response("no such lease for this token (expired, released, or never granted to it)")),
                     ("410".to_owned(), problem_response("the lease was revoked: its proxy turned unhealthy or went away")),
                 ]))
             }},
@@ -129,11 +129,14 @@ pub fn document() -> Value {
                     "session": { "type": "string", "maxLength": 256, "description": "sticky-session key" }
                 }},
                 "Lease": { "type": "object", "required": ["id", "proxy", "target", "expiresAt"], "properties": {
-                    "id": { "type": "string" }, "proxy": { "$ref": "#/components/schemas/ProxyRef" },
+                    "id": { "type": "string", "description": "self-verifying: usable only with the token that took the lease, by any replica that shares the operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease" },
+                    "proxy": { "$ref": "#/components/schemas/ProxyRef" },
                     "target": { "type": "string", "description": "the normalised target" }, "expiresAt": { "type": "string", "format": "date-time" }
                 }},
                 "RenewRequest": { "type": "object", "additionalProperties": false, "properties": { "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600 } } },
-                "Renewed": { "type": "object", "required": ["id", "expiresAt"], "properties": { "id": { "type": "string" }, "expiresAt": { "type": "string", "format": "date-time" } } },
+                "Renewed": { "allOf": [{ "$ref": "#/components/schemas/Lease" }, { "type": "object", "required": ["replaced"], "properties": {
+                    "replaced": { "type": "boolean", "description": "true when the proxy's instance was replaced since the holder was last told its URL: use proxy.url from now on (the old instance is kept only until its holders renew, or the drain timeout)" }
+                }}]},
                 "Report": { "type": "object", "additionalProperties": false, "required": ["outcome"], "properties": {
                     "outcome": { "type": "string", "enum": ["ok", "banned", "failed"] }, "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
                     "release": { "type": "boolean", "default": false }

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
-use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use egress_discovery::{Auth, CooldownJournal, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
+use egress_lease::{Cooldown, InMemoryLeaseStore, LeaseConfig, LeaseKey};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 
 const READ: &str = "read-token-0123456789";
 const LEASE: &str = "lease-token-0123456789";
+/// A second lease-scope token: it must not see the first one's leases.
+const OTHER_LEASE: &str = "other-lease-token-0123456789";
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
@@ -29,6 +31,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         max_leases,
         healthy: true,
         credentials: Some(("crawler".into(), "p@ss".into())),
+        cooldowns: Vec::new(),
     }
 }
 
@@ -41,15 +44,30 @@ struct Server {
 
 impl Server {
     async fn start(records: Vec<ProxyRecord>, auth: bool) -> Self {
+        Self::start_with(records, auth, LeaseKey::ephemeral(), None).await
+    }
+
+    /// A server whose store signs with `key`, keeping cooldowns in `journal` when given.
+    async fn start_with(
+        records: Vec<ProxyRecord>,
+        auth: bool,
+        key: LeaseKey,
+        journal: Option<Arc<dyn CooldownJournal>>,
+    ) -> Self {
         let (auth, tokens) = if auth {
             let file = tempfile::NamedTempFile::new().expect("token file");
-            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\n")).expect("write tokens");
+            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\nlease {OTHER_LEASE}\n"))
+                .expect("write tokens");
             (Auth::Tokens(TokenFile::load(file.path()).expect("tokens")), Some(file))
         } else {
             (Auth::Disabled, None)
         };
-        let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
-        let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
+        let store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), key));
+        let mut state = Discovery::new(store, auth, DiscoveryMetrics::default());
+        if let Some(journal) = journal {
+            state = state.with_journal(journal);
+        }
+        let state = Arc::new(state);
         for record in &records {
             state.upsert(record.clone());
         }
@@ -573,4 +591,154 @@ fn the_committed_openapi_document_is_current() {
     let current =
         format!("{}\n", serde_json::to_string_pretty(&egress_discovery::openapi::document()).expect("serialize"));
     assert!(committed == current, "{} is stale: run `cargo xtask crdgen` and commit the result", path.display());
+}
+
+#[tokio::test]
+async fn leases_outlive_the_store_that_granted_them_and_belong_to_their_token() {
+    // Two servers sharing a key: the leader before a restart or failover, and the one after.
+    let key = LeaseKey::from_bytes(&[5; 32]).expect("key");
+    let old = Server::start_with(vec![record("a", 1)], true, key.clone(), None).await;
+    let new = Server::start_with(vec![record("a", 1)], true, key, None).await;
+    let (status, lease) = old.lease(json!({ "target": "example.com", "ttlSeconds": 300 })).await;
+    assert_eq!(status, 201, "{lease}");
+    let id = lease["id"].as_str().expect("id").to_owned();
+
+    // Another token sees nothing, exactly as for a lease that never existed.
+    let (status, _, unknown) = new.call("POST", "/v1/leases/l1.AAAA.AAAA/renew", Some(LEASE), None).await;
+    assert_eq!(status, 404);
+    let (status, _, foreign) = new.call("POST", &format!("/v1/leases/{id}/renew"), Some(OTHER_LEASE), None).await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        (foreign["type"].clone(), foreign["title"].clone()),
+        (unknown["type"].clone(), unknown["title"].clone())
+    );
+    assert_eq!(old.call("DELETE", &format!("/v1/leases/{id}"), Some(OTHER_LEASE), None).await.0, 404);
+
+    // Its owner renews it on the new server: adopted, counted against the cap, with a fresh ID.
+    let (status, _, renewed) =
+        new.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), Some(r#"{"ttlSeconds":600}"#)).await;
+    assert_eq!(status, 200, "{renewed}");
+    assert_eq!((renewed["replaced"].as_bool(), renewed["proxy"]["name"].as_str()), (Some(false), Some("a")));
+    let renewed_id = renewed["id"].as_str().expect("id").to_owned();
+    assert_ne!(renewed_id, id, "the ID carries the new expiry");
+    let (status, full) = new.lease(json!({ "target": "example.org" })).await;
+    assert_eq!((status, full["reason"].as_str()), (503, Some("all-at-capacity")), "the adopted lease holds the slot");
+    let (status, _, report) = new
+        .call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned","release":true}"#))
+        .await;
+    assert_eq!(status, 200, "the first ID still names the lease: {report}");
+    let (status, leased) = new.lease(json!({ "target": "example.org" })).await;
+    assert_eq!(status, 201, "the slot is free again: {leased}");
+    let leased_id = leased["id"].as_str().expect("id");
+    assert_eq!(new.call("DELETE", &format!("/v1/leases/{leased_id}"), Some(LEASE), None).await.0, 204);
+    let (status, cooling) = new.lease(json!({ "target": "example.com", "proxy": "crawl/a" })).await;
+    assert_eq!((status, cooling["reason"].as_str()), (409, Some("proxy-cooling-down")));
+}
+
+/// A journal that takes `delay` per write and remembers what it was given, or fails.
+struct SlowJournal {
+    delay: Duration,
+    fail: std::sync::atomic::AtomicBool,
+    writes: std::sync::Mutex<Vec<(String, Vec<Cooldown>, std::time::Instant)>>,
+}
+
+#[async_trait::async_trait]
+impl CooldownJournal for SlowJournal {
+    async fn write(&self, id: &str, cooldowns: &[Cooldown]) -> Result<(), String> {
+        tokio::time::sleep(self.delay).await;
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the apiserver said no".into());
+        }
+        self.writes.lock().expect("writes").push((id.to_owned(), cooldowns.to_vec(), std::time::Instant::now()));
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_ban_is_answered_once_a_journal_write_holds_it_and_bursts_share_writes() {
+    let journal = Arc::new(SlowJournal {
+        delay: Duration::from_millis(200),
+        fail: false.into(),
+        writes: std::sync::Mutex::default(),
+    });
+    let server =
+        Arc::new(Server::start_with(vec![record("a", 50)], true, LeaseKey::ephemeral(), Some(journal.clone())).await);
+    let mut ids = Vec::new();
+    for index in 0..12 {
+        let (status, lease) = server.lease(json!({ "target": format!("site-{index}.example") })).await;
+        assert_eq!(status, 201);
+        ids.push(lease["id"].as_str().expect("id").to_owned());
+    }
+    let bans: Vec<_> = ids
+        .into_iter()
+        .enumerate()
+        .map(|(index, id)| {
+            let server = server.clone();
+            tokio::spawn(async move {
+                let (status, _, body) = server
+                    .call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned"}"#))
+                    .await;
+                assert_eq!(status, 200, "{body}");
+                (format!("site-{index}.example"), std::time::Instant::now())
+            })
+        })
+        .collect();
+    let mut answered = Vec::new();
+    for ban in bans {
+        answered.push(ban.await.expect("ban"));
+    }
+    let writes = journal.writes.lock().expect("writes").clone();
+    eprintln!("12 concurrent bans on one proxy: {} journal writes", writes.len());
+    assert!(writes.len() <= 3, "a burst is coalesced: {} writes", writes.len());
+    for (site, at) in &answered {
+        assert!(
+            writes.iter().any(|(id, cooldowns, written)| id == "crawl/a"
+                && written <= at
+                && cooldowns.iter().any(|cooldown| &cooldown.target == site)),
+            "the ban on {site} was answered before a write held it"
+        );
+    }
+
+    // A failing journal: the ban still holds and is answered; the write is retried until it succeeds.
+    journal.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (_, lease) = server.lease(json!({ "target": "late.example" })).await;
+    let id = lease["id"].as_str().expect("id");
+    let (status, _, _) =
+        server.call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned"}"#)).await;
+    assert_eq!(status, 200);
+    let before = journal.writes.lock().expect("writes").len();
+    journal.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    server.state.retry_journal().await;
+    let writes = journal.writes.lock().expect("writes").clone();
+    assert_eq!(writes.len(), before + 1, "retried once");
+    assert!(writes.last().expect("write").1.iter().any(|cooldown| cooldown.target == "late.example"));
+    server.state.retry_journal().await;
+    assert_eq!(journal.writes.lock().expect("writes").len(), before + 1, "nothing left to retry");
+}
+
+#[tokio::test]
+async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_on_renew() {
+    let server = Server::start(vec![record("a", 5), record("b", 5)], true).await;
+    let until = std::time::SystemTime::now() + Duration::from_secs(600);
+    let mut kept = record("a", 5);
+    kept.cooldowns = vec![Cooldown { proxy: "crawl/a".into(), target: "example.com".into(), until, streak: 2 }];
+    server.state.upsert(kept);
+    for _ in 0..4 {
+        let (status, lease) = server.lease(json!({ "target": "www.example.com" })).await;
+        assert_eq!((status, lease["proxy"]["name"].as_str()), (201, Some("b")), "a is cooling down: {lease}");
+    }
+
+    let (_, lease) = server.lease(json!({ "target": "example.org", "proxy": "crawl/a" })).await;
+    let id = lease["id"].as_str().expect("id").to_owned();
+    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 1);
+    // The instance is replaced: a new address. The old one keeps its holder until it renews.
+    server.state.upsert(ProxyRecord { host: "10.0.0.2".into(), ..record("a", 5) });
+    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 1);
+    let (status, _, renewed) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
+    assert_eq!(status, 200, "{renewed}");
+    assert_eq!(renewed["replaced"], true);
+    assert_eq!(renewed["proxy"]["url"], "http://crawler:p%40ss@10.0.0.2:3128");
+    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 0, "the old instance is drained");
+    let (_, _, again) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
+    assert_eq!(again["replaced"], false);
 }

@@ -17,6 +17,7 @@ fn run(proxies: usize) -> Duration {
             healthy: true,
             max_leases: 5,
             labels: BTreeMap::new(),
+            endpoint: format!("10.0.{}.{}:3128", index / 256, index % 256),
         });
     }
     let now = SystemTime::now();
@@ -28,7 +29,7 @@ fn run(proxies: usize) -> Duration {
             ..LeaseRequest::default()
         };
         if let Ok(lease) = store.lease(&request, now) {
-            store.report(&lease.id, Outcome::Banned, true, now).expect("report");
+            store.report(&lease.id, "", Outcome::Banned, true, now).expect("report");
         }
     }
     let targets: Vec<String> = (0..1_000).map(|index| format!("site-{index}.example")).collect();
@@ -37,7 +38,7 @@ fn run(proxies: usize) -> Duration {
         let request =
             LeaseRequest { target: targets[operation as usize % targets.len()].clone(), ..LeaseRequest::default() };
         let lease = store.lease(&request, now).expect("a proxy is free");
-        store.release(&lease.id, now).expect("release");
+        store.release(&lease.id, "", now).expect("release");
     }
     let per_operation = started.elapsed() / OPERATIONS;
     println!("{proxies:>6} proxies, {COOLDOWNS} cooldowns: lease+release {per_operation:>8.2?}");

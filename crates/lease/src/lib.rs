@@ -6,7 +6,13 @@
 //! selector, below its cap, not cooling down for the target — found through an ordered index, not a scan. Leases
 //! expire unless renewed; a `banned` report cools that proxy down for that target only, for a time that doubles with
 //! each ban in a row. Leases on a proxy that turns unhealthy or disappears are revoked.
+//!
+//! Lease IDs are self-verifying ([`LeaseKey`]): a store that shares the key adopts a lease it has never seen when
+//! it is shown one (after a restart or a change of leader), and an ID is usable only by the token that took it.
+//! Cooldowns can be read per proxy and restored ([`LeaseStore::proxy_cooldowns`],
+//! [`LeaseStore::restore_cooldowns`]), so a caller can keep them somewhere durable.
 
+mod id;
 mod selector;
 mod store;
 mod target;
@@ -14,6 +20,7 @@ mod target;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+pub use id::{LeaseKey, MIN_KEY_BYTES, ShortKey};
 pub use selector::{InvalidSelector, Selector};
 pub use store::{InMemoryLeaseStore, InvariantViolation};
 pub use target::{InvalidTarget, TargetMode, normalize};
@@ -29,6 +36,9 @@ pub struct ProxyInfo {
     pub max_leases: u32,
     /// Labels selectors match against.
     pub labels: BTreeMap<String, String>,
+    /// Where crawlers connect (for example `host:port`). A lease remembers the endpoint its holder was told, so a
+    /// caller can keep a replaced instance until no lease is on it ([`LeaseStore::leases_on`]).
+    pub endpoint: String,
 }
 
 /// What a crawler asks for.
@@ -44,6 +54,8 @@ pub struct LeaseRequest {
     pub proxy: Option<String>,
     /// A sticky-session key: the same (session, target) gets the same proxy while it stays eligible.
     pub session: Option<String>,
+    /// Who asks (for example a digest of the caller's token): the lease is usable only with the same owner.
+    pub owner: String,
 }
 
 /// A granted lease.
@@ -55,8 +67,29 @@ pub struct Lease {
     pub proxy: String,
     /// The normalised target.
     pub target: String,
-    /// When it expires unless renewed.
+    /// When it expires unless renewed (to the second).
     pub expires_at: SystemTime,
+    /// The proxy's endpoint as the holder was told it.
+    pub endpoint: String,
+}
+
+/// A renewed lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Renewed {
+    /// The lease with its new expiry (and so a new ID; the earlier ones keep naming it).
+    pub lease: Lease,
+    /// The endpoint the holder had before, when the proxy's endpoint changed since (its instance was replaced):
+    /// the holder must switch to `lease.endpoint`.
+    pub moved_from: Option<String>,
+}
+
+/// What a report did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reported {
+    /// The proxy the lease is on.
+    pub proxy: String,
+    /// The end of the cooldown a ban started.
+    pub cooldown_until: Option<SystemTime>,
 }
 
 /// What a crawler reports about a lease.
@@ -182,18 +215,27 @@ pub trait LeaseStore: Send + Sync {
     fn remove_proxy(&self, id: &str);
     /// Grants a lease.
     fn lease(&self, request: &LeaseRequest, now: SystemTime) -> Result<Lease, LeaseError>;
-    /// Extends a lease by `ttl` (or the default) from now.
-    fn renew(&self, id: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Lease, LeaseError>;
+    /// Extends a lease by `ttl` (or the default) from now. `id` is any ID of the lease, shown by its `owner`; a
+    /// valid ID this store has not seen is adopted (so are renew, release and report below).
+    fn renew(&self, id: &str, owner: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Renewed, LeaseError>;
     /// Ends a lease, freeing its slot.
-    fn release(&self, id: &str, now: SystemTime) -> Result<(), LeaseError>;
-    /// Records what happened with a lease; returns the cooldown's end for a ban. With `release`, also ends it.
+    fn release(&self, id: &str, owner: &str, now: SystemTime) -> Result<(), LeaseError>;
+    /// Records what happened with a lease (a ban starts a cooldown). With `release`, also ends it.
     fn report(
         &self,
         id: &str,
+        owner: &str,
         outcome: Outcome,
         release: bool,
         now: SystemTime,
-    ) -> Result<Option<SystemTime>, LeaseError>;
+    ) -> Result<Reported, LeaseError>;
+    /// The cooldowns (live, or ended but with their streak still remembered) of one proxy, latest end first.
+    fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown>;
+    /// Takes in cooldowns kept elsewhere (after a restart); one this store already knows to end later is kept.
+    /// Returns how many were taken.
+    fn restore_cooldowns(&self, cooldowns: &[Cooldown], now: SystemTime) -> usize;
+    /// How many live leases on `proxy` were last told `endpoint`.
+    fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize;
     /// Releases every lease that has expired; returns how many.
     fn expire(&self, now: SystemTime) -> usize;
     /// Live cooldowns, for one target (normalised here) or all.
@@ -210,4 +252,6 @@ pub trait LeaseStore: Send + Sync {
     ) -> Result<Vec<Option<ProxyLoad>>, LeaseError>;
     /// How many leases are active, without looking at each.
     fn active_leases(&self) -> usize;
+    /// How many leases this store took over from IDs it had not issued (since it was made).
+    fn adopted(&self) -> u64;
 }

@@ -10,15 +10,18 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
+use crate::id::{Claims, LeaseKey};
 use crate::{
-    Cooldown, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, ProxyInfo, ProxyLoad, normalize,
+    Cooldown, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, ProxyInfo, ProxyLoad, Renewed,
+    Reported, normalize,
 };
 
 struct ProxyState {
     info: ProxyInfo,
     active: u32,
     last_leased: u64,
-    leases: HashSet<String>,
+    /// Serials of its live leases.
+    leases: HashSet<u64>,
 }
 
 impl ProxyState {
@@ -34,9 +37,14 @@ struct LeaseState {
     proxy: String,
     target: String,
     expires_at: SystemTime,
-    /// The order of grant, so a lowered cap revokes the newest leases first.
+    /// The order of grant (or adoption), so a lowered cap revokes the newest leases first.
     sequence: u64,
     granted_at: SystemTime,
+    /// The proxy's endpoint the holder was last told, so a replaced instance is drained until its leases move.
+    endpoint: String,
+    /// Taken over from an ID another store issued (after a restart or a change of leader): it may have been
+    /// granted before a cooldown this store knows, and it may take its proxy above the cap.
+    adopted: bool,
 }
 
 struct CooldownState {
@@ -52,16 +60,19 @@ struct Inner {
     proxies: HashMap<String, ProxyState>,
     /// Eligible proxies by (active leases, last leased sequence, id).
     available: BTreeSet<(u32, u64, String)>,
-    leases: HashMap<String, LeaseState>,
-    lease_expiries: BTreeSet<(SystemTime, String)>,
+    /// Live leases by serial.
+    leases: HashMap<u64, LeaseState>,
+    lease_expiries: BTreeSet<(SystemTime, u64)>,
     /// Revoked leases: proxy and target (so a late ban report still counts), kept until they would have expired.
-    revoked: HashMap<String, (String, String, SystemTime)>,
-    revoked_expiries: BTreeSet<(SystemTime, String)>,
+    revoked: HashMap<u64, (String, String, SystemTime)>,
+    revoked_expiries: BTreeSet<(SystemTime, u64)>,
     cooldowns: HashMap<(String, String), CooldownState>,
     cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
     sessions: HashMap<(String, String), (String, SystemTime)>,
     session_expiries: BTreeSet<(SystemTime, String, String)>,
     sequence: u64,
+    /// How many leases were taken over from IDs this store had not issued.
+    adopted: u64,
 }
 
 /// An internal inconsistency found by [`InMemoryLeaseStore::check_invariants`].
@@ -73,29 +84,83 @@ pub struct InvariantViolation(pub String);
 pub struct InMemoryLeaseStore {
     config: LeaseConfig,
     inner: Mutex<Inner>,
-    /// Mixed into lease identifiers so they cannot be guessed from their order.
-    secret: u64,
+    /// Signs and verifies lease IDs.
+    key: LeaseKey,
+    /// A random start for serials, so two stores (an old leader's and a new one's) do not issue the same one.
+    serial_base: u64,
 }
 
 impl InMemoryLeaseStore {
-    /// An empty store.
+    /// An empty store with a key of its own: its lease IDs are not adoptable by any other store.
     pub fn new(config: LeaseConfig) -> Self {
-        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_nanos());
-        let secret = (nanos as u64) ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15;
-        Self { config, inner: Mutex::new(Inner::default()), secret }
+        Self::with_key(config, LeaseKey::ephemeral())
+    }
+
+    /// An empty store signing with `key`: another store with the same key adopts the leases this one granted
+    /// (after a restart or a change of leader), and this one adopts theirs.
+    pub fn with_key(config: LeaseConfig, key: LeaseKey) -> Self {
+        let random = LeaseKey::generate_bytes();
+        let serial_base = u64::from_be_bytes(random[..8].try_into().expect("eight bytes"));
+        Self { config, inner: Mutex::new(Inner::default()), key, serial_base }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn lease_id(&self, sequence: u64) -> String {
-        // SplitMix64 of a per-store secret and the sequence: unique per store and not predictable from outside.
-        let mut z = self.secret.wrapping_add(sequence.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        format!("l-{z:016x}{sequence:x}")
+    fn sign(&self, serial: u64, lease: &LeaseState, owner: &str) -> Lease {
+        let claims =
+            Claims { serial, expires_at: lease.expires_at, proxy: lease.proxy.clone(), target: lease.target.clone() };
+        Lease {
+            id: self.key.sign(&claims, owner),
+            proxy: lease.proxy.clone(),
+            target: lease.target.clone(),
+            expires_at: lease.expires_at,
+            endpoint: lease.endpoint.clone(),
+        }
+    }
+
+    /// The serial of the lease `id` names, adopting it when it is valid but unknown here. `Err` for an ID that
+    /// does not verify with `owner` (as for one never issued), an expired one, and one whose proxy is gone or
+    /// unhealthy (revoked).
+    fn resolve(&self, inner: &mut Inner, id: &str, owner: &str, now: SystemTime) -> Result<u64, LeaseError> {
+        let unknown = || LeaseError::UnknownLease(id.to_owned());
+        let claims = self.key.verify(id, owner).ok_or_else(unknown)?;
+        if inner.leases.contains_key(&claims.serial) {
+            return Ok(claims.serial);
+        }
+        if inner.revoked.contains_key(&claims.serial) {
+            return Err(LeaseError::Revoked(id.to_owned()));
+        }
+        if claims.expires_at <= now {
+            return Err(unknown());
+        }
+        let Some(proxy) = inner.proxies.get(&claims.proxy).filter(|proxy| proxy.info.healthy) else {
+            return Err(LeaseError::Revoked(id.to_owned()));
+        };
+        let endpoint = proxy.info.endpoint.clone();
+        inner.sequence += 1;
+        inner.adopted += 1;
+        let sequence = inner.sequence;
+        let serial = claims.serial;
+        inner.reindex(&claims.proxy, |state| {
+            state.active += 1;
+            state.leases.insert(serial);
+        });
+        inner.lease_expiries.insert((claims.expires_at, serial));
+        inner.leases.insert(
+            serial,
+            LeaseState {
+                proxy: claims.proxy,
+                target: claims.target,
+                expires_at: claims.expires_at,
+                sequence,
+                granted_at: now,
+                endpoint,
+                adopted: true,
+            },
+        );
+        Ok(serial)
     }
 
     fn ttl(&self, requested: Option<Duration>) -> Duration {
@@ -115,33 +180,40 @@ impl InMemoryLeaseStore {
         let inner = self.lock();
         let violation = |text: String| Err(InvariantViolation(text));
         let mut counted: HashMap<&str, u32> = HashMap::new();
-        for (id, lease) in &inner.leases {
+        let mut adopted: HashMap<&str, u32> = HashMap::new();
+        for (serial, lease) in &inner.leases {
             let Some(proxy) = inner.proxies.get(&lease.proxy) else {
-                return violation(format!("lease {id} is on unknown proxy {}", lease.proxy));
+                return violation(format!("lease {serial:x} is on unknown proxy {}", lease.proxy));
             };
             if !proxy.info.healthy {
-                return violation(format!("lease {id} is on unhealthy proxy {}", lease.proxy));
+                return violation(format!("lease {serial:x} is on unhealthy proxy {}", lease.proxy));
             }
-            if !proxy.leases.contains(id) {
-                return violation(format!("lease {id} is missing from its proxy's lease set"));
+            if !proxy.leases.contains(serial) {
+                return violation(format!("lease {serial:x} is missing from its proxy's lease set"));
             }
             if let Some(cooldown) = inner.cooldowns.get(&(lease.proxy.clone(), lease.target.clone()))
+                && !lease.adopted
                 && cooldown.started < lease.sequence
                 && cooldown.until > lease.granted_at
             {
                 return violation(format!(
-                    "lease {id} was granted on {} while it cooled down for {}",
+                    "lease {serial:x} was granted on {} while it cooled down for {}",
                     lease.proxy, lease.target
                 ));
             }
             *counted.entry(lease.proxy.as_str()).or_default() += 1;
+            if lease.adopted {
+                *adopted.entry(lease.proxy.as_str()).or_default() += 1;
+            }
         }
         for (id, proxy) in &inner.proxies {
             let live = counted.get(id.as_str()).copied().unwrap_or(0);
             if proxy.active != live || proxy.leases.len() as u32 != live {
                 return violation(format!("proxy {id} counts {} active leases but has {live}", proxy.active));
             }
-            if proxy.active > proxy.info.max_leases {
+            // Only adopted leases (held before a takeover) may take a proxy above its cap.
+            let allowance = adopted.get(id.as_str()).copied().unwrap_or(0);
+            if proxy.active > proxy.info.max_leases.saturating_add(allowance) {
                 return violation(format!(
                     "proxy {id} has {} leases, above its cap {}",
                     proxy.active, proxy.info.max_leases
@@ -185,15 +257,26 @@ impl Inner {
     }
 
     /// Frees a live lease's slot. Returns its state, or `None` if it is not live (so a slot is never freed twice).
-    fn free(&mut self, id: &str) -> Option<LeaseState> {
-        let lease = self.leases.remove(id)?;
-        self.lease_expiries.remove(&(lease.expires_at, id.to_owned()));
+    fn free(&mut self, serial: u64) -> Option<LeaseState> {
+        let lease = self.leases.remove(&serial)?;
+        self.lease_expiries.remove(&(lease.expires_at, serial));
         let proxy = lease.proxy.clone();
         self.reindex(&proxy, |state| {
             state.active -= 1;
-            state.leases.remove(id);
+            state.leases.remove(&serial);
         });
         Some(lease)
+    }
+
+    /// Forgets a revoked lease; whether it was one.
+    fn forget_revoked(&mut self, serial: u64) -> bool {
+        match self.revoked.remove(&serial) {
+            Some((_, _, at)) => {
+                self.revoked_expiries.remove(&(at, serial));
+                true
+            }
+            None => false,
+        }
     }
 
     fn revoke_all(&mut self, proxy: &str) {
@@ -202,19 +285,19 @@ impl Inner {
 
     /// Revokes the newest leases of `proxy` until at most `keep` remain.
     fn revoke_above(&mut self, proxy: &str, keep: u32) {
-        let mut ids: Vec<(u64, String)> = self
+        let mut serials: Vec<(u64, u64)> = self
             .proxies
             .get(proxy)
             .map(|state| {
-                state.leases.iter().filter_map(|id| Some((self.leases.get(id)?.sequence, id.clone()))).collect()
+                state.leases.iter().filter_map(|serial| Some((self.leases.get(serial)?.sequence, *serial))).collect()
             })
             .unwrap_or_default();
-        ids.sort_unstable();
-        let excess = ids.len().saturating_sub(keep as usize);
-        for (_, id) in ids.into_iter().rev().take(excess) {
-            if let Some(lease) = self.free(&id) {
-                self.revoked_expiries.insert((lease.expires_at, id.clone()));
-                self.revoked.insert(id, (lease.proxy, lease.target, lease.expires_at));
+        serials.sort_unstable();
+        let excess = serials.len().saturating_sub(keep as usize);
+        for (_, serial) in serials.into_iter().rev().take(excess) {
+            if let Some(lease) = self.free(serial) {
+                self.revoked_expiries.insert((lease.expires_at, serial));
+                self.revoked.insert(serial, (lease.proxy, lease.target, lease.expires_at));
             }
         }
     }
@@ -224,42 +307,81 @@ impl Inner {
         store: &InMemoryLeaseStore,
         proxy: &str,
         target: &str,
+        owner: &str,
         ttl: Duration,
         now: SystemTime,
     ) -> Lease {
         self.sequence += 1;
         let sequence = self.sequence;
-        let id = store.lease_id(sequence);
-        let expires_at = now + ttl;
+        let serial = store.serial_base.wrapping_add(sequence);
+        // To the second, as the ID carries it: the store that adopts the lease sees the same expiry.
+        let expires_at = whole_seconds(now + ttl);
+        let mut endpoint = String::new();
         self.reindex(proxy, |state| {
             state.active += 1;
             state.last_leased = sequence;
-            state.leases.insert(id.clone());
+            state.leases.insert(serial);
+            endpoint.clone_from(&state.info.endpoint);
         });
-        self.leases.insert(
-            id.clone(),
-            LeaseState { proxy: proxy.to_owned(), target: target.to_owned(), expires_at, sequence, granted_at: now },
-        );
-        self.lease_expiries.insert((expires_at, id.clone()));
-        Lease { id, proxy: proxy.to_owned(), target: target.to_owned(), expires_at }
+        let lease = LeaseState {
+            proxy: proxy.to_owned(),
+            target: target.to_owned(),
+            expires_at,
+            sequence,
+            granted_at: now,
+            endpoint,
+            adopted: false,
+        };
+        let granted = store.sign(serial, &lease, owner);
+        self.leases.insert(serial, lease);
+        self.lease_expiries.insert((expires_at, serial));
+        granted
+    }
+
+    /// Records a cooldown of `proxy` for `target`, remembered for one more cooldown length after it ends (so a
+    /// ban soon after counts as "in a row"); beyond the configured bound, the entries closest to being forgotten go.
+    fn set_cooldown(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        proxy: String,
+        target: String,
+        until: SystemTime,
+        streak: u32,
+    ) {
+        let forget_at = until + store.cooldown_for(streak.saturating_add(1));
+        self.sequence += 1;
+        let started = self.sequence;
+        let key = (proxy, target);
+        if let Some(previous) = self.cooldowns.insert(key.clone(), CooldownState { until, streak, forget_at, started })
+        {
+            self.cooldown_expiries.remove(&(previous.forget_at, key.0.clone(), key.1.clone()));
+        }
+        self.cooldown_expiries.insert((forget_at, key.0, key.1));
+        while self.cooldowns.len() > store.config.max_cooldowns {
+            let Some((at, proxy, target)) = self.cooldown_expiries.pop_first() else { break };
+            let key = (proxy, target);
+            if self.cooldowns.get(&key).is_some_and(|cooldown| cooldown.forget_at == at) {
+                self.cooldowns.remove(&key);
+            }
+        }
     }
 
     fn expire(&mut self, now: SystemTime) -> usize {
         let mut expired = 0;
-        while let Some((at, id)) = self.lease_expiries.first().cloned() {
+        while let Some((at, serial)) = self.lease_expiries.first().copied() {
             if at > now {
                 break;
             }
-            if self.free(&id).is_some() {
+            if self.free(serial).is_some() {
                 expired += 1;
             }
         }
-        while let Some((at, id)) = self.revoked_expiries.first().cloned() {
+        while let Some((at, serial)) = self.revoked_expiries.first().copied() {
             if at > now {
                 break;
             }
             self.revoked_expiries.pop_first();
-            self.revoked.remove(&id);
+            self.revoked.remove(&serial);
         }
         while let Some((at, proxy, target)) = self.cooldown_expiries.first().cloned() {
             if at > now {
@@ -290,21 +412,28 @@ impl LeaseStore for InMemoryLeaseStore {
         let mut inner = self.lock();
         let id = proxy.id.clone();
         let healthy = proxy.healthy;
-        if inner.proxies.contains_key(&id) {
-            inner.reindex(&id, |state| state.info = proxy);
-        } else {
-            let state = ProxyState { info: proxy, active: 0, last_leased: 0, leases: HashSet::new() };
-            if state.eligible() {
-                inner.available.insert(state.key());
+        let cap = proxy.max_leases;
+        let lowered = match inner.proxies.get(&id) {
+            Some(state) => {
+                let lowered = cap < state.info.max_leases;
+                inner.reindex(&id, |state| state.info = proxy);
+                lowered
             }
-            inner.proxies.insert(id.clone(), state);
-        }
-        if healthy {
-            // A lowered cap (maxLeases 0 drains) revokes the newest leases above it: the cap always holds.
-            let cap = inner.proxies.get(&id).map_or(0, |state| state.info.max_leases);
-            inner.revoke_above(&id, cap);
-        } else {
+            None => {
+                let state = ProxyState { info: proxy, active: 0, last_leased: 0, leases: HashSet::new() };
+                if state.eligible() {
+                    inner.available.insert(state.key());
+                }
+                inner.proxies.insert(id.clone(), state);
+                false
+            }
+        };
+        if !healthy {
             inner.revoke_all(&id);
+        } else if lowered {
+            // A lowered cap (maxLeases 0 drains) revokes the newest leases above it. Adopted leases above an
+            // unchanged cap stay: they were granted before a takeover and end by release or expiry.
+            inner.revoke_above(&id, cap);
         }
     }
 
@@ -319,6 +448,7 @@ impl LeaseStore for InMemoryLeaseStore {
     fn lease(&self, request: &LeaseRequest, now: SystemTime) -> Result<Lease, LeaseError> {
         let target = normalize(&request.target, self.config.target_mode)?;
         let ttl = self.ttl(request.ttl);
+        let owner = request.owner.as_str();
         let mut inner = self.lock();
         inner.expire(now);
 
@@ -341,7 +471,7 @@ impl LeaseStore for InMemoryLeaseStore {
                 return Err(LeaseError::ProxyCoolingDown { proxy: name.clone(), until });
             }
             let name = name.clone();
-            return Ok(inner.grant(self, &name, &target, ttl, now));
+            return Ok(inner.grant(self, &name, &target, owner, ttl, now));
         }
 
         let usable = |inner: &Inner, id: &str| {
@@ -357,7 +487,7 @@ impl LeaseStore for InMemoryLeaseStore {
         let chosen = sticky
             .or_else(|| inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()));
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
-        let lease = inner.grant(self, &proxy, &target, ttl, now);
+        let lease = inner.grant(self, &proxy, &target, owner, ttl, now);
         if let Some(key) = session_key {
             let forget_at = lease.expires_at + self.config.max_ttl;
             if let Some((_, previous)) = inner.sessions.insert(key.clone(), (proxy, forget_at)) {
@@ -368,36 +498,35 @@ impl LeaseStore for InMemoryLeaseStore {
         Ok(lease)
     }
 
-    fn renew(&self, id: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Lease, LeaseError> {
+    fn renew(&self, id: &str, owner: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Renewed, LeaseError> {
         let ttl = self.ttl(ttl);
         let mut inner = self.lock();
         inner.expire(now);
-        if inner.revoked.contains_key(id) {
-            return Err(LeaseError::Revoked(id.to_owned()));
-        }
-        let Some(lease) = inner.leases.get_mut(id) else { return Err(LeaseError::UnknownLease(id.to_owned())) };
+        let serial = self.resolve(&mut inner, id, owner, now)?;
+        let endpoint = inner
+            .leases
+            .get(&serial)
+            .and_then(|lease| inner.proxies.get(&lease.proxy))
+            .map(|proxy| proxy.info.endpoint.clone())
+            .unwrap_or_default();
+        let lease = inner.leases.get_mut(&serial).expect("resolved leases are live");
         let previous = lease.expires_at;
-        lease.expires_at = now + ttl;
-        let renewed = Lease {
-            id: id.to_owned(),
-            proxy: lease.proxy.clone(),
-            target: lease.target.clone(),
-            expires_at: lease.expires_at,
-        };
-        inner.lease_expiries.remove(&(previous, id.to_owned()));
-        inner.lease_expiries.insert((renewed.expires_at, id.to_owned()));
-        Ok(renewed)
+        lease.expires_at = whole_seconds(now + ttl);
+        // The holder is told the proxy's current endpoint: from now on its lease no longer keeps the old one.
+        let moved_from = (lease.endpoint != endpoint).then(|| std::mem::replace(&mut lease.endpoint, endpoint));
+        let renewed = self.sign(serial, lease, owner);
+        inner.lease_expiries.remove(&(previous, serial));
+        inner.lease_expiries.insert((renewed.expires_at, serial));
+        Ok(Renewed { lease: renewed, moved_from })
     }
 
-    fn release(&self, id: &str, now: SystemTime) -> Result<(), LeaseError> {
+    fn release(&self, id: &str, owner: &str, now: SystemTime) -> Result<(), LeaseError> {
         let mut inner = self.lock();
         inner.expire(now);
-        if inner.free(id).is_some() {
-            return Ok(());
-        }
-        // A revoked lease's slot was freed when it was revoked; releasing it is accepted and forgets it.
-        if let Some((_, _, at)) = inner.revoked.remove(id) {
-            inner.revoked_expiries.remove(&(at, id.to_owned()));
+        let Some(claims) = self.key.verify(id, owner) else { return Err(LeaseError::UnknownLease(id.to_owned())) };
+        // A revoked lease's slot was freed when it was revoked; releasing it is accepted and forgets it. So is
+        // releasing a valid lease this store never saw (granted before a takeover): there is nothing to free.
+        if inner.free(claims.serial).is_some() || inner.forget_revoked(claims.serial) || claims.expires_at > now {
             return Ok(());
         }
         Err(LeaseError::UnknownLease(id.to_owned()))
@@ -406,19 +535,30 @@ impl LeaseStore for InMemoryLeaseStore {
     fn report(
         &self,
         id: &str,
+        owner: &str,
         outcome: Outcome,
         release: bool,
         now: SystemTime,
-    ) -> Result<Option<SystemTime>, LeaseError> {
+    ) -> Result<Reported, LeaseError> {
         let mut inner = self.lock();
         inner.expire(now);
-        let (proxy, target) = match (inner.leases.get(id), inner.revoked.get(id)) {
+        let serial = match self.resolve(&mut inner, id, owner, now) {
+            Ok(serial) => serial,
+            // A report on a revoked lease still counts (the ban happened), against the proxy it was on.
+            Err(LeaseError::Revoked(_)) => self.key.verify(id, owner).map(|claims| claims.serial).expect("verified"),
+            Err(error) => return Err(error),
+        };
+        let (proxy, target) = match (inner.leases.get(&serial), inner.revoked.get(&serial)) {
             (Some(lease), _) => (lease.proxy.clone(), lease.target.clone()),
             (None, Some((proxy, target, _))) => (proxy.clone(), target.clone()),
-            (None, None) => return Err(LeaseError::UnknownLease(id.to_owned())),
+            (None, None) => {
+                // Revoked before this store knew it (its proxy is gone or unhealthy): the ban still counts.
+                let claims = self.key.verify(id, owner).expect("verified");
+                (claims.proxy, claims.target)
+            }
         };
         let key = (proxy.clone(), target.clone());
-        let until = match outcome {
+        let cooldown_until = match outcome {
             Outcome::Ok => {
                 if let Some(cooldown) = inner.cooldowns.get_mut(&key) {
                     cooldown.streak = 0;
@@ -429,34 +569,64 @@ impl LeaseStore for InMemoryLeaseStore {
             Outcome::Banned => {
                 let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak).saturating_add(1);
                 let until = now + self.cooldown_for(streak);
-                // The streak is remembered for one more cooldown length after this one ends, so a ban soon after
-                // counts as "in a row"; then the entry is dropped and memory follows live cooldowns.
-                let forget_at = until + self.cooldown_for(streak.saturating_add(1));
-                inner.sequence += 1;
-                let started = inner.sequence;
-                if let Some(previous) =
-                    inner.cooldowns.insert(key.clone(), CooldownState { until, streak, forget_at, started })
-                {
-                    inner.cooldown_expiries.remove(&(previous.forget_at, proxy.clone(), target.clone()));
-                }
-                inner.cooldown_expiries.insert((forget_at, proxy, target));
-                while inner.cooldowns.len() > self.config.max_cooldowns {
-                    let Some((at, proxy, target)) = inner.cooldown_expiries.pop_first() else { break };
-                    let key = (proxy, target);
-                    if inner.cooldowns.get(&key).is_some_and(|cooldown| cooldown.forget_at == at) {
-                        inner.cooldowns.remove(&key);
-                    }
-                }
+                inner.set_cooldown(self, proxy.clone(), target, until, streak);
                 Some(until)
             }
         };
-        if release
-            && inner.free(id).is_none()
-            && let Some((_, _, at)) = inner.revoked.remove(id)
-        {
-            inner.revoked_expiries.remove(&(at, id.to_owned()));
+        if release && inner.free(serial).is_none() {
+            inner.forget_revoked(serial);
         }
-        Ok(until)
+        Ok(Reported { proxy, cooldown_until })
+    }
+
+    fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown> {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let mut cooldowns: Vec<Cooldown> = inner
+            .cooldowns
+            .iter()
+            .filter(|((cooled, _), _)| cooled == proxy)
+            .map(|((proxy, target), cooldown)| Cooldown {
+                proxy: proxy.clone(),
+                target: target.clone(),
+                until: cooldown.until,
+                streak: cooldown.streak,
+            })
+            .collect();
+        cooldowns.sort_by(|a, b| (b.until, &a.target).cmp(&(a.until, &b.target)));
+        cooldowns
+    }
+
+    fn restore_cooldowns(&self, cooldowns: &[Cooldown], now: SystemTime) -> usize {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let mut restored = 0;
+        for cooldown in cooldowns {
+            let Ok(target) = normalize(&cooldown.target, self.config.target_mode) else { continue };
+            let known = inner.cooldowns.get(&(cooldown.proxy.clone(), target.clone()));
+            // The newest word wins: what this store saw itself is never rolled back by an older record of it.
+            if known.is_some_and(|known| known.until >= cooldown.until) || cooldown.streak == 0 {
+                continue;
+            }
+            let forget_at = cooldown.until + self.cooldown_for(cooldown.streak.saturating_add(1));
+            if forget_at <= now {
+                continue;
+            }
+            inner.set_cooldown(self, cooldown.proxy.clone(), target, cooldown.until, cooldown.streak);
+            restored += 1;
+        }
+        restored
+    }
+
+    fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let Some(state) = inner.proxies.get(proxy) else { return 0 };
+        state
+            .leases
+            .iter()
+            .filter(|serial| inner.leases.get(serial).is_some_and(|lease| lease.endpoint == endpoint))
+            .count()
     }
 
     fn expire(&self, now: SystemTime) -> usize {
@@ -528,6 +698,16 @@ impl LeaseStore for InMemoryLeaseStore {
     fn active_leases(&self) -> usize {
         self.lock().leases.len()
     }
+
+    fn adopted(&self) -> u64 {
+        self.lock().adopted
+    }
+}
+
+/// `time` without its fraction of a second.
+fn whole_seconds(time: SystemTime) -> SystemTime {
+    let seconds = time.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+    SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
 }
 
 /// Why no proxy was eligible. Only reached on refusal, so it may look at every proxy.

@@ -660,14 +660,17 @@ async fn create_request(
     })
 }
 
-/// Writes the status with server-side apply, only when it differs from what was read.
+/// Writes the status with server-side apply, only when it differs from what was read. `cooldowns` belong to the
+/// discovery API's own field manager: they are neither compared nor sent, so this apply never owns or removes them.
 async fn write_status(
     proxy: &Proxy,
     context: &Context,
     before: &ProxyStatus,
     after: &ProxyStatus,
 ) -> Result<(), Error> {
-    if before == after {
+    let without_cooldowns = |status: &ProxyStatus| ProxyStatus { cooldowns: Vec::new(), ..status.clone() };
+    let after = &without_cooldowns(after);
+    if &without_cooldowns(before) == after {
         return Ok(());
     }
     let api: Api<Proxy> = Api::namespaced(context.client.clone(), &proxy.namespace().unwrap_or_default());

@@ -78,7 +78,9 @@ async fn await_event(harness: &Harness, name: &str, reason: &str) {
 async fn touch_and_await_reconciles(harness: &Harness, name: &str, times: usize) {
     for round in 0..times {
         let before = harness.metrics.reconciles_total();
-        let patch = json!({ "metadata": { "labels": { "touched": round.to_string() } } });
+        // A value never used before, so every call is a change (the same value twice would reconcile nothing).
+        let stamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_nanos());
+        let patch = json!({ "metadata": { "labels": { "touched": format!("{round}-{stamp}") } } });
         harness.proxies().patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.expect("label");
         eventually("a reconcile after the change", WAIT, || async {
             (harness.metrics.reconciles_total() > before).then_some(())
@@ -546,4 +548,64 @@ async fn a_proxy_without_a_configured_provider_or_instance_is_deleted_at_once() 
     assert!(failed.finalizers().contains(&egress_api::annotations::FINALIZER.to_owned()));
     delete_and_wait_gone(&harness.proxies(), "p").await;
     assert_eq!(harness.provider.calls(Op::Create), 0);
+}
+
+#[tokio::test]
+async fn cooldowns_in_the_status_are_kept_by_the_reconciler_and_cost_it_nothing() {
+    let mut harness = Harness::new("rc-cooldowns").await;
+    ready(&harness, "p", "zone-a").await;
+    // Only changes reconcile from here on: no periodic resync to blur the counts.
+    harness.resync = Duration::from_secs(3600);
+    harness.crash().await;
+    harness.start();
+    // Quiet first: the restart's own first pass may still be running; a touch answered by exactly one reconcile
+    // shows nothing else is.
+    for attempt in 0.. {
+        let before = harness.metrics.reconciles_total();
+        touch_and_await_reconciles(&harness, "p", 1).await;
+        if harness.metrics.reconciles_total() - before == 1 {
+            break;
+        }
+        assert!(attempt < 10, "the controller never went quiet");
+    }
+    let provider_calls = || [Op::Create, Op::Get, Op::Delete, Op::List].map(|op| harness.provider.calls(op));
+
+    // What one reconcile of a Ready Proxy costs, triggered by a label change.
+    let (calls, reconciles) = (provider_calls(), harness.metrics.reconciles_total());
+    touch_and_await_reconciles(&harness, "p", 1).await;
+    let label_calls: Vec<usize> = provider_calls().iter().zip(calls).map(|(after, before)| after - before).collect();
+    let label_reconciles = harness.metrics.reconciles_total() - reconciles;
+
+    // A ban written the way the discovery API writes it: its own field manager, status.cooldowns only.
+    let (calls, reconciles) = (provider_calls(), harness.metrics.reconciles_total());
+    let cooldowns = json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "status": { "cooldowns": [{ "site": "example.com", "until": "2099-01-01T00:00:00Z", "streak": 2 }] },
+    });
+    harness
+        .proxies()
+        .patch_status("p", &PatchParams::apply("egress-operator-cooldowns").force(), &Patch::Apply(&cooldowns))
+        .await
+        .expect("cooldowns written");
+    // The same label change afterwards: its reconcile comes after the cooldown write's watch event.
+    touch_and_await_reconciles(&harness, "p", 1).await;
+    let ban_calls: Vec<usize> = provider_calls().iter().zip(calls).map(|(after, before)| after - before).collect();
+    assert_eq!(harness.metrics.reconciles_total() - reconciles, label_reconciles, "the cooldown write woke no reconcile");
+    assert_eq!(ban_calls, label_calls, "and called no provider");
+
+    // The reconciler's own status writes leave them alone: the Proxy turns Unhealthy, and the cooldown stays.
+    let proxy = harness.proxies().get("p").await.expect("get");
+    harness.feed_health("p", &address(&proxy).expect("endpoint"), false);
+    let unhealthy = wait_for(&harness.proxies(), "p", "Unhealthy", |p| phase(p) == Some(ProxyPhase::Unhealthy)).await;
+    let kept = &unhealthy.status.as_ref().expect("status").cooldowns;
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!((kept[0].site.as_str(), kept[0].streak), ("example.com", 2));
+    let owners: Vec<String> = unhealthy
+        .managed_fields()
+        .iter()
+        .filter(|entry| entry.fields_v1.as_ref().is_some_and(|fields| fields.0.to_string().contains("f:cooldowns")))
+        .filter_map(|entry| entry.manager.clone())
+        .collect();
+    assert_eq!(owners, ["egress-operator-cooldowns"], "only the discovery API's manager owns status.cooldowns");
 }

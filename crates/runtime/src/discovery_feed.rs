@@ -50,6 +50,7 @@ pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &Crede
         host,
         port,
         healthy,
+        cooldowns: crate::durable::cooldowns_of(proxy),
         namespace,
         name,
     })

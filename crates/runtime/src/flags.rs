@@ -40,6 +40,10 @@ pub struct Cli {
     /// The discovery tokens file (`read <token>` / `lease <token>` lines); required unless `--discovery-auth=none`.
     #[arg(long, env = "EGRESS_DISCOVERY_TOKENS")]
     pub discovery_tokens: Option<PathBuf>,
+    /// The Secret (in the leader-election namespace) holding the key lease IDs are signed with, created with a
+    /// random key on first start. Every replica reads the same one, so leases survive a restart and a failover.
+    #[arg(long, env = "EGRESS_LEASE_KEY_SECRET", default_value = "egress-operator-lease-key")]
+    pub lease_key_secret: String,
     /// `tokens` (default) or `none` (no authentication; warned about at start).
     #[arg(long, env = "EGRESS_DISCOVERY_AUTH", value_enum, default_value_t = DiscoveryAuth::Tokens)]
     pub discovery_auth: DiscoveryAuth,
@@ -124,6 +128,8 @@ pub struct Settings {
     pub leader_election_namespace: String,
     /// The bearer-token file, or `None` with `--discovery-auth=none`.
     pub discovery_tokens: Option<PathBuf>,
+    /// The name of the lease-key Secret, in `leader_election_namespace`.
+    pub lease_key_secret: String,
     /// The probe URL for Proxies that set none.
     pub default_probe_url: String,
     /// Extra CA certificates for probes (PEM).
@@ -146,6 +152,18 @@ pub struct Settings {
     pub otlp_endpoint: Option<http::Uri>,
     /// The limits of the discovery, metrics and health servers.
     pub http_limits: egress_discovery::ServerLimits,
+}
+
+/// Whether `name` is a Kubernetes object name (an RFC 1123 subdomain).
+fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.bytes().all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 /// Parses `90s`, `5m`, `1h30m`, `250ms` (Go-style durations) and `0`.
@@ -294,6 +312,12 @@ impl Cli {
             },
             None => Vec::new(),
         };
+        if !is_dns_subdomain(&self.lease_key_secret) {
+            problems.push(format!(
+                "--lease-key-secret {:?} is not a Secret name (lower-case letters, digits, '-' and '.', at most 253)",
+                self.lease_key_secret
+            ));
+        }
         match (self.discovery_auth, &self.discovery_tokens) {
             (DiscoveryAuth::Tokens, None) => problems.push(
                 "--discovery-tokens is required (or set --discovery-auth=none to turn authentication off)".into(),
@@ -355,6 +379,7 @@ impl Cli {
                 DiscoveryAuth::Tokens => self.discovery_tokens.clone(),
                 DiscoveryAuth::None => None,
             },
+            lease_key_secret: self.lease_key_secret.clone(),
             default_probe_url: self.default_probe_url.clone(),
             probe_ca_pem,
             probe_concurrency: self.probe_concurrency,

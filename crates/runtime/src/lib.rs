@@ -7,6 +7,7 @@
 //! an error's kind, each is printed once at the top.
 
 mod discovery_feed;
+pub mod durable;
 mod flags;
 pub mod role_label;
 mod run;

@@ -111,10 +111,15 @@ pub async fn run(settings: Settings) -> Result<()> {
             Auth::Disabled
         }
     };
-    let lease_store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    // Every replica signs lease IDs with the same key, so a lease outlives the leader that granted it; bans are
+    // kept in the Proxies' status, so cooldowns do too.
+    let lease_key =
+        crate::durable::lease_key(&client, &settings.leader_election_namespace, &settings.lease_key_secret).await?;
+    let lease_store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), lease_key));
     let discovery = Arc::new(
         Discovery::new(lease_store, auth, discovery_metrics)
-            .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone()))),
+            .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone())))
+            .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone()))),
     );
     tokio::spawn(run_discovery_feed(feed.clone(), verdicts.clone(), credentials.clone(), discovery.clone()));
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));

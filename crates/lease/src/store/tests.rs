@@ -12,7 +12,7 @@ fn t(seconds: u64) -> SystemTime {
 }
 
 fn proxy(id: &str, max: u32) -> ProxyInfo {
-    ProxyInfo { id: id.into(), healthy: true, max_leases: max, labels: BTreeMap::new() }
+    ProxyInfo { id: id.into(), healthy: true, max_leases: max, labels: BTreeMap::new(), endpoint: format!("{id}:3128") }
 }
 
 fn labelled(id: &str, region: &str) -> ProxyInfo {
@@ -50,7 +50,7 @@ fn caps_and_drained_proxies_are_respected() {
     assert_eq!(lease.proxy, "a");
     let refused = store.lease(&request("example.com"), t(0)).expect_err("full");
     assert_eq!(refused, LeaseError::AllAtCapacity { retry_at: Some(lease.expires_at) });
-    store.release(&lease.id, t(1)).expect("release");
+    store.release(&lease.id, "", t(1)).expect("release");
     assert_eq!(store.lease(&request("example.com"), t(1)).expect("lease again").proxy, "a");
     let named = LeaseRequest { proxy: Some("drained".into()), ..request("example.com") };
     assert!(matches!(
@@ -94,12 +94,16 @@ fn ttl_renew_and_expiry() {
         .lease(&LeaseRequest { ttl: Some(Duration::from_secs(60)), ..request("example.com") }, t(0))
         .expect("lease");
     assert_eq!(lease.expires_at, t(60));
-    let renewed = store.renew(&lease.id, Some(Duration::from_secs(120)), t(50)).expect("renew");
+    let renewed = store.renew(&lease.id, "", Some(Duration::from_secs(120)), t(50)).expect("renew").lease;
     assert_eq!(renewed.expires_at, t(170));
     assert_eq!(store.expire(t(169)), 0);
     assert_eq!(store.expire(t(170)), 1);
-    assert_eq!(store.renew(&lease.id, None, t(171)), Err(LeaseError::UnknownLease(lease.id.clone())));
-    assert_eq!(store.release(&lease.id, t(171)), Err(LeaseError::UnknownLease(lease.id.clone())), "freed once only");
+    assert_eq!(store.renew(&renewed.id, "", None, t(171)), Err(LeaseError::UnknownLease(renewed.id.clone())));
+    assert_eq!(
+        store.release(&lease.id, "", t(171)),
+        Err(LeaseError::UnknownLease(lease.id.clone())),
+        "freed once only"
+    );
     // TTLs are clamped to the maximum.
     let long = store
         .lease(&LeaseRequest { ttl: Some(Duration::from_secs(99_999)), ..request("example.com") }, t(200))
@@ -114,7 +118,7 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     let on_a = LeaseRequest { proxy: Some("a".into()), ..request("www.shop.example.co.uk") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     assert_eq!(lease.target, "example.co.uk");
-    assert_eq!(store.report(&lease.id, Outcome::Banned, true, t(0)), Ok(Some(t(600))));
+    assert_eq!(store.report(&lease.id, "", Outcome::Banned, true, t(0)).map(|r| r.cooldown_until), Ok(Some(t(600))));
     // The same site (any subdomain) avoids "a"; another site does not.
     for _ in 0..4 {
         assert_eq!(store.lease(&request("img.shop.example.co.uk"), t(1)).expect("lease").proxy, "b");
@@ -130,13 +134,22 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
 
     // A second ban in a row doubles the cooldown; a third doubles again; the cap holds.
     let again = store.lease(&on_a, t(600)).expect("after the cooldown");
-    assert_eq!(store.report(&again.id, Outcome::Banned, true, t(600)), Ok(Some(t(600 + 1200))));
+    assert_eq!(
+        store.report(&again.id, "", Outcome::Banned, true, t(600)).map(|r| r.cooldown_until),
+        Ok(Some(t(600 + 1200)))
+    );
     let third = store.lease(&on_a, t(1800)).expect("after the second cooldown");
-    assert_eq!(store.report(&third.id, Outcome::Banned, true, t(1800)), Ok(Some(t(1800 + 2400))));
+    assert_eq!(
+        store.report(&third.id, "", Outcome::Banned, true, t(1800)).map(|r| r.cooldown_until),
+        Ok(Some(t(1800 + 2400)))
+    );
     // An ok report resets the streak.
     let fourth = store.lease(&on_a, t(4200)).expect("after the third cooldown");
-    store.report(&fourth.id, Outcome::Ok, false, t(4200)).expect("ok");
-    assert_eq!(store.report(&fourth.id, Outcome::Banned, true, t(4200)), Ok(Some(t(4200 + 600))));
+    store.report(&fourth.id, "", Outcome::Ok, false, t(4200)).expect("ok");
+    assert_eq!(
+        store.report(&fourth.id, "", Outcome::Banned, true, t(4200)).map(|r| r.cooldown_until),
+        Ok(Some(t(4200 + 600)))
+    );
     store.check_invariants().expect("invariants");
 }
 
@@ -153,7 +166,8 @@ fn cooldown_cap_and_memory_bound() {
     let mut cooldowns = Vec::new();
     for _ in 0..4 {
         let lease = store.lease(&request("example.com"), now).expect("lease");
-        let until = store.report(&lease.id, Outcome::Banned, true, now).expect("report").expect("until");
+        let until =
+            store.report(&lease.id, "", Outcome::Banned, true, now).expect("report").cooldown_until.expect("until");
         cooldowns.push(until.duration_since(now).expect("future").as_secs());
         now = until;
     }
@@ -170,11 +184,11 @@ fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
     let on_b = store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("example.com") }, t(0)).expect("lease");
     store.upsert_proxy(ProxyInfo { healthy: false, ..proxy("a", 5) });
     store.remove_proxy("b");
-    assert_eq!(store.renew(&on_a.id, None, t(1)), Err(LeaseError::Revoked(on_a.id.clone())));
-    assert_eq!(store.renew(&on_b.id, None, t(1)), Err(LeaseError::Revoked(on_b.id.clone())));
+    assert_eq!(store.renew(&on_a.id, "", None, t(1)), Err(LeaseError::Revoked(on_a.id.clone())));
+    assert_eq!(store.renew(&on_b.id, "", None, t(1)), Err(LeaseError::Revoked(on_b.id.clone())));
     // A ban reported on a revoked lease still counts.
-    assert!(store.report(&on_a.id, Outcome::Banned, false, t(1)).expect("report").is_some());
-    store.release(&on_a.id, t(1)).expect("releasing a revoked lease is accepted");
+    assert!(store.report(&on_a.id, "", Outcome::Banned, false, t(1)).expect("report").cooldown_until.is_some());
+    store.release(&on_a.id, "", t(1)).expect("releasing a revoked lease is accepted");
     store.check_invariants().expect("invariants");
     assert_eq!(store.lease(&request("example.com"), t(2)), Err(LeaseError::NoneHealthy));
 }
@@ -183,7 +197,7 @@ fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
 fn refusal_reasons() {
     let store = store_with(&[proxy("a", 1)]);
     let lease = store.lease(&request("example.com"), t(0)).expect("lease");
-    store.report(&lease.id, Outcome::Banned, true, t(0)).expect("ban");
+    store.report(&lease.id, "", Outcome::Banned, true, t(0)).expect("ban");
     assert_eq!(store.lease(&request("example.com"), t(1)), Err(LeaseError::AllCoolingDown { until: t(600) }));
     assert!(matches!(store.lease(&request("not a host"), t(1)), Err(LeaseError::InvalidTarget(_))));
 }
@@ -193,8 +207,127 @@ fn exact_host_mode_separates_subdomains() {
     let store = InMemoryLeaseStore::new(LeaseConfig { target_mode: TargetMode::ExactHost, ..LeaseConfig::default() });
     store.upsert_proxy(proxy("a", 5));
     let lease = store.lease(&request("www.example.com"), t(0)).expect("lease");
-    store.report(&lease.id, Outcome::Banned, true, t(0)).expect("ban");
+    store.report(&lease.id, "", Outcome::Banned, true, t(0)).expect("ban");
     assert!(store.lease(&request("img.example.com"), t(1)).is_ok());
+}
+
+fn keyed(key: &LeaseKey, proxies: &[ProxyInfo]) -> InMemoryLeaseStore {
+    let store = InMemoryLeaseStore::with_key(LeaseConfig::default(), key.clone());
+    for proxy in proxies {
+        store.upsert_proxy(proxy.clone());
+    }
+    store
+}
+
+#[test]
+fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
+    let key = LeaseKey::from_bytes(&[9; 32]).expect("key");
+    let old = keyed(&key, &[proxy("a", 5)]);
+    let owner = "token-a";
+    let lease = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.com") }, t(0)).expect("lease");
+    let new = keyed(&key, &[proxy("a", 5)]);
+
+    // Renewing on the new store adopts it: same proxy and target, counted against the cap, the expiry extended.
+    let renewed = new.renew(&lease.id, owner, Some(Duration::from_secs(600)), t(10)).expect("adopted");
+    assert_eq!((renewed.lease.proxy.as_str(), renewed.lease.target.as_str()), ("a", "example.com"));
+    assert_eq!(renewed.lease.expires_at, t(610));
+    assert_eq!(new.adopted(), 1);
+    assert_eq!(new.active_leases(), 1);
+    // Every ID of the lease names it; showing it again adopts nothing more.
+    new.renew(&lease.id, owner, None, t(11)).expect("the first ID still names it");
+    assert_eq!((new.adopted(), new.active_leases()), (1, 1));
+    new.check_invariants().expect("invariants");
+
+    // Only its owner can use it, and only with the key: anything else is a lease that does not exist.
+    for (id, who, store) in
+        [(&lease.id, "token-b", &new), (&lease.id, "", &new), (&lease.id, owner, &store_with(&[proxy("a", 5)]))]
+    {
+        assert_eq!(store.renew(id, who, None, t(12)), Err(LeaseError::UnknownLease(id.clone())));
+        assert_eq!(store.release(id, who, t(12)), Err(LeaseError::UnknownLease(id.clone())));
+        assert!(matches!(store.report(id, who, Outcome::Banned, false, t(12)), Err(LeaseError::UnknownLease(_))));
+    }
+    // An expired ID is not adopted.
+    let short = old
+        .lease(&LeaseRequest { owner: owner.into(), ttl: Some(Duration::from_secs(5)), ..request("example.com") }, t(0))
+        .expect("lease");
+    assert_eq!(new.renew(&short.id, owner, None, t(6)), Err(LeaseError::UnknownLease(short.id.clone())));
+
+    // A ban reported on a lease the store never saw counts; releasing one frees nothing and is accepted.
+    let third = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.org") }, t(0)).expect("lease");
+    let reported = new.report(&third.id, owner, Outcome::Banned, true, t(20)).expect("adopted report");
+    assert_eq!(reported, Reported { proxy: "a".into(), cooldown_until: Some(t(620)) });
+    let fourth = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.net") }, t(0)).expect("lease");
+    new.release(&fourth.id, owner, t(20)).expect("release of an unseen lease");
+    assert_eq!(new.active_leases(), 1);
+    new.check_invariants().expect("invariants");
+
+    // A lease whose proxy is gone or unhealthy on the new store is revoked, not unknown.
+    let fifth = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.io") }, t(0)).expect("lease");
+    new.upsert_proxy(ProxyInfo { healthy: false, ..proxy("a", 5) });
+    assert_eq!(new.renew(&fifth.id, owner, None, t(21)), Err(LeaseError::Revoked(fifth.id.clone())));
+}
+
+#[test]
+fn adopted_leases_may_exceed_the_cap_but_nothing_new_is_granted_above_it() {
+    let key = LeaseKey::from_bytes(&[3; 32]).expect("key");
+    let old = keyed(&key, &[proxy("a", 1)]);
+    let held = old.lease(&request("example.com"), t(0)).expect("held before the takeover");
+    let new = keyed(&key, &[proxy("a", 1)]);
+    let fresh = new.lease(&request("example.com"), t(1)).expect("granted by the new store");
+    new.renew(&held.id, "", None, t(2)).expect("the held lease is adopted above the cap");
+    let loads = new.loads(None, t(2)).expect("loads");
+    assert_eq!((loads[0].active_leases, loads[0].max_leases), (2, 1), "overshoot of one");
+    new.check_invariants().expect("adopted leases may exceed the cap");
+    assert!(matches!(new.lease(&request("example.com"), t(3)), Err(LeaseError::AllAtCapacity { .. })));
+    new.release(&fresh.id, "", t(3)).expect("release");
+    assert!(matches!(new.lease(&request("example.com"), t(3)), Err(LeaseError::AllAtCapacity { .. })), "still at cap");
+    new.release(&held.id, "", t(4)).expect("release");
+    new.lease(&request("example.com"), t(4)).expect("below the cap again");
+}
+
+#[test]
+fn cooldowns_read_per_proxy_restore_into_another_store() {
+    let old = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    for (target, at) in [("example.com", 0), ("example.org", 5)] {
+        let lease = old.lease(&LeaseRequest { proxy: Some("a".into()), ..request(target) }, t(at)).expect("lease");
+        old.report(&lease.id, "", Outcome::Banned, true, t(at)).expect("ban");
+    }
+    let saved = old.proxy_cooldowns("a", t(10));
+    assert_eq!(
+        saved.iter().map(|c| (c.target.as_str(), c.until, c.streak)).collect::<Vec<_>>(),
+        [("example.org", t(605), 1), ("example.com", t(600), 1)]
+    );
+    assert!(old.proxy_cooldowns("b", t(10)).is_empty());
+
+    let new = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    assert_eq!(new.restore_cooldowns(&saved, t(10)), 2);
+    for _ in 0..3 {
+        assert_eq!(new.lease(&request("example.com"), t(11)).expect("lease").proxy, "b", "a is cooling down");
+    }
+    // The streak survives: the next ban in a row doubles.
+    let on_a = new.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(600)).expect("lease");
+    let reported = new.report(&on_a.id, "", Outcome::Banned, true, t(600)).expect("ban");
+    assert_eq!(reported.cooldown_until, Some(t(600 + 1200)));
+    // An older record never rolls back what the store knows; ended and forgotten ones are not taken.
+    assert_eq!(new.restore_cooldowns(&saved, t(601)), 0);
+    assert_eq!(new.proxy_cooldowns("a", t(601))[0].until, t(1800));
+    assert_eq!(store_with(&[proxy("a", 5)]).restore_cooldowns(&saved, t(100_000)), 0);
+    new.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_renew_after_a_replacement_moves_the_lease_to_the_new_endpoint() {
+    let store = store_with(&[proxy("a", 5)]);
+    let lease = store.lease(&request("example.com"), t(0)).expect("lease");
+    assert_eq!(lease.endpoint, "a:3128");
+    store.upsert_proxy(ProxyInfo { endpoint: "a-new:3128".into(), ..proxy("a", 5) });
+    assert_eq!(store.leases_on("a", "a:3128", t(1)), 1, "the old instance still has its holder");
+    let renewed = store.renew(&lease.id, "", None, t(1)).expect("renew");
+    assert_eq!(renewed.moved_from.as_deref(), Some("a:3128"));
+    assert_eq!(renewed.lease.endpoint, "a-new:3128");
+    assert_eq!(store.leases_on("a", "a:3128", t(1)), 0, "drained");
+    assert_eq!(store.leases_on("a", "a-new:3128", t(1)), 1);
+    assert_eq!(store.renew(&lease.id, "", None, t(2)).expect("renew").moved_from, None, "told once");
 }
 
 /// xorshift64*, for reproducible random operation sequences.
@@ -249,16 +382,16 @@ fn random_step(
         }
         2 if !leases.is_empty() => {
             let id = leases.swap_remove(rng.below(leases.len() as u64) as usize);
-            let _ = store.release(&id, now);
+            let _ = store.release(&id, "", now);
         }
         3 if !leases.is_empty() => {
             let id = &leases[rng.below(leases.len() as u64) as usize];
-            let _ = store.renew(id, Some(Duration::from_secs(1 + rng.below(30))), now);
+            let _ = store.renew(id, "", Some(Duration::from_secs(1 + rng.below(30))), now);
         }
         4 if !leases.is_empty() => {
             let id = leases[rng.below(leases.len() as u64) as usize].clone();
             let outcome = [Outcome::Ok, Outcome::Banned, Outcome::Failed][rng.below(3) as usize];
-            let _ = store.report(&id, outcome, rng.below(2) == 0, now);
+            let _ = store.report(&id, "", outcome, rng.below(2) == 0, now);
         }
         5 => {
             store.upsert_proxy(ProxyInfo { healthy: rng.below(3) != 0, ..proxy(&proxy_id, 1 + rng.below(4) as u32) });

@@ -226,6 +226,8 @@ pub struct Harness {
     /// The Proxy watch, a second reader of its store (as the operator's health feed is), and the controller.
     tasks: Vec<JoinHandle<()>>,
     pub metrics: ReconcileMetrics,
+    /// The controller's periodic resync (1 s unless a test sets it before a restart).
+    pub resync: Duration,
 }
 
 impl Harness {
@@ -242,6 +244,7 @@ impl Harness {
             receiver: Some(receiver),
             tasks: Vec::new(),
             metrics: ReconcileMetrics::default(),
+            resync: Duration::from_secs(1),
         };
         harness.start();
         harness
@@ -250,7 +253,7 @@ impl Harness {
     pub fn config(&self) -> ControllerConfig {
         let mut config = ControllerConfig::new(&self.cluster_id);
         config.namespace = Some(self.ns.name().to_owned());
-        config.resync = Duration::from_secs(1);
+        config.resync = self.resync;
         config
     }
 
