@@ -75,7 +75,10 @@ async fn lease_report_renew_and_release() {
     let banned = lease.proxy();
     let cooldowns = client.cooldowns(Some("img.example.com")).await.expect("cooldowns");
     assert_eq!(cooldowns.len(), 1);
-    assert_eq!((cooldowns[0].proxy.as_str(), cooldowns[0].target.as_str(), cooldowns[0].streak), (banned.as_str(), "example.com", 1));
+    assert_eq!(
+        (cooldowns[0].proxy.as_str(), cooldowns[0].target.as_str(), cooldowns[0].streak),
+        (banned.as_str(), "example.com", 1)
+    );
     assert_eq!(Some(&cooldowns[0].until), until.as_ref());
     assert!(client.cooldowns(Some("other.org")).await.expect("cooldowns").is_empty());
     lease.release().await.expect("release");

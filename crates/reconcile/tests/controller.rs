@@ -591,7 +591,11 @@ async fn cooldowns_in_the_status_are_kept_by_the_reconciler_and_cost_it_nothing(
     // The same label change afterwards: its reconcile comes after the cooldown write's watch event.
     touch_and_await_reconciles(&harness, "p", 1).await;
     let ban_calls: Vec<usize> = provider_calls().iter().zip(calls).map(|(after, before)| after - before).collect();
-    assert_eq!(harness.metrics.reconciles_total() - reconciles, label_reconciles, "the cooldown write woke no reconcile");
+    assert_eq!(
+        harness.metrics.reconciles_total() - reconciles,
+        label_reconciles,
+        "the cooldown write woke no reconcile"
+    );
     assert_eq!(ban_calls, label_calls, "and called no provider");
 
     // The reconciler's own status writes leave them alone: the Proxy turns Unhealthy, and the cooldown stays.
