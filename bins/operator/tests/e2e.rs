@@ -26,7 +26,7 @@ use tokio::sync::RwLock;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`.
-const NAMESPACES: [&str; 2] = ["e2e-main", "e2e-failover"];
+const NAMESPACES: [&str; 3] = ["e2e-main", "e2e-failover", "e2e-drain"];
 
 /// The role label the leader sets on its own pod.
 const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
@@ -368,6 +368,92 @@ async fn proxies_serve_leases_survive_failures_and_are_cleaned_up() {
     .await;
     assert_no_unprovoked_not_serving(&client).await;
     assert_rbac_allowed(&client).await;
+}
+
+/// The proxy URL's `host:port` as a socket address (the tests' Proxies have no credentials).
+fn proxy_socket(url: &str) -> std::net::SocketAddr {
+    url.trim_start_matches("http://").trim_end_matches('/').parse().unwrap_or_else(|_| panic!("proxy URL {url:?}"))
+}
+
+#[tokio::test]
+async fn a_lease_held_through_a_rotation_never_sees_its_proxy_refuse_a_connection() {
+    let _suite = SUITE.read().await;
+    let cluster = cluster();
+    let client = client().await;
+    let ns = NAMESPACES[2];
+    let name = "drain-1";
+    create(&client, ns, name).await;
+    let ready = wait_phase(&client, ns, &[name], ProxyPhase::Ready).await;
+    let old_instance = instance(&ready[0]);
+    let discovery = discovery();
+    let id = format!("{ns}/{name}");
+    let mut lease = eventually("a lease on the Proxy", WAIT, || {
+        let (discovery, id) = (discovery.clone(), id.clone());
+        async move {
+            discovery
+                .lease(LeaseOptions::for_target("drain.example").proxy(&id).ttl(Duration::from_secs(120)))
+                .await
+                .ok()
+        }
+    })
+    .await;
+    let first_url = lease.proxy_url().to_owned();
+
+    // Rotate it, and keep crawling through the leased URL the way a client does: a request every 200 ms, a renew
+    // every second, switching URL when the renew says the instance was replaced.
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    let rotate = json!({ "metadata": { "annotations": { egress_api::annotations::ROTATE: "1" } } });
+    proxies.patch(name, &PatchParams::default(), &Patch::Merge(rotate)).await.expect("rotate");
+    let rotated = Instant::now();
+    let origin = cluster._origin.ip_url();
+    let (mut requests, mut refused, mut replaced_after) = (0_u32, Vec::new(), None);
+    let mut old_pod_gone_after = None;
+    let mut last_renew = Instant::now();
+    // The crawler's pace: one request per tick.
+    let mut pace = tokio::time::interval(Duration::from_millis(200));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while rotated.elapsed() < WAIT && old_pod_gone_after.is_none() {
+        pace.tick().await;
+        let url = lease.proxy_url().to_owned();
+        match egress_testenv::get_through_proxy(proxy_socket(&url), &origin, None).await {
+            Ok(200) => {}
+            Ok(status) => refused.push(format!("{url}: HTTP {status}")),
+            Err(error) => refused.push(format!("{url}: {error:#}")),
+        }
+        requests += 1;
+        if last_renew.elapsed() >= Duration::from_secs(1) {
+            last_renew = Instant::now();
+            if lease.renew(Some(Duration::from_secs(120))).await.expect("renew answers (200, not 404 or 410)") {
+                assert!(replaced_after.is_none(), "told about the replacement once");
+                assert_ne!(lease.proxy_url(), first_url, "a replacement means a new URL");
+                replaced_after = Some(rotated.elapsed());
+                // The old instance is still there when the holder hears of the new one: that is the drain.
+                assert!(proxy_pods(&client, ns).await.contains(&old_instance), "drained before the holder moved");
+            }
+        }
+        if replaced_after.is_some() && !proxy_pods(&client, ns).await.contains(&old_instance) {
+            old_pod_gone_after = Some(rotated.elapsed());
+        }
+    }
+    let Some(replaced_after) = replaced_after else {
+        let proxy = proxies.get(name).await.expect("get");
+        panic!(
+            "no renew said the instance was replaced; the Proxy: {:?}\npods: {:?}\noperator logs:\n{}",
+            proxy.status,
+            proxy_pods(&client, ns).await,
+            operator_logs(&client).await
+        );
+    };
+    let gone_after = old_pod_gone_after.expect("the old pod is deleted once its lease moved");
+    eprintln!(
+        "e2e: rotation with a held lease: {requests} requests, {} refused; the renew said replaced after \
+         {replaced_after:.1?}, the old pod was gone {gone_after:.1?} after the rotate",
+        refused.len()
+    );
+    assert!(refused.is_empty(), "the leased URL refused while the lease was valid: {refused:?}");
+    assert_eq!(egress_testenv::get_through_proxy(proxy_socket(lease.proxy_url()), &origin, None).await.ok(), Some(200));
+    lease.release().await.expect("release");
+    proxies.delete(name, &DeleteParams::default()).await.expect("delete");
 }
 
 /// Every API call the operator pods made was allowed by their ServiceAccount's RBAC.

@@ -540,6 +540,11 @@ pub struct InstanceStatus {
     /// When the provider created the instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<Time>,
+    /// On `previousInstance` only: when the endpoint switched away from it. It is kept until no lease is on it any
+    /// more (every holder renewed onto the new instance, released, or let its lease expire) or the operator's drain
+    /// timeout has passed since this time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining_since: Option<Time>,
 }
 
 /// The published endpoint.

@@ -55,13 +55,29 @@ pub struct ControllerConfig {
     pub concurrency: u16,
     /// Watch only this namespace; `None` watches all.
     pub namespace: Option<String>,
+    /// How long a replaced instance is kept for the leases still on it (`--drain-timeout`).
+    pub drain_timeout: Duration,
 }
 
 impl ControllerConfig {
-    /// Defaults for `cluster_id`: resync every minute, 16 concurrent reconciles, all namespaces.
+    /// Defaults for `cluster_id`: resync every minute, 16 concurrent reconciles, all namespaces, a 5-minute drain
+    /// (the default lease TTL, so a holder that never renews keeps its instance for its whole lease).
     pub fn new(cluster_id: impl Into<String>) -> Self {
-        Self { cluster_id: cluster_id.into(), resync: Duration::from_secs(60), concurrency: 16, namespace: None }
+        Self {
+            cluster_id: cluster_id.into(),
+            resync: Duration::from_secs(60),
+            concurrency: 16,
+            namespace: None,
+            drain_timeout: Duration::from_secs(300),
+        }
     }
+}
+
+/// Who holds leases on which endpoint: the discovery API, so a replaced instance is kept until its holders were
+/// told the new one.
+pub trait LeaseDrain: Send + Sync {
+    /// How many live leases on Proxy `proxy` (`namespace/name`) were last told `endpoint` (`host:port`).
+    fn leases_on(&self, proxy: &str, endpoint: &str) -> usize;
 }
 
 /// Everything a reconcile needs, shared by all of them.
@@ -75,6 +91,7 @@ pub struct Context {
     metrics: ReconcileMetrics,
     failures: Mutex<HashMap<String, u32>>,
     quota_refusals: Mutex<HashMap<String, QuotaRefusal>>,
+    drain: Option<Arc<dyn LeaseDrain>>,
 }
 
 /// Consecutive QuotaExceeded answers for one Proxy, and when the next create may be tried.
@@ -105,7 +122,14 @@ impl Context {
             metrics,
             failures: Mutex::default(),
             quota_refusals: Mutex::default(),
+            drain: None,
         }
+    }
+
+    /// Keeps a replaced instance while `drain` says leases are on it (up to the drain timeout).
+    pub fn with_drain(mut self, drain: Arc<dyn LeaseDrain>) -> Self {
+        self.drain = Some(drain);
+        self
     }
 
     /// The metrics this context records into.
@@ -377,6 +401,8 @@ async fn observe(
         now: SystemTime::now(),
         desired: Observed::NotRecorded,
         previous: PreviousObserved::None,
+        previous_leases: 0,
+        drain_timeout: context.config.drain_timeout,
         health: None,
     };
     let latched = status.failure.as_ref().is_some_and(|failure| {
@@ -398,6 +424,10 @@ async fn observe(
                 Err(error) if error.is_not_found() => PreviousObserved::Gone,
                 Err(error) => return Err(error),
             };
+            if let (Some(drain), Some(ip)) = (&context.drain, &previous.ip) {
+                let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
+                facts.previous_leases = drain.leases_on(&format!("{namespace}/{name}"), &endpoint.address());
+            }
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
             let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
@@ -568,6 +598,7 @@ fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
         ip: None,
         spec_hash: spec_hash.to_owned(),
         created_at: instance.created_at.map(time),
+        draining_since: None,
     }
 }
 

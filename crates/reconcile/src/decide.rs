@@ -23,6 +23,8 @@ pub const DELETING_REQUEUE: Duration = Duration::from_secs(2);
 pub const QUOTA_BACKOFF_MIN: Duration = Duration::from_secs(60);
 /// The longest quota backoff.
 pub const QUOTA_BACKOFF_MAX: Duration = Duration::from_secs(15 * 60);
+/// How often a draining previous instance is looked at again, to delete it as soon as its last lease moved.
+pub const DRAIN_RECHECK: Duration = Duration::from_secs(2);
 
 /// What the provider said about the instance the status records as current, when its spec hash is the desired one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,6 +84,11 @@ pub struct Facts {
     pub desired: Observed,
     /// The observation of the previous instance.
     pub previous: PreviousObserved,
+    /// How many live leases are still on the previous instance's endpoint (their holders were not told the new
+    /// one yet).
+    pub previous_leases: usize,
+    /// How long a replaced instance is kept for the leases still on it.
+    pub drain_timeout: Duration,
     /// The health verdict for the endpoint this decision is about: the running instance's address (Managed) or
     /// `spec.endpoint` (External).
     pub health: Option<Verdict>,
@@ -313,12 +320,54 @@ fn decide_managed(facts: &Facts) -> Decision {
                 apply_health(facts, &mut status, &mut events);
                 status.phase = Some(ProxyPhase::Ready);
                 return match facts.previous {
-                    PreviousObserved::Present => Decision {
-                        action: Action::Delete { provider_id: previous.provider_id },
-                        status,
-                        events,
-                        requeue: Requeue::After(DELETING_REQUEUE),
-                    },
+                    PreviousObserved::Present => {
+                        // Drain: the old instance serves the leases still on it until their holders renew (and
+                        // are told the new URL), release, or let them expire, or until the drain timeout.
+                        let since = previous.draining_since.as_ref().map_or(facts.now, crate::status::system_time);
+                        let deadline = since + facts.drain_timeout;
+                        if facts.previous_leases > 0 && facts.now < deadline {
+                            if previous.draining_since.is_none() {
+                                events.push(EventSpec::normal(
+                                    "Draining",
+                                    format!(
+                                        "instance {} serves; {} keeps serving {} lease(s) until their holders renew                                          onto it, release or expire (at most {}s)",
+                                        current.name,
+                                        previous.name,
+                                        facts.previous_leases,
+                                        facts.drain_timeout.as_secs()
+                                    ),
+                                ));
+                            }
+                            if let Some(previous) = status.previous_instance.as_mut() {
+                                previous.draining_since = Some(time(since));
+                            }
+                            let left = deadline.duration_since(facts.now).unwrap_or_default();
+                            let requeue = DRAIN_RECHECK.min(left).max(Duration::from_millis(100));
+                            return Decision {
+                                action: Action::Nothing,
+                                status,
+                                events,
+                                requeue: Requeue::After(requeue),
+                            };
+                        }
+                        if facts.previous_leases > 0 {
+                            events.push(EventSpec::warning(
+                                "DrainTimedOut",
+                                format!(
+                                    "deleting {} with {} lease(s) still on it after the {}s drain timeout",
+                                    previous.name,
+                                    facts.previous_leases,
+                                    facts.drain_timeout.as_secs()
+                                ),
+                            ));
+                        }
+                        Decision {
+                            action: Action::Delete { provider_id: previous.provider_id },
+                            status,
+                            events,
+                            requeue: Requeue::After(DELETING_REQUEUE),
+                        }
+                    }
                     PreviousObserved::Gone | PreviousObserved::None => {
                         status.previous_instance = None;
                         events.push(EventSpec::normal(

@@ -237,6 +237,7 @@ mod tests {
             ip: Some(ip.into()),
             spec_hash: "h".into(),
             created_at: None,
+            draining_since: None,
         }
     }
 

@@ -19,7 +19,7 @@ pub mod monitor;
 mod providers;
 mod status;
 
-pub use controller::{Context, ControllerConfig, Trigger, run, trigger_channel};
+pub use controller::{Context, ControllerConfig, LeaseDrain, Trigger, run, trigger_channel};
 pub use error::Error;
 pub use feed::{
     AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedProxy, ProxyFeed, SecretIndex,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use egress_api::Proxy;
 use egress_discovery::{Discovery, ProxyRecord};
 use egress_reconcile::{
-    Change, CredentialStore, GuardedProxy, ProbeKey, ProxyFeed, ProxyVerdicts, SecretIndex, auth_secret_of,
+    Change, CredentialStore, GuardedProxy, LeaseDrain, ProbeKey, ProxyFeed, ProxyVerdicts, SecretIndex, auth_secret_of,
     reference_of,
 };
 use futures::StreamExt;
@@ -54,6 +54,15 @@ pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &Crede
         namespace,
         name,
     })
+}
+
+/// The discovery API as the controller's [`LeaseDrain`]: a replaced instance is kept while leases are on it.
+pub struct DiscoveryDrain(pub Arc<Discovery>);
+
+impl LeaseDrain for DiscoveryDrain {
+    fn leases_on(&self, proxy: &str, endpoint: &str) -> usize {
+        self.0.leases_on(proxy, endpoint)
+    }
 }
 
 struct Records {

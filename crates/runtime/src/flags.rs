@@ -65,6 +65,10 @@ pub struct Cli {
     /// How often providers are checked; `0` turns checks off, otherwise at least `10s`.
     #[arg(long, env = "EGRESS_PROVIDER_CHECK_INTERVAL", default_value = "1m")]
     pub provider_check_interval: String,
+    /// How long a replaced instance is kept for the leases still on it: until each holder has renewed (and been
+    /// told the new URL), released, or let its lease expire, but no longer than this.
+    #[arg(long, env = "EGRESS_DRAIN_TIMEOUT", default_value = "5m")]
+    pub drain_timeout: String,
     /// How long one round of provider checks may take.
     #[arg(long, env = "EGRESS_PROVIDER_CHECK_TIMEOUT", default_value = "15s")]
     pub provider_check_timeout: String,
@@ -144,6 +148,8 @@ pub struct Settings {
     pub provider_check_interval: Option<Duration>,
     /// How long one provider check may take.
     pub provider_check_timeout: Duration,
+    /// How long a replaced instance is kept for its leases.
+    pub drain_timeout: Duration,
     /// Watch only this namespace; `None` watches all.
     pub watch_namespace: Option<String>,
     /// Text or JSON logs.
@@ -242,6 +248,8 @@ impl Cli {
         let gc_grace = duration("gc-grace", &self.gc_grace);
         let check_interval = duration("provider-check-interval", &self.provider_check_interval);
         let check_timeout = duration("provider-check-timeout", &self.provider_check_timeout);
+        // 0 is allowed: a replaced instance is then deleted as soon as its successor serves, leases or not.
+        let drain_timeout = duration("drain-timeout", &self.drain_timeout);
         if gc_interval.is_some_and(|interval| interval < Duration::from_secs(10)) {
             problems.push("--gc-interval must be at least 10s".into());
         }
@@ -387,6 +395,7 @@ impl Cli {
             gc_grace: gc_grace.expect("checked above"),
             provider_check_interval: check_interval.filter(|interval| !interval.is_zero()),
             provider_check_timeout: check_timeout.expect("checked above"),
+            drain_timeout: drain_timeout.expect("checked above"),
             watch_namespace: self.watch_namespace.clone(),
             log_format: self.log_format,
             otlp_endpoint,

@@ -19,7 +19,8 @@ use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
 use egress_reconcile::{
-    Context as ReconcileContext, ControllerConfig, CredentialStore, ProxyFeed, ProxyVerdicts, ReconcileMetrics,
+    Context as ReconcileContext, ControllerConfig, CredentialStore, LeaseDrain, ProxyFeed, ProxyVerdicts,
+    ReconcileMetrics,
 };
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
@@ -124,6 +125,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     tokio::spawn(run_discovery_feed(feed.clone(), verdicts.clone(), credentials.clone(), discovery.clone()));
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
 
+    let drain: Arc<dyn LeaseDrain> = Arc::new(crate::discovery_feed::DiscoveryDrain(discovery.clone()));
     let servers = serve_all(&settings, registry, server_metrics, discovery, leader.clone(), stop.clone()).await?;
 
     // The leader's Pod carries the label the discovery Service selects; a restarted process first removes the one
@@ -183,6 +185,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         reconcile_metrics,
         health_metrics,
         monitor_metrics,
+        drain,
     };
     let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
     let leading = tokio::spawn(leading_loop);
@@ -347,6 +350,8 @@ struct Leading {
     reconcile_metrics: ReconcileMetrics,
     health_metrics: HealthMetrics,
     monitor_metrics: MonitorMetrics,
+    /// Where the controller asks whether a replaced instance still has leases on it.
+    drain: Arc<dyn LeaseDrain>,
 }
 
 /// Runs the leader-only parts for each term of leadership, until `stop`.
@@ -356,8 +361,17 @@ async fn lead_while_elected(
     mut leader: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
 ) {
-    let Leading { client, feed, credentials, providers, verdicts, reconcile_metrics, health_metrics, monitor_metrics } =
-        parts;
+    let Leading {
+        client,
+        feed,
+        credentials,
+        providers,
+        verdicts,
+        reconcile_metrics,
+        health_metrics,
+        monitor_metrics,
+        drain,
+    } = parts;
     loop {
         tokio::select! {
             result = leader.wait_for(|leading| *leading) => if result.is_err() { return },
@@ -371,14 +385,18 @@ async fn lead_while_elected(
         // More in flight only adds contention on a busy apiserver (measured: 64 made a ramp of 1,000 slower).
         config.concurrency = 16;
         config.namespace = settings.watch_namespace.clone();
-        let context = Arc::new(ReconcileContext::new(
-            client.clone(),
-            providers.clone(),
-            verdicts.clone(),
-            credentials.clone(),
-            config,
-            reconcile_metrics.clone(),
-        ));
+        config.drain_timeout = settings.drain_timeout;
+        let context = Arc::new(
+            ReconcileContext::new(
+                client.clone(),
+                providers.clone(),
+                verdicts.clone(),
+                credentials.clone(),
+                config,
+                reconcile_metrics.clone(),
+            )
+            .with_drain(drain.clone()),
+        );
         let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
         tasks.push(tokio::spawn(egress_reconcile::run(
             context,

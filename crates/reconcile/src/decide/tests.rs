@@ -17,6 +17,7 @@ fn instance(name: &str, hash: &str, state: InstanceState, ip: Option<&str>) -> I
         ip: ip.map(Into::into),
         spec_hash: hash.into(),
         created_at: Some(time(at(1_000))),
+        draining_since: None,
     }
 }
 
@@ -45,6 +46,8 @@ fn facts() -> Facts {
         now: at(2_000),
         desired: Observed::NotRecorded,
         previous: PreviousObserved::None,
+        previous_leases: 0,
+        drain_timeout: Duration::from_secs(300),
         health: None,
     }
 }
@@ -263,6 +266,43 @@ fn replacement_switches_the_endpoint_only_when_the_new_instance_is_healthy() {
     assert_eq!(done.action, Action::Nothing);
     assert_eq!(done.status.previous_instance, None);
     assert!(reasons(&done).contains(&"Replaced"));
+}
+
+// Row: new instance healthy, leases still on the previous one → keep it (drain) until they are gone or the drain
+// timeout passed since the switch; then delete it.
+#[test]
+fn a_replaced_instance_is_kept_while_leases_are_on_it_until_the_drain_timeout() {
+    let mut held = replacing(verdict(true), PreviousObserved::Present);
+    held.previous_leases = 2;
+    let draining = decide(&held);
+    assert_eq!(draining.action, Action::Nothing, "kept for its leases");
+    assert_eq!(draining.status.endpoint.as_ref().map(|e| e.address.as_str()), Some("10.0.0.9:3128"), "switched");
+    assert_eq!(draining.status.phase, Some(ProxyPhase::Ready));
+    let since = draining.status.previous_instance.as_ref().and_then(|p| p.draining_since.clone());
+    assert_eq!(since, Some(time(at(2_000))));
+    assert!(reasons(&draining).contains(&"Draining"), "{:?}", reasons(&draining));
+    assert_eq!(draining.requeue, Requeue::After(DRAIN_RECHECK));
+
+    // Later, still held: no second Event, the start is kept.
+    let mut later = held.clone();
+    later.status = draining.status.clone();
+    later.now = at(2_100);
+    let still = decide(&later);
+    assert_eq!(still.action, Action::Nothing);
+    assert!(reasons(&still).is_empty(), "{:?}", reasons(&still));
+    assert_eq!(still.status.previous_instance.as_ref().and_then(|p| p.draining_since.clone()), since);
+
+    // The last lease moved: deleted at once.
+    let mut moved = later.clone();
+    moved.previous_leases = 0;
+    assert_eq!(decide(&moved).action, Action::Delete { provider_id: "scripted/px-old".into() });
+
+    // Held past the timeout: deleted, with a warning.
+    let mut timed_out = later;
+    timed_out.now = at(2_300);
+    let deleted = decide(&timed_out);
+    assert_eq!(deleted.action, Action::Delete { provider_id: "scripted/px-old".into() });
+    assert_eq!(reasons(&deleted), ["DrainTimedOut"]);
 }
 
 // Row: the instance has been dead (unhealthy, no answer) for replaceAfterSeconds → count a replacement, which
