@@ -11,13 +11,17 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
-use egress_client::{ClientError, DiscoveryClient, LeaseOptions};
-use egress_testenv::{LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, TestNamespace, eventually, http_get};
+use egress_api::{Endpoint, HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
+use egress_testenv::{
+    LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually, http_get,
+};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, any_value};
 use prost::Message as _;
@@ -232,6 +236,104 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
         .expect("release");
     assert_no_forbidden(follower);
     assert_no_forbidden(leader);
+}
+
+#[tokio::test]
+async fn a_restarted_operator_keeps_its_fleet_ready_its_leases_and_its_bans() {
+    let env = Env::new("e2e-restart").await;
+    let squids = [
+        Squid::start(SquidOptions::default()).await.expect("squid"),
+        Squid::start(SquidOptions::default()).await.expect("squid"),
+    ];
+    let mut operator = env.operator(false).await;
+    let names: Vec<String> = (0..20).map(|index| format!("r-{index:02}")).collect();
+    for (index, name) in names.iter().enumerate() {
+        let squid = squids[index % squids.len()].address();
+        let spec = ProxySpec {
+            endpoint: Some(Endpoint { host: squid.ip().to_string(), port: i32::from(squid.port()) }),
+            health_check: HealthCheck {
+                interval_seconds: 5,
+                timeout_seconds: 3,
+                healthy_threshold: 2,
+                unhealthy_threshold: 2,
+                probe_url: None,
+                ..HealthCheck::default()
+            },
+            ..ProxySpec::new(ProxyMode::External)
+        };
+        env.ns.api::<Proxy>().create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create");
+    }
+    let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    env.wait_phase(&name_refs, ProxyPhase::Ready).await;
+    let discovery = env.discovery(&operator, names.len()).await;
+    let held = discovery
+        .lease(LeaseOptions::for_target("held.example").ttl(Duration::from_secs(300)))
+        .await
+        .expect("a lease held across the restart");
+    let banned = discovery.lease(LeaseOptions::for_target("banned.example")).await.expect("a lease to ban");
+    let banned_proxy = banned.proxy();
+    banned.report(Outcome::Banned, Some(403)).await.expect("ban");
+    banned.release().await.expect("release");
+
+    // From here on, every phase any of the Proxies is written with.
+    let phases = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watcher = {
+        let (api, phases) = (env.ns.api::<Proxy>(), phases.clone());
+        tokio::spawn(async move {
+            let mut stream =
+                kube::runtime::watcher(api, kube::runtime::watcher::Config::default()).applied_objects().boxed();
+            while let Some(Ok(proxy)) = stream.next().await {
+                let phase = proxy.status.and_then(|status| status.phase);
+                phases.lock().expect("phases").push((proxy.metadata.name.unwrap_or_default(), phase));
+            }
+        })
+    };
+
+    // SIGKILL, and a new process: it leases within 5 s of starting, with the held lease and the ban intact.
+    operator.kill();
+    let started = std::time::Instant::now();
+    let restarted = env.operator(false).await;
+    let client = DiscoveryClient::new(&restarted.discovery_url, Some(env.token.clone())).expect("client");
+    let first = eventually("the first lease after the restart", WAIT, || {
+        let client = client.clone();
+        async move { client.lease(LeaseOptions::for_target("after.example")).await.ok() }
+    })
+    .await;
+    let first_lease_after = started.elapsed();
+    first.release().await.expect("release");
+    // The client's own URL for the operator changed with the process (a Service's would not): pick the lease up there.
+    let held_id = held.id().to_owned();
+    // Its guard would release through the dead process's address on drop; the resumed guard owns the lease now.
+    std::mem::forget(held);
+    let held = client.resume(&held_id, None).await.expect("the lease held across the restart renews");
+    held.release().await.expect("and releases");
+    let cooldowns = client.cooldowns(Some("banned.example")).await.expect("cooldowns");
+    assert!(cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy), "the ban survived: {cooldowns:?}");
+
+    // Two probe rounds later, no Proxy was ever written with a phase other than Ready.
+    let probes = |text: &str| -> f64 {
+        text.lines()
+            .filter(|line| line.starts_with("egress_health_probes_total"))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    eventually("every Proxy probed twice by the new process", WAIT, || async {
+        let (_, metrics) = http_get(&format!("{}/metrics", restarted.metrics_url)).await.ok()?;
+        (probes(&metrics) >= 2.0 * names.len() as f64).then_some(())
+    })
+    .await;
+    watcher.abort();
+    let left_ready: Vec<_> =
+        phases.lock().expect("phases").iter().filter(|(_, phase)| *phase != Some(ProxyPhase::Ready)).cloned().collect();
+    eprintln!(
+        "e2e: restart with {} Ready Proxies: first lease {first_lease_after:.1?} after the new process started; {} \
+         left Ready",
+        names.len(),
+        left_ready.len()
+    );
+    assert!(left_ready.is_empty(), "Proxies left Ready across the restart: {left_ready:?}");
+    assert!(first_lease_after < Duration::from_secs(5), "the first lease took {first_lease_after:?}");
+    assert_no_forbidden(&restarted);
 }
 
 /// A span as the collector received it: its resource's `service.name`, its name, and its string attributes.

@@ -308,6 +308,16 @@ impl DiscoveryClient {
             .map_err(|error| ClientError::Decode(error.to_string()))
     }
 
+    /// Picks up a lease by its ID (one a crawler kept across its own restart, or took through another client):
+    /// renews it by `ttl` (or the server's default) and returns its guard, with the proxy's current URL.
+    pub async fn resume(&self, id: &str, ttl: Option<Duration>) -> Result<LeaseGuard, ClientError> {
+        let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
+        let (_, bytes) = self.call(Method::POST, &format!("/v1/leases/{}/renew", encode(id)), Some(body)).await?;
+        let renewed: RenewBody =
+            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        Ok(LeaseGuard { client: self.clone(), lease: renewed.lease, released: AtomicBool::new(false) })
+    }
+
     /// Leases a proxy.
     pub async fn lease(&self, options: LeaseOptions) -> Result<LeaseGuard, ClientError> {
         let mut body = json!({ "target": options.target });

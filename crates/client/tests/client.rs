@@ -73,6 +73,9 @@ async fn lease_report_renew_and_release() {
     let until = lease.report(Outcome::Banned, Some(403)).await.expect("report");
     assert!(until.is_some(), "a ban returns the cooldown's end");
     let banned = lease.proxy();
+    let resumed = client.resume(lease.id(), None).await.expect("resume by ID");
+    assert_eq!((resumed.proxy(), resumed.proxy_url()), (banned.clone(), lease.proxy_url()));
+    std::mem::forget(resumed);
     let cooldowns = client.cooldowns(Some("img.example.com")).await.expect("cooldowns");
     assert_eq!(cooldowns.len(), 1);
     assert_eq!(
