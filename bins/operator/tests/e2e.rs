@@ -26,7 +26,7 @@ use tokio::sync::RwLock;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`.
-const NAMESPACES: [&str; 3] = ["e2e-main", "e2e-failover", "e2e-drain"];
+const NAMESPACES: [&str; 4] = ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos"];
 
 /// The role label the leader sets on its own pod.
 const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
@@ -589,4 +589,265 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     eventually("no leaked pod", WAIT, || async { proxy_pods(&client, ns).await.is_empty().then_some(()) }).await;
     assert_no_unprovoked_not_serving(&client).await;
     assert_rbac_allowed(&client).await;
+}
+
+/// What the chaos test's crawlers saw, shared between them.
+#[derive(Default)]
+struct Book {
+    /// (proxy, site) → the cooldown's end, from every ban report that was answered.
+    cooldowns: std::sync::Mutex<std::collections::HashMap<(String, String), std::time::SystemTime>>,
+    /// Leases granted on a (proxy, site) the book knew to be cooling down.
+    violations: std::sync::Mutex<Vec<String>>,
+    grants: std::sync::atomic::AtomicU32,
+    renews: std::sync::atomic::AtomicU32,
+    renews_404: std::sync::atomic::AtomicU32,
+    bans: std::sync::atomic::AtomicU32,
+    /// When a lease was last granted, and the longest time between two grants.
+    last_grant: std::sync::Mutex<Option<Instant>>,
+    longest_gap: std::sync::Mutex<Duration>,
+    /// Refused or failed lease requests, by error.
+    refusals: std::sync::Mutex<std::collections::BTreeMap<String, u32>>,
+}
+
+impl Book {
+    fn granted(&self, proxy: &str, site: &str) {
+        use std::sync::atomic::Ordering;
+        self.grants.fetch_add(1, Ordering::SeqCst);
+        let now = Instant::now();
+        if let Some(last) = self.last_grant.lock().expect("book").replace(now) {
+            let mut longest = self.longest_gap.lock().expect("book");
+            *longest = (*longest).max(now - last);
+        }
+        // A second of slack: answers give the end rounded to the second.
+        let cooling = self.cooldowns.lock().expect("book").get(&(proxy.to_owned(), site.to_owned())).copied();
+        if cooling.is_some_and(|until| until > std::time::SystemTime::now() + Duration::from_secs(1)) {
+            self.violations.lock().expect("book").push(format!("{proxy} leased for {site} while cooling down"));
+        }
+    }
+}
+
+/// One crawler: lease one of 50 sites, renew it three times (however long a takeover makes that take, up to 40 s),
+/// ban it one time in eight, release; through the Service, until `stop`.
+async fn crawl(
+    seed: u64,
+    discovery: DiscoveryClient,
+    book: std::sync::Arc<Book>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::Ordering;
+    // Sites of their own registrable domain each (a ban covers a whole site), enough that bans never use one up.
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let mut pace = tokio::time::interval(Duration::from_millis(150));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !stop.load(Ordering::SeqCst) {
+        pace.tick().await;
+        let site = format!("site-{}.example", next(50));
+        let site = site.as_str();
+        let mut lease = match discovery.lease(LeaseOptions::for_target(site).ttl(Duration::from_secs(60))).await {
+            Ok(lease) => lease,
+            Err(error) => {
+                let kind = match &error {
+                    ClientError::Unavailable { reason, .. } | ClientError::Conflict { reason, .. } => reason.clone(),
+                    other => other.to_string().chars().take(60).collect(),
+                };
+                *book.refusals.lock().expect("book").entry(kind).or_default() += 1;
+                continue;
+            }
+        };
+        book.granted(&lease.proxy(), site);
+        let held = Instant::now();
+        let mut renewed = 0;
+        while renewed < 3 && held.elapsed() < Duration::from_secs(40) {
+            pace.tick().await;
+            match lease.renew(Some(Duration::from_secs(60))).await {
+                Ok(_) => {
+                    renewed += 1;
+                    book.renews.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(ClientError::NotFound(detail)) => {
+                    book.renews_404.fetch_add(1, Ordering::SeqCst);
+                    eprintln!("chaos: renew of a held lease answered 404: {detail}");
+                    break;
+                }
+                Err(ClientError::Gone(_)) => break,
+                // A takeover in progress: not serving, or the Service's endpoint is a dead pod. Try again.
+                Err(_) => {}
+            }
+        }
+        if next(8) == 0
+            && let Ok(Some(until)) = lease.report(Outcome::Banned, Some(403)).await
+        {
+            let until: k8s_openapi::jiff::Timestamp = until.parse().expect("an RFC 3339 cooldown end");
+            book.cooldowns.lock().expect("book").insert((lease.proxy(), site.to_owned()), until.into());
+            book.bans.fetch_add(1, Ordering::SeqCst);
+        }
+        let _ = lease.release().await;
+    }
+}
+
+#[tokio::test]
+async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Alone: it kills the leader five times.
+    let _suite = SUITE.write().await;
+    let cluster = cluster();
+    let client = client().await;
+    let ns = NAMESPACES[3];
+    const MAX_LEASES: i32 = 2;
+    let names: Vec<String> = (0..20).map(|index| format!("c-{index:02}")).collect();
+    for name in &names {
+        let spec = ProxySpec {
+            provider: Some(format!("pods-{ns}")),
+            max_leases: Some(MAX_LEASES),
+            health_check: HealthCheck {
+                interval_seconds: 5,
+                timeout_seconds: 3,
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+                probe_url: None,
+                ..HealthCheck::default()
+            },
+            ..ProxySpec::new(ProxyMode::Managed)
+        };
+        Api::<Proxy>::namespaced(client.clone(), ns)
+            .create(&PostParams::default(), &Proxy::new(name, spec))
+            .await
+            .expect("create Proxy");
+    }
+    let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    wait_phase(&client, ns, &name_refs, ProxyPhase::Ready).await;
+    let discovery = discovery();
+    let expected = names.len();
+    eventually("discovery to list the 20 proxies", WAIT, || {
+        let discovery = discovery.clone();
+        async move {
+            let listed = discovery.proxies(None, None).await.ok()?;
+            (listed.iter().filter(|proxy| proxy.namespace == ns).count() == expected).then_some(())
+        }
+    })
+    .await;
+
+    // Eight crawlers through the Service, and a sampler of the leases per proxy.
+    let (book, stop) = (Arc::new(Book::default()), Arc::new(AtomicBool::new(false)));
+    let crawlers: Vec<_> =
+        (1..=8).map(|seed| tokio::spawn(crawl(seed, discovery.clone(), book.clone(), stop.clone()))).collect();
+    let overshoot = Arc::new(std::sync::Mutex::new(0_i64));
+    let sampler = {
+        let (discovery, overshoot, stop) = (discovery.clone(), overshoot.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            while !stop.load(Ordering::SeqCst) {
+                tick.tick().await;
+                let Ok(proxies) = discovery.proxies(None, None).await else { continue };
+                for proxy in proxies.iter().filter(|proxy| proxy.namespace == ns) {
+                    let over = i64::from(proxy.active_leases) - i64::from(proxy.max_leases);
+                    let mut worst = overshoot.lock().expect("overshoot");
+                    *worst = (*worst).max(over);
+                }
+            }
+        })
+    };
+
+    // Five SIGKILLs of whoever leads. After each, the new leader serves, and every cooldown a crawler was told of
+    // is still listed.
+    let agent = cluster.installation.agent();
+    let mut cooldowns_lost = Vec::new();
+    let mut takeovers = Vec::new();
+    for kill in 1..=5 {
+        let before = book.grants.load(Ordering::SeqCst);
+        let load = tokio::time::timeout(WAIT, async {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            while book.grants.load(Ordering::SeqCst) < before + 20 {
+                tick.tick().await;
+            }
+        });
+        if load.await.is_err() {
+            panic!(
+                "before kill {kill}: {} leases granted in {WAIT:?}; refusals {:?}",
+                book.grants.load(Ordering::SeqCst) - before,
+                book.refusals.lock().expect("book")
+            );
+        }
+        let leader = eventually("a leader", WAIT, || async {
+            operator_pods(&client).await.into_iter().find(|pod| is_leader(pod) && ready(pod))
+        })
+        .await;
+        let known: Vec<((String, String), std::time::SystemTime)> =
+            book.cooldowns.lock().expect("book").iter().map(|(key, until)| (key.clone(), *until)).collect();
+        assert!(agent.signal_container(SYSTEM_NAMESPACE, &leader.name_any(), "operator", "KILL"), "SIGKILL #{kill}");
+        let killed = Instant::now();
+        let serving = eventually("a lease from the new leader", WAIT, || {
+            let discovery = discovery.clone();
+            async move { discovery.lease(LeaseOptions::for_target("probe.chaos.example")).await.ok() }
+        })
+        .await;
+        takeovers.push(killed.elapsed());
+        let _ = serving.release().await;
+        let listed = discovery.cooldowns(None).await.expect("cooldowns");
+        for ((proxy, site), until) in known {
+            let still_live = until > std::time::SystemTime::now() + Duration::from_secs(2);
+            if still_live && !listed.iter().any(|cooldown| cooldown.proxy == proxy && cooldown.target == site) {
+                cooldowns_lost.push(format!("kill {kill}: {proxy} for {site}"));
+            }
+        }
+    }
+    let before = book.grants.load(Ordering::SeqCst);
+    eventually("the crawlers to get leases after the last takeover", WAIT, || async {
+        (book.grants.load(Ordering::SeqCst) >= before + 20).then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for crawler in crawlers {
+        crawler.await.expect("crawler");
+    }
+    sampler.await.expect("sampler");
+
+    let longest_gap = *book.longest_gap.lock().expect("book");
+    let overshoot = *overshoot.lock().expect("overshoot");
+    let violations = book.violations.lock().expect("book").clone();
+    eprintln!(
+        "e2e chaos: 5 leader SIGKILLs under 8 crawlers: {} leases, {} renews, {} bans; cooldowns lost {}; renews of \
+         held leases answered 404: {}; leases for a site the proxy cooled down for: {}; worst cap overshoot {} \
+         (bound {MAX_LEASES}); takeovers {:?}; longest time with no lease granted {longest_gap:.1?}; refusals {:?}",
+        book.grants.load(Ordering::SeqCst),
+        book.renews.load(Ordering::SeqCst),
+        book.bans.load(Ordering::SeqCst),
+        cooldowns_lost.len(),
+        book.renews_404.load(Ordering::SeqCst),
+        violations.len(),
+        overshoot.max(0),
+        takeovers.iter().map(|took| format!("{:.1}s", took.as_secs_f64())).collect::<Vec<_>>(),
+        book.refusals.lock().expect("book"),
+    );
+    assert!(cooldowns_lost.is_empty(), "cooldowns lost: {cooldowns_lost:?}");
+    assert_eq!(book.renews_404.load(Ordering::SeqCst), 0, "renews of held leases answered 404");
+    assert!(violations.is_empty(), "{violations:?}");
+    assert!(overshoot <= i64::from(MAX_LEASES), "cap overshoot {overshoot} above the documented bound");
+    // The Lease lasts 15 s; the takeover gap must stay under that plus 10 s.
+    assert!(longest_gap < Duration::from_secs(25), "no lease was granted for {longest_gap:?}");
+    assert!(book.bans.load(Ordering::SeqCst) > 0, "the load banned something");
+
+    // Both operator pods serve again; the Proxies are cleaned up.
+    eventually("both operator pods Ready", WAIT, || async {
+        let pods = operator_pods(&client).await;
+        (pods.len() == 2 && pods.iter().all(ready) && pods.iter().filter(|pod| is_leader(pod)).count() == 1)
+            .then_some(())
+    })
+    .await;
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    for name in &names {
+        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+    eventually("the chaos Proxies and pods to be gone", WAIT, || async {
+        let left = proxies.list(&ListParams::default()).await.ok()?;
+        (left.items.is_empty() && proxy_pods(&client, ns).await.is_empty()).then_some(())
+    })
+    .await;
 }
