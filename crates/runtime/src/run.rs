@@ -193,20 +193,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     // Until SIGTERM, unless the leader election ends first: then this replica could never lead again while still
     // looking healthy, so it stops everything and exits non-zero for the Deployment to restart it.
     let mut election = election;
-    let election_ended = async {
-        match election.as_mut() {
-            Some(handle) => handle.await,
-            None => std::future::pending().await,
-        }
-    };
-    let failure = tokio::select! {
-        () = shutdown_signal() => None,
-        ended = election_ended => Some(match ended {
-            Ok(Ok(_)) => "the leader election ended on its own".to_owned(),
-            Ok(Err(error)) => format!("the leader election failed: {error}"),
-            Err(error) => format!("the leader election task died: {error}"),
-        }),
-    };
+    let failure = election_failure(&mut election, shutdown_signal()).await;
     if let Some(failure) = &failure {
         tracing::error!("{failure}; stopping so that the process is restarted");
         election = None;
@@ -235,6 +222,28 @@ pub async fn run(settings: Settings) -> Result<()> {
             info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// Waits for `shutdown` or for the leader-election task to end. Returns why the process must stop with an error
+/// (the election ended, failed or died: this replica could never lead again), or `None` for a shutdown.
+async fn election_failure<T, E: std::fmt::Display>(
+    election: &mut Option<tokio::task::JoinHandle<Result<T, E>>>,
+    shutdown: impl Future<Output = ()>,
+) -> Option<String> {
+    let election_ended = async {
+        match election.as_mut() {
+            Some(handle) => handle.await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = shutdown => None,
+        ended = election_ended => Some(match ended {
+            Ok(Ok(_)) => "the leader election ended on its own".to_owned(),
+            Ok(Err(error)) => format!("the leader election failed: {error}"),
+            Err(error) => format!("the leader election task died: {error}"),
+        }),
     }
 }
 
@@ -474,6 +483,23 @@ mod tests {
     use egress_provider::config::ProvidersConfig;
 
     use super::*;
+
+    #[tokio::test]
+    async fn an_election_that_ends_for_any_reason_but_shutdown_is_a_failure() {
+        let ended: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { Ok(()) });
+        let failure = election_failure(&mut Some(ended), std::future::pending()).await;
+        assert_eq!(failure.as_deref(), Some("the leader election ended on its own"));
+        let failed: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { Err("forbidden".into()) });
+        let failure = election_failure(&mut Some(failed), std::future::pending()).await;
+        assert_eq!(failure.as_deref(), Some("the leader election failed: forbidden"));
+        let died: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { panic!("boom") });
+        let failure = election_failure(&mut Some(died), std::future::pending()).await.expect("a failure");
+        assert!(failure.starts_with("the leader election task died"), "{failure}");
+        // A shutdown is no failure, with or without an election.
+        let running: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(std::future::pending());
+        assert_eq!(election_failure(&mut Some(running), async {}).await, None);
+        assert_eq!(election_failure::<(), String>(&mut None, async {}).await, None);
+    }
 
     #[test]
     fn each_process_is_a_candidate_of_its_own() {
