@@ -100,8 +100,14 @@ fn discovery() -> DiscoveryClient {
 }
 
 async fn create(client: &Client, namespace: &str, name: &str) {
+    create_capped(client, namespace, name, None).await;
+}
+
+/// A Managed Proxy on the namespace's provider, probed every 5 s, with `maxLeases` when given.
+async fn create_capped(client: &Client, namespace: &str, name: &str, max_leases: Option<i32>) {
     let spec = ProxySpec {
         provider: Some(format!("pods-{namespace}")),
+        max_leases,
         health_check: HealthCheck {
             interval_seconds: 5,
             timeout_seconds: 3,
@@ -703,23 +709,7 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     const MAX_LEASES: i32 = 2;
     let names: Vec<String> = (0..20).map(|index| format!("c-{index:02}")).collect();
     for name in &names {
-        let spec = ProxySpec {
-            provider: Some(format!("pods-{ns}")),
-            max_leases: Some(MAX_LEASES),
-            health_check: HealthCheck {
-                interval_seconds: 5,
-                timeout_seconds: 3,
-                healthy_threshold: 1,
-                unhealthy_threshold: 2,
-                probe_url: None,
-                ..HealthCheck::default()
-            },
-            ..ProxySpec::new(ProxyMode::Managed)
-        };
-        Api::<Proxy>::namespaced(client.clone(), ns)
-            .create(&PostParams::default(), &Proxy::new(name, spec))
-            .await
-            .expect("create Proxy");
+        create_capped(&client, ns, name, Some(MAX_LEASES)).await;
     }
     let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
     wait_phase(&client, ns, &name_refs, ProxyPhase::Ready).await;
