@@ -270,6 +270,12 @@ async fn proxies_serve_leases_survive_failures_and_are_cleaned_up() {
     }
     let ready_proxies = wait_phase(&client, ns, &names, ProxyPhase::Ready).await;
     assert_eq!(proxy_pods(&client, ns).await.len(), 3);
+    // Each proxy reaches origins from its own pod's address, which the probe sees (and cooldowns are shared by).
+    for proxy in &ready_proxies {
+        let status = proxy.status.as_ref().expect("status");
+        let host = status.endpoint.as_ref().expect("endpoint").host.clone();
+        assert_eq!(status.egress_ip.as_deref(), Some(host.as_str()), "{}", proxy.name_any());
+    }
 
     // The provider's health object.
     let health: Api<ProviderHealth> = Api::all(client.clone());

@@ -91,8 +91,14 @@ pub enum ClientError {
 pub enum Outcome {
     /// The site served the request.
     Ok,
-    /// The site blocked the proxy: it cools down for that site.
+    /// The site blocked the proxy: it cools down for that site, longer with each ban in a row.
     Banned,
+    /// The site asked to slow down (429 and the like): a short cooldown for that site, for the site's own
+    /// `Retry-After` when given; the ban streak is left alone.
+    Throttled {
+        /// The site's `Retry-After`.
+        retry_after: Option<Duration>,
+    },
     /// The request failed otherwise.
     Failed,
 }
@@ -135,7 +141,7 @@ impl LeaseOptions {
 }
 
 /// A proxy as the API lists it.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyInfo {
     /// Namespace.
@@ -154,6 +160,10 @@ pub struct ProxyInfo {
     pub max_leases: u32,
     /// When its cooldown for the asked target ends.
     pub cooling_down_until: Option<String>,
+    /// For the asked target: the share of reported requests the proxy served.
+    pub success_rate: Option<f64>,
+    /// For the asked target: how many reported requests that share is over.
+    pub reported: Option<u64>,
 }
 
 /// A live cooldown as the API lists it.
@@ -388,17 +398,31 @@ impl LeaseGuard {
         Ok(renewed.replaced)
     }
 
-    /// Reports what happened; for a ban, returns when the proxy's cooldown for this site ends.
+    /// Reports what happened; for a ban or a throttle, returns when the proxy's cooldown for this site ends.
     pub async fn report(&self, outcome: Outcome, status_code: Option<u16>) -> Result<Option<String>, ClientError> {
-        let outcome = match outcome {
-            Outcome::Ok => "ok",
-            Outcome::Banned => "banned",
-            Outcome::Failed => "failed",
+        let (outcome, retry_after) = match outcome {
+            Outcome::Ok => ("ok", None),
+            Outcome::Banned => ("banned", None),
+            Outcome::Throttled { retry_after } => ("throttled", retry_after),
+            Outcome::Failed => ("failed", None),
         };
         let mut body = json!({ "outcome": outcome });
         if let Some(code) = status_code {
             body["statusCode"] = json!(code);
         }
+        if let Some(retry_after) = retry_after {
+            body["retryAfterSeconds"] = json!(retry_after.as_secs().clamp(1, 86_400));
+        }
+        self.send_report(body).await
+    }
+
+    /// Reports counts of requests made through the lease since the last report (cheap enough to send in batches:
+    /// they feed `successRate` and start no cooldown).
+    pub async fn report_counts(&self, ok: u32, failed: u32) -> Result<(), ClientError> {
+        self.send_report(json!({ "ok": ok, "failed": failed })).await.map(|_| ())
+    }
+
+    async fn send_report(&self, body: Value) -> Result<Option<String>, ClientError> {
         let (_, bytes) = self
             .client
             .call(Method::POST, &format!("/v1/leases/{}/report", encode(&self.lease.id)), Some(body))

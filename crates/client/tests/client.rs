@@ -70,6 +70,7 @@ async fn lease_report_renew_and_release() {
     assert!(!lease.renew(Some(Duration::from_secs(600))).await.expect("renew"), "no replacement");
     assert_ne!(lease.expires_at(), before);
     assert_ne!(lease.id(), first_id, "the guard keeps the renewed ID");
+    lease.report_counts(9, 1).await.expect("counts");
     let until = lease.report(Outcome::Banned, Some(403)).await.expect("report");
     assert!(until.is_some(), "a ban returns the cooldown's end");
     let banned = lease.proxy();
@@ -92,6 +93,18 @@ async fn lease_report_renew_and_release() {
     let listed = client.proxies(Some("region=eu"), Some("example.com")).await.expect("list");
     let cooling = listed.iter().find(|proxy| format!("{}/{}", proxy.namespace, proxy.name) == banned).expect("listed");
     assert!(cooling.cooling_down_until.is_some());
+    assert_eq!((cooling.reported, cooling.success_rate), (Some(11), Some(9.0 / 11.0)));
+
+    // A throttle: a cooldown of the site's Retry-After, for the other proxy.
+    let throttled = next
+        .report(Outcome::Throttled { retry_after: Some(Duration::from_secs(20)) }, Some(429))
+        .await
+        .expect("throttle");
+    assert!(throttled.is_some(), "a throttle returns the cooldown's end");
+    assert!(matches!(
+        client.lease(LeaseOptions::for_target("example.com")).await.err(),
+        Some(ClientError::Unavailable { reason, retry_after: Some(_), .. }) if reason == "all-cooling-down"
+    ));
 }
 
 #[tokio::test]

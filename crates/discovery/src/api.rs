@@ -12,7 +12,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Selector};
+use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -239,6 +239,12 @@ struct ProxyEntry {
     max_leases: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     cooling_down_until: Option<String>,
+    /// With `target`: the share of requests reported through this proxy for that site that it served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    success_rate: Option<f64>,
+    /// With `target`: how many requests that share is over.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reported: Option<u64>,
 }
 
 async fn list_proxies(
@@ -279,7 +285,9 @@ async fn list_proxies(
             provider: record.provider.clone(),
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
-            cooling_down_until: load.and_then(|load| load.cooling_down_until).map(timestamp),
+            cooling_down_until: load.as_ref().and_then(|load| load.cooling_down_until).map(timestamp),
+            success_rate: load.as_ref().and_then(|load| load.outcomes).and_then(|outcomes| outcomes.success_rate()),
+            reported: load.as_ref().and_then(|load| load.outcomes).map(|outcomes| outcomes.total()),
         })
         .collect();
     Ok(Json(json!({ "proxies": entries })).into_response())
@@ -478,15 +486,65 @@ async fn release_lease(
 enum OutcomeBody {
     Ok,
     Banned,
+    Throttled,
     Failed,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ReportBody {
-    outcome: OutcomeBody,
+    outcome: Option<OutcomeBody>,
     status_code: Option<u16>,
+    retry_after_seconds: Option<u64>,
+    ok: Option<u32>,
+    failed: Option<u32>,
     release: Option<bool>,
+}
+
+/// The most requests one report may count.
+const MAX_REPORTED: u32 = 1_000_000;
+/// The longest `retryAfterSeconds` a throttle report may carry.
+const MAX_RETRY_AFTER_SECONDS: u64 = 86_400;
+
+/// A report body as the store's report, or what is wrong with it.
+fn report_of(body: ReportBody) -> Result<Report, Problem> {
+    if let Some(code) = body.status_code
+        && !(100..=599).contains(&code)
+    {
+        return Err(Problem::bad_request(format!("statusCode {code} is not an HTTP status")));
+    }
+    for (field, count) in [("ok", body.ok), ("failed", body.failed)] {
+        if count.is_some_and(|count| count > MAX_REPORTED) {
+            return Err(Problem::bad_request(format!("{field} counts at most {MAX_REPORTED} requests per report")));
+        }
+    }
+    if body.outcome.is_none() && body.ok.is_none() && body.failed.is_none() {
+        return Err(Problem::bad_request("a report needs an outcome, counts (ok, failed), or both"));
+    }
+    let retry_after = match (body.retry_after_seconds, &body.outcome) {
+        (None, _) => None,
+        (Some(seconds), Some(OutcomeBody::Throttled)) if (1..=MAX_RETRY_AFTER_SECONDS).contains(&seconds) => {
+            Some(Duration::from_secs(seconds))
+        }
+        (Some(seconds), Some(OutcomeBody::Throttled)) => {
+            return Err(Problem::bad_request(format!(
+                "retryAfterSeconds {seconds} is out of range (1 to {MAX_RETRY_AFTER_SECONDS})"
+            )));
+        }
+        (Some(_), _) => return Err(Problem::bad_request("retryAfterSeconds goes only with outcome throttled")),
+    };
+    let outcome = body.outcome.map(|outcome| match outcome {
+        OutcomeBody::Ok => Outcome::Ok,
+        OutcomeBody::Banned => Outcome::Banned,
+        OutcomeBody::Throttled => Outcome::Throttled { retry_after },
+        OutcomeBody::Failed => Outcome::Failed,
+    });
+    Ok(Report {
+        outcome,
+        ok: body.ok.unwrap_or(0),
+        failed: body.failed.unwrap_or(0),
+        release: body.release.unwrap_or(false),
+    })
 }
 
 async fn report_lease(
@@ -497,26 +555,19 @@ async fn report_lease(
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
-    let body: ReportBody = parse_body(&headers, body, false)?;
-    if let Some(code) = body.status_code
-        && !(100..=599).contains(&code)
-    {
-        return Err(Problem::bad_request(format!("statusCode {code} is not an HTTP status")));
-    }
-    let outcome = match body.outcome {
-        OutcomeBody::Ok => Outcome::Ok,
-        OutcomeBody::Banned => Outcome::Banned,
-        OutcomeBody::Failed => Outcome::Failed,
-    };
-    let reported = state
-        .store
-        .report(&id, &caller.owner, outcome, body.release.unwrap_or(false), SystemTime::now())
-        .map_err(lease_problem)?;
+    let report = report_of(parse_body(&headers, body, false)?)?;
+    let reported = state.store.report(&id, &caller.owner, &report, SystemTime::now()).map_err(lease_problem)?;
+    state.metrics.reported(&report);
     let until = reported.cooldown_until;
     if until.is_some() {
-        state.metrics.cooldown_started();
-        // Answered once the cooldown is kept: a restart or a new leader after this answer still has it.
-        state.journal.persist(state.store.as_ref(), &reported.proxy, &state.metrics).await;
+        if report.outcome == Some(Outcome::Banned) {
+            state.metrics.cooldown_started();
+        }
+        // Answered once the cooldown is kept, on every proxy it reached: a restart or a new leader after this
+        // answer still has it.
+        let writes =
+            reported.cooled.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
+        futures::future::join_all(writes).await;
     }
     Ok(Json(match until {
         Some(until) => json!({ "cooldownUntil": timestamp(until) }),

@@ -147,6 +147,7 @@ impl Discovery {
                 || previous.max_leases != record.max_leases
                 || previous.labels != record.labels
                 || previous.endpoint() != endpoint
+                || previous.egress_ip != record.egress_ip
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
         if store_changed {
@@ -156,6 +157,7 @@ impl Discovery {
                 max_leases: record.max_leases,
                 labels: record.labels.clone(),
                 endpoint,
+                egress_ip: record.egress_ip.clone(),
             });
         }
         if cooldowns_changed && !record.cooldowns.is_empty() {

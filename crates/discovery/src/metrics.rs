@@ -35,6 +35,11 @@ const ROUTES: [&str; 9] = [
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
 }
@@ -55,6 +60,7 @@ pub struct DiscoveryMetrics {
     expired: Counter,
     cooldowns: Counter,
     cooldown_writes: Family<ResultLabels, Counter>,
+    outcomes: Family<OutcomeLabels, Counter>,
     adopted: Counter,
     not_serving: Counter,
 }
@@ -70,6 +76,7 @@ impl Default for DiscoveryMetrics {
             expired: Counter::default(),
             cooldowns: Counter::default(),
             cooldown_writes: Family::default(),
+            outcomes: Family::default(),
             adopted: Counter::default(),
             not_serving: Counter::default(),
         }
@@ -93,6 +100,12 @@ impl DiscoveryMetrics {
             "Writes of a proxy's cooldowns to the apiserver (each covers every ban reported while the one before was \
              in flight), by result",
             metrics.cooldown_writes.clone(),
+        );
+        registry.register(
+            "request_outcomes",
+            "Requests crawlers reported through leases, by outcome (ok, failed, banned, throttled); per proxy and \
+             site, see successRate on GET /v1/proxies?target=",
+            metrics.outcomes.clone(),
         );
         registry.register(
             "leases_adopted",
@@ -138,6 +151,24 @@ impl DiscoveryMetrics {
 
     pub(crate) fn cooldown_started(&self) {
         self.cooldowns.inc();
+    }
+
+    pub(crate) fn reported(&self, report: &egress_lease::Report) {
+        use egress_lease::Outcome;
+        let add = |outcome: &'static str, count: u64| {
+            if count > 0 {
+                self.outcomes.get_or_create(&OutcomeLabels { outcome }).inc_by(count);
+            }
+        };
+        add("ok", u64::from(report.ok));
+        add("failed", u64::from(report.failed));
+        match report.outcome {
+            Some(Outcome::Ok) => add("ok", 1),
+            Some(Outcome::Failed) => add("failed", 1),
+            Some(Outcome::Banned) => add("banned", 1),
+            Some(Outcome::Throttled { .. }) => add("throttled", 1),
+            None => {}
+        }
     }
 
     pub(crate) fn cooldown_write(&self, ok: bool) {

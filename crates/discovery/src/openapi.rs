@@ -86,7 +86,7 @@ pub fn document() -> Value {
                 "parameters": [lease_id()],
                 "requestBody": json_body("Report", true),
                 "responses": auth_errors(serde_json::Map::from_iter([
-                    ("200".to_owned(), json_response("the cooldown, for a ban", "ReportResult")),
+                    ("200".to_owned(), json_response("the cooldown, for a ban or a throttle", "ReportResult")),
                     ("400".to_owned(), problem_response("invalid body")),
                     ("404".to_owned(), problem_response("no such lease")),
                 ]))
@@ -119,7 +119,9 @@ pub fn document() -> Value {
                 "Proxy": { "allOf": [{ "$ref": "#/components/schemas/ProxyRef" }, { "type": "object", "required": ["labels", "activeLeases", "maxLeases"], "properties": {
                     "egressIP": { "type": "string" }, "labels": { "type": "object", "additionalProperties": { "type": "string" } },
                     "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
-                    "coolingDownUntil": { "type": "string", "format": "date-time" }
+                    "coolingDownUntil": { "type": "string", "format": "date-time" },
+                    "successRate": { "type": "number", "minimum": 0, "maximum": 1, "description": "with target: the share of requests reported through this proxy for that site (in the last hour of reports) that it served" },
+                    "reported": { "type": "integer", "description": "with target: how many reported requests successRate is over" }
                 }}]},
                 "ProxyList": { "type": "object", "required": ["proxies"], "properties": { "proxies": { "type": "array", "items": { "$ref": "#/components/schemas/Proxy" } } } },
                 "LeaseRequest": { "type": "object", "additionalProperties": false, "required": ["target"], "properties": {
@@ -137,8 +139,12 @@ pub fn document() -> Value {
                 "Renewed": { "allOf": [{ "$ref": "#/components/schemas/Lease" }, { "type": "object", "required": ["replaced"], "properties": {
                     "replaced": { "type": "boolean", "description": "true when the proxy's instance was replaced since the holder was last told its URL: use proxy.url from now on (the old instance is kept only until its holders renew, or the drain timeout)" }
                 }}]},
-                "Report": { "type": "object", "additionalProperties": false, "required": ["outcome"], "properties": {
-                    "outcome": { "type": "string", "enum": ["ok", "banned", "failed"] }, "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
+                "Report": { "type": "object", "additionalProperties": false, "description": "an outcome, counts, or both", "properties": {
+                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone" },
+                    "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
+                    "retryAfterSeconds": { "type": "integer", "minimum": 1, "maximum": 86400, "description": "with outcome throttled: the site's own Retry-After" },
+                    "ok": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests the site served through this lease since the last report" },
+                    "failed": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests that failed otherwise" },
                     "release": { "type": "boolean", "default": false }
                 }},
                 "ReportResult": { "type": "object", "properties": { "cooldownUntil": { "type": "string", "format": "date-time" } } },

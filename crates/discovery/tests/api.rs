@@ -24,7 +24,8 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         name: name.into(),
         host: "10.0.0.1".into(),
         port: 3128,
-        egress_ip: Some("203.0.113.9".into()),
+        // An address of its own per proxy (shared addresses share cooldowns: tested below).
+        egress_ip: Some(format!("203.0.113.{}", name.bytes().map(u32::from).sum::<u32>() % 250)),
         labels: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
         zone: Some("europe-west1-b".into()),
         provider: Some("gcp-eu".into()),
@@ -156,7 +157,7 @@ async fn every_route_succeeds() {
     assert_eq!(status, 200);
     assert_eq!(body["proxies"].as_array().map(Vec::len), Some(2));
     assert_eq!(body["proxies"][0]["url"], "http://10.0.0.1:3128", "no credentials for a read token");
-    assert_eq!(body["proxies"][0]["egressIP"], "203.0.113.9");
+    assert_eq!(body["proxies"][0]["egressIP"], "203.0.113.97");
 
     let (status, headers, lease) = server
         .call(
@@ -233,6 +234,12 @@ async fn every_error_status_is_a_problem_document() {
         ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"ok"}"#), 404),
         ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"meh"}"#), 400),
         ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"ok","statusCode":42}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"ok":2000000}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"ok":-1}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"banned","retryAfterSeconds":5}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"outcome":"throttled","retryAfterSeconds":0}"#), 400),
+        ("POST", "/v1/leases/l-unknown/report", Some(r#"{"ok":3,"failed":1}"#), 404),
         ("GET", "/v1/proxies?selector=%3D", None, 400),
         ("GET", "/v1/proxies?colour=blue", None, 400),
         ("GET", "/v1/cooldowns?target=not%20a%20host", None, 400),
@@ -741,4 +748,63 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
     assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 0, "the old instance is drained");
     let (_, _, again) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
     assert_eq!(again["replaced"], false);
+}
+
+#[tokio::test]
+async fn throttles_cool_down_for_the_sites_retry_after_and_counts_feed_the_success_rate() {
+    let server = Server::start(vec![record("a", 5), record("b", 5)], true).await;
+    let (_, lease) = server.lease(json!({ "target": "shop.example.com", "proxy": "crawl/a" })).await;
+    let id = lease["id"].as_str().expect("id").to_owned();
+    let report = |body: &'static str| {
+        let (server, id) = (&server, id.clone());
+        async move { server.call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(body)).await }
+    };
+    let (status, _, counted) = report(r#"{"ok":40,"failed":2}"#).await;
+    assert_eq!((status, counted), (200, json!({})), "counts alone start no cooldown");
+    let (status, _, throttled) = report(r#"{"outcome":"throttled","statusCode":429,"retryAfterSeconds":30}"#).await;
+    assert_eq!(status, 200, "{throttled}");
+    let until: jiff::Timestamp = throttled["cooldownUntil"].as_str().expect("until").parse().expect("RFC 3339");
+    let wait = until.duration_since(jiff::Timestamp::now()).as_secs();
+    assert!((28..=31).contains(&wait), "about 30 s: {wait}");
+    let (status, cooling) = server.lease(json!({ "target": "shop.example.com", "proxy": "crawl/a" })).await;
+    assert_eq!((status, cooling["reason"].as_str()), (409, Some("proxy-cooling-down")));
+    assert!(cooling["retryAfterSeconds"].as_u64().is_some_and(|seconds| (28..=31).contains(&seconds)), "{cooling}");
+
+    let (_, _, listed) = server.call("GET", "/v1/proxies?target=www.example.com", Some(READ), None).await;
+    let a = listed["proxies"].as_array().expect("list").iter().find(|p| p["name"] == "a").expect("a").clone();
+    assert_eq!(a["reported"], 43);
+    assert!((a["successRate"].as_f64().expect("rate") - 40.0 / 43.0).abs() < 1e-9, "{a}");
+    let (_, _, other) = server.call("GET", "/v1/proxies?target=other.org", Some(READ), None).await;
+    assert!(other["proxies"][0].get("successRate").is_none(), "per site: {other}");
+}
+
+#[tokio::test]
+async fn a_ban_reaches_every_proxy_behind_the_same_address_and_is_kept_for_each() {
+    let journal = Arc::new(SlowJournal {
+        delay: Duration::from_millis(10),
+        fail: false.into(),
+        writes: std::sync::Mutex::default(),
+    });
+    let shared = |name: &str| ProxyRecord { egress_ip: Some("198.51.100.7".into()), ..record(name, 5) };
+    let server = Server::start_with(
+        vec![shared("a"), shared("b"), record("c", 5)],
+        true,
+        LeaseKey::ephemeral(),
+        Some(journal.clone()),
+    )
+    .await;
+    let (_, lease) = server.lease(json!({ "target": "shop.example.com", "proxy": "crawl/a" })).await;
+    let id = lease["id"].as_str().expect("id");
+    let (status, _, _) =
+        server.call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned"}"#)).await;
+    assert_eq!(status, 200);
+    let mut written: Vec<String> = journal.writes.lock().expect("writes").iter().map(|(id, _, _)| id.clone()).collect();
+    written.sort();
+    assert_eq!(written, ["crawl/a", "crawl/b"], "kept for both before the answer");
+    for _ in 0..4 {
+        let (status, other) = server.lease(json!({ "target": "www.example.com" })).await;
+        assert_eq!((status, other["proxy"]["name"].as_str()), (201, Some("c")), "b shares a's address: {other}");
+    }
+    let (_, _, cooldowns) = server.call("GET", "/v1/cooldowns?target=example.com", Some(READ), None).await;
+    assert_eq!(cooldowns["cooldowns"].as_array().map(Vec::len), Some(2), "{cooldowns}");
 }

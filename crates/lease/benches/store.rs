@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
-use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseRequest, LeaseStore, Outcome, ProxyInfo};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseRequest, LeaseStore, Outcome, ProxyInfo, Report};
 
 const OPERATIONS: u32 = 200_000;
 const COOLDOWNS: usize = 1_000;
@@ -18,6 +18,7 @@ fn run(proxies: usize) -> Duration {
             max_leases: 5,
             labels: BTreeMap::new(),
             endpoint: format!("10.0.{}.{}:3128", index / 256, index % 256),
+            egress_ip: None,
         });
     }
     let now = SystemTime::now();
@@ -29,7 +30,7 @@ fn run(proxies: usize) -> Duration {
             ..LeaseRequest::default()
         };
         if let Ok(lease) = store.lease(&request, now) {
-            store.report(&lease.id, "", Outcome::Banned, true, now).expect("report");
+            store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), now).expect("report");
         }
     }
     let targets: Vec<String> = (0..1_000).map(|index| format!("site-{index}.example")).collect();

@@ -39,6 +39,9 @@ pub struct ProxyInfo {
     /// Where crawlers connect (for example `host:port`). A lease remembers the endpoint its holder was told, so a
     /// caller can keep a replaced instance until no lease is on it ([`LeaseStore::leases_on`]).
     pub endpoint: String,
+    /// The address sites see its requests come from, when known. Proxies that share one share their cooldowns:
+    /// a site that banned the address banned all of them.
+    pub egress_ip: Option<String>,
 }
 
 /// What a crawler asks for.
@@ -88,8 +91,10 @@ pub struct Renewed {
 pub struct Reported {
     /// The proxy the lease is on.
     pub proxy: String,
-    /// The end of the cooldown a ban started.
+    /// The end of the cooldown a ban or a throttle started.
     pub cooldown_until: Option<SystemTime>,
+    /// Every proxy whose cooldowns the report changed: the lease's, and those leaving through the same egress IP.
+    pub cooled: Vec<String>,
 }
 
 /// What a crawler reports about a lease.
@@ -97,10 +102,67 @@ pub struct Reported {
 pub enum Outcome {
     /// The target served the request: the ban streak for (proxy, target) resets.
     Ok,
-    /// The target blocked the proxy: (proxy, target) cools down.
+    /// The target blocked the proxy: (proxy, target) cools down, for longer with each ban in a row.
     Banned,
+    /// The target asked to slow down (429 or the like): (proxy, target) cools down briefly, for the site's own
+    /// `Retry-After` when given, without touching the ban streak.
+    Throttled {
+        /// The site's `Retry-After`.
+        retry_after: Option<Duration>,
+    },
     /// The request failed for another reason (counted, no cooldown).
     Failed,
+}
+
+/// One report on a lease: an outcome, counts of requests made through it since the last report, or both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// What happened last, if anything worth a rule (a ban or a throttle cools down; ok resets the streak).
+    pub outcome: Option<Outcome>,
+    /// Requests the target served.
+    pub ok: u32,
+    /// Requests that failed otherwise.
+    pub failed: u32,
+    /// Also end the lease.
+    pub release: bool,
+}
+
+impl Report {
+    /// A report of one outcome.
+    pub fn of(outcome: Outcome) -> Self {
+        Self { outcome: Some(outcome), ..Self::default() }
+    }
+
+    /// The same report, ending the lease too.
+    pub fn and_release(self) -> Self {
+        Self { release: true, ..self }
+    }
+}
+
+/// What a (proxy, target) pair has seen reported, since its first report (forgotten an hour after its last).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcomes {
+    /// Requests served.
+    pub ok: u64,
+    /// Requests failed otherwise.
+    pub failed: u64,
+    /// Bans.
+    pub banned: u64,
+    /// Throttles.
+    pub throttled: u64,
+}
+
+impl Outcomes {
+    /// Every request reported.
+    pub fn total(&self) -> u64 {
+        self.ok + self.failed + self.banned + self.throttled
+    }
+
+    /// The share of reported requests the target served, when any was reported.
+    pub fn success_rate(&self) -> Option<f64> {
+        let total = self.total();
+        (total > 0).then(|| self.ok as f64 / total as f64)
+    }
 }
 
 /// A live cooldown.
@@ -127,6 +189,8 @@ pub struct ProxyLoad {
     pub max_leases: u32,
     /// When its cooldown for the asked target ends, if it is cooling down for it.
     pub cooling_down_until: Option<SystemTime>,
+    /// What was reported through it for the asked target.
+    pub outcomes: Option<Outcomes>,
 }
 
 /// Why a request to the store failed.
@@ -192,6 +256,12 @@ pub struct LeaseConfig {
     pub target_mode: TargetMode,
     /// The most cooldown entries kept; the ones closest to being forgotten go first beyond it.
     pub max_cooldowns: usize,
+    /// The cooldown after a throttle that gives no `Retry-After`.
+    pub throttle_default: Duration,
+    /// The longest cooldown a throttle's `Retry-After` may ask for.
+    pub throttle_cap: Duration,
+    /// The most (proxy, target) outcome counters kept; the least recently reported go first beyond it.
+    pub max_outcomes: usize,
 }
 
 impl Default for LeaseConfig {
@@ -203,6 +273,9 @@ impl Default for LeaseConfig {
             cooldown_cap: Duration::from_secs(86_400),
             target_mode: TargetMode::RegistrableDomain,
             max_cooldowns: 1_000_000,
+            throttle_default: Duration::from_secs(60),
+            throttle_cap: Duration::from_secs(3600),
+            max_outcomes: 1_000_000,
         }
     }
 }
@@ -220,15 +293,9 @@ pub trait LeaseStore: Send + Sync {
     fn renew(&self, id: &str, owner: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Renewed, LeaseError>;
     /// Ends a lease, freeing its slot.
     fn release(&self, id: &str, owner: &str, now: SystemTime) -> Result<(), LeaseError>;
-    /// Records what happened with a lease (a ban starts a cooldown). With `release`, also ends it.
-    fn report(
-        &self,
-        id: &str,
-        owner: &str,
-        outcome: Outcome,
-        release: bool,
-        now: SystemTime,
-    ) -> Result<Reported, LeaseError>;
+    /// Records what happened with a lease: counts, and an outcome (a ban or a throttle starts a cooldown). With
+    /// `report.release`, also ends it.
+    fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError>;
     /// The cooldowns (live, or ended but with their streak still remembered) of one proxy, latest end first.
     fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown>;
     /// Takes in cooldowns kept elsewhere (after a restart); one this store already knows to end later is kept.

@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::id::{Claims, LeaseKey};
 use crate::{
-    Cooldown, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, ProxyInfo, ProxyLoad, Renewed,
-    Reported, normalize,
+    Cooldown, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, Outcomes, ProxyInfo, ProxyLoad,
+    Renewed, Report, Reported, normalize,
 };
 
 struct ProxyState {
@@ -70,10 +70,18 @@ struct Inner {
     cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
     sessions: HashMap<(String, String), (String, SystemTime)>,
     session_expiries: BTreeSet<(SystemTime, String, String)>,
+    /// Proxies by the egress IP they were last seen leaving through.
+    by_egress: HashMap<String, BTreeSet<String>>,
+    /// What was reported per (proxy, target), and when each is forgotten.
+    outcomes: HashMap<(String, String), (Outcomes, SystemTime)>,
+    outcome_expiries: BTreeSet<(SystemTime, String, String)>,
     sequence: u64,
     /// How many leases were taken over from IDs this store had not issued.
     adopted: u64,
 }
+
+/// How long a (proxy, target) pair's reported outcomes are kept after its last report.
+const OUTCOMES_KEPT: Duration = Duration::from_secs(3600);
 
 /// An internal inconsistency found by [`InMemoryLeaseStore::check_invariants`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -232,14 +240,64 @@ impl InMemoryLeaseStore {
         Ok(())
     }
 
-    /// Counts of live entries, for memory-bound tests: (leases, cooldowns, sessions, revoked).
-    pub fn sizes(&self) -> (usize, usize, usize, usize) {
+    /// Counts of live entries, for memory-bound tests: (leases, cooldowns, sessions, revoked, outcome counters).
+    pub fn sizes(&self) -> (usize, usize, usize, usize, usize) {
         let inner = self.lock();
-        (inner.leases.len(), inner.cooldowns.len(), inner.sessions.len(), inner.revoked.len())
+        (inner.leases.len(), inner.cooldowns.len(), inner.sessions.len(), inner.revoked.len(), inner.outcomes.len())
     }
 }
 
 impl Inner {
+    fn unindex_egress(&mut self, id: &str, ip: Option<&str>) {
+        if let Some(ip) = ip
+            && let Some(proxies) = self.by_egress.get_mut(ip)
+        {
+            proxies.remove(id);
+            if proxies.is_empty() {
+                self.by_egress.remove(ip);
+            }
+        }
+    }
+
+    /// The other proxies known to leave through the same egress IP as `proxy`.
+    fn siblings(&self, proxy: &str) -> Vec<String> {
+        let Some(ip) = self.proxies.get(proxy).and_then(|state| state.info.egress_ip.as_ref()) else {
+            return Vec::new();
+        };
+        self.by_egress
+            .get(ip)
+            .map_or_else(Vec::new, |proxies| proxies.iter().filter(|other| *other != proxy).cloned().collect())
+    }
+
+    /// Extends the cooldown of every sibling of `proxy` for `target` to at least `until` and `streak`: the site
+    /// sees one address.
+    fn share_cooldown(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        proxy: &str,
+        target: &str,
+        until: SystemTime,
+        streak: u32,
+    ) -> Vec<String> {
+        let siblings = self.siblings(proxy);
+        for sibling in &siblings {
+            let known = self.cooldowns.get(&(sibling.clone(), target.to_owned()));
+            let (known_until, known_streak) = known.map_or((until, 0), |cooldown| (cooldown.until, cooldown.streak));
+            self.set_cooldown(
+                store,
+                sibling.clone(),
+                target.to_owned(),
+                known_until.max(until),
+                known_streak.max(streak),
+            );
+        }
+        siblings
+    }
+
+    fn outcomes_of(&self, proxy: &str, target: &str) -> Option<Outcomes> {
+        self.outcomes.get(&(proxy.to_owned(), target.to_owned())).map(|(outcomes, _)| *outcomes)
+    }
+
     fn cooling_until(&self, proxy: &str, target: &str, now: SystemTime) -> Option<SystemTime> {
         self.cooldowns
             .get(&(proxy.to_owned(), target.to_owned()))
@@ -338,6 +396,27 @@ impl Inner {
         granted
     }
 
+    /// Adds `counted` to what (proxy, target) has seen reported, remembered for an hour after the last report;
+    /// beyond the configured bound, the least recently reported pairs go.
+    fn count(&mut self, store: &InMemoryLeaseStore, key: (String, String), counted: Outcomes, now: SystemTime) {
+        if counted.total() == 0 {
+            return;
+        }
+        let forget_at = now + OUTCOMES_KEPT;
+        let entry = self.outcomes.entry(key.clone()).or_insert((Outcomes::default(), forget_at));
+        let previous = std::mem::replace(&mut entry.1, forget_at);
+        entry.0.ok += counted.ok;
+        entry.0.failed += counted.failed;
+        entry.0.banned += counted.banned;
+        entry.0.throttled += counted.throttled;
+        self.outcome_expiries.remove(&(previous, key.0.clone(), key.1.clone()));
+        self.outcome_expiries.insert((forget_at, key.0, key.1));
+        while self.outcomes.len() > store.config.max_outcomes {
+            let Some((_, proxy, target)) = self.outcome_expiries.pop_first() else { break };
+            self.outcomes.remove(&(proxy, target));
+        }
+    }
+
     /// Records a cooldown of `proxy` for `target`, remembered for one more cooldown length after it ends (so a
     /// ban soon after counts as "in a row"); beyond the configured bound, the entries closest to being forgotten go.
     fn set_cooldown(
@@ -393,6 +472,13 @@ impl Inner {
                 self.cooldowns.remove(&key);
             }
         }
+        while let Some((at, proxy, target)) = self.outcome_expiries.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.outcome_expiries.pop_first();
+            self.outcomes.remove(&(proxy, target));
+        }
         while let Some((at, session, target)) = self.session_expiries.first().cloned() {
             if at > now {
                 break;
@@ -411,6 +497,13 @@ impl LeaseStore for InMemoryLeaseStore {
     fn upsert_proxy(&self, proxy: ProxyInfo) {
         let mut inner = self.lock();
         let id = proxy.id.clone();
+        let before = inner.proxies.get(&id).and_then(|state| state.info.egress_ip.clone());
+        if before != proxy.egress_ip {
+            inner.unindex_egress(&id, before.as_deref());
+            if let Some(ip) = &proxy.egress_ip {
+                inner.by_egress.entry(ip.clone()).or_default().insert(id.clone());
+            }
+        }
         let healthy = proxy.healthy;
         let cap = proxy.max_leases;
         let lowered = match inner.proxies.get(&id) {
@@ -442,6 +535,7 @@ impl LeaseStore for InMemoryLeaseStore {
         inner.revoke_all(id);
         if let Some(state) = inner.proxies.remove(id) {
             inner.available.remove(&state.key());
+            inner.unindex_egress(id, state.info.egress_ip.as_deref());
         }
     }
 
@@ -532,14 +626,7 @@ impl LeaseStore for InMemoryLeaseStore {
         Err(LeaseError::UnknownLease(id.to_owned()))
     }
 
-    fn report(
-        &self,
-        id: &str,
-        owner: &str,
-        outcome: Outcome,
-        release: bool,
-        now: SystemTime,
-    ) -> Result<Reported, LeaseError> {
+    fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError> {
         let mut inner = self.lock();
         inner.expire(now);
         let serial = match self.resolve(&mut inner, id, owner, now) {
@@ -558,25 +645,56 @@ impl LeaseStore for InMemoryLeaseStore {
             }
         };
         let key = (proxy.clone(), target.clone());
-        let cooldown_until = match outcome {
-            Outcome::Ok => {
-                if let Some(cooldown) = inner.cooldowns.get_mut(&key) {
-                    cooldown.streak = 0;
-                }
+        let mut counted =
+            Outcomes { ok: u64::from(report.ok), failed: u64::from(report.failed), ..Outcomes::default() };
+        // A served request means the site does not block this proxy now: the ban streak starts over (before a ban
+        // in the same report, which then counts as the first in a row).
+        if (report.ok > 0 || report.outcome == Some(Outcome::Ok))
+            && let Some(cooldown) = inner.cooldowns.get_mut(&key)
+        {
+            cooldown.streak = 0;
+        }
+        let cooldown_until = match report.outcome {
+            None => None,
+            Some(Outcome::Ok) => {
+                counted.ok += 1;
                 None
             }
-            Outcome::Failed => None,
-            Outcome::Banned => {
+            Some(Outcome::Failed) => {
+                counted.failed += 1;
+                None
+            }
+            Some(Outcome::Banned) => {
+                counted.banned += 1;
                 let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak).saturating_add(1);
                 let until = now + self.cooldown_for(streak);
-                inner.set_cooldown(self, proxy.clone(), target, until, streak);
+                inner.set_cooldown(self, proxy.clone(), target.clone(), until, streak);
+                Some(until)
+            }
+            Some(Outcome::Throttled { retry_after }) => {
+                counted.throttled += 1;
+                let wait = retry_after
+                    .unwrap_or(self.config.throttle_default)
+                    .clamp(Duration::from_secs(1), self.config.throttle_cap);
+                // A throttle never shortens a cooldown already running, and leaves the ban streak as it is.
+                let (running, streak) =
+                    inner.cooldowns.get(&key).map_or((now, 0), |cooldown| (cooldown.until, cooldown.streak));
+                let until = running.max(now + wait);
+                inner.set_cooldown(self, proxy.clone(), target.clone(), until, streak);
                 Some(until)
             }
         };
-        if release && inner.free(serial).is_none() {
+        let mut cooled = Vec::new();
+        if let Some(until) = cooldown_until {
+            let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak);
+            cooled.push(proxy.clone());
+            cooled.extend(inner.share_cooldown(self, &proxy, &target, until, streak));
+        }
+        inner.count(self, key, counted, now);
+        if report.release && inner.free(serial).is_none() {
             inner.forget_revoked(serial);
         }
-        Ok(Reported { proxy, cooldown_until })
+        Ok(Reported { proxy, cooldown_until, cooled })
     }
 
     fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown> {
@@ -605,7 +723,7 @@ impl LeaseStore for InMemoryLeaseStore {
             let Ok(target) = normalize(&cooldown.target, self.config.target_mode) else { continue };
             let known = inner.cooldowns.get(&(cooldown.proxy.clone(), target.clone()));
             // The newest word wins: what this store saw itself is never rolled back by an older record of it.
-            if known.is_some_and(|known| known.until >= cooldown.until) || cooldown.streak == 0 {
+            if known.is_some_and(|known| known.until >= cooldown.until) {
                 continue;
             }
             let forget_at = cooldown.until + self.cooldown_for(cooldown.streak.saturating_add(1));
@@ -666,6 +784,7 @@ impl LeaseStore for InMemoryLeaseStore {
                 active_leases: proxy.active,
                 max_leases: proxy.info.max_leases,
                 cooling_down_until: target.as_ref().and_then(|target| inner.cooling_until(&proxy.info.id, target, now)),
+                outcomes: target.as_ref().and_then(|target| inner.outcomes_of(&proxy.info.id, target)),
             })
             .collect();
         loads.sort_by(|a, b| a.id.cmp(&b.id));
@@ -690,6 +809,7 @@ impl LeaseStore for InMemoryLeaseStore {
                     active_leases: proxy.active,
                     max_leases: proxy.info.max_leases,
                     cooling_down_until: target.as_ref().and_then(|target| inner.cooling_until(id, target, now)),
+                    outcomes: target.as_ref().and_then(|target| inner.outcomes_of(id, target)),
                 })
             })
             .collect())

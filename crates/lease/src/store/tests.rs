@@ -12,7 +12,14 @@ fn t(seconds: u64) -> SystemTime {
 }
 
 fn proxy(id: &str, max: u32) -> ProxyInfo {
-    ProxyInfo { id: id.into(), healthy: true, max_leases: max, labels: BTreeMap::new(), endpoint: format!("{id}:3128") }
+    ProxyInfo {
+        id: id.into(),
+        healthy: true,
+        max_leases: max,
+        labels: BTreeMap::new(),
+        endpoint: format!("{id}:3128"),
+        egress_ip: None,
+    }
 }
 
 fn labelled(id: &str, region: &str) -> ProxyInfo {
@@ -118,7 +125,10 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     let on_a = LeaseRequest { proxy: Some("a".into()), ..request("www.shop.example.co.uk") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     assert_eq!(lease.target, "example.co.uk");
-    assert_eq!(store.report(&lease.id, "", Outcome::Banned, true, t(0)).map(|r| r.cooldown_until), Ok(Some(t(600))));
+    assert_eq!(
+        store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).map(|r| r.cooldown_until),
+        Ok(Some(t(600)))
+    );
     // The same site (any subdomain) avoids "a"; another site does not.
     for _ in 0..4 {
         assert_eq!(store.lease(&request("img.shop.example.co.uk"), t(1)).expect("lease").proxy, "b");
@@ -135,19 +145,19 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     // A second ban in a row doubles the cooldown; a third doubles again; the cap holds.
     let again = store.lease(&on_a, t(600)).expect("after the cooldown");
     assert_eq!(
-        store.report(&again.id, "", Outcome::Banned, true, t(600)).map(|r| r.cooldown_until),
+        store.report(&again.id, "", &Report::of(Outcome::Banned).and_release(), t(600)).map(|r| r.cooldown_until),
         Ok(Some(t(600 + 1200)))
     );
     let third = store.lease(&on_a, t(1800)).expect("after the second cooldown");
     assert_eq!(
-        store.report(&third.id, "", Outcome::Banned, true, t(1800)).map(|r| r.cooldown_until),
+        store.report(&third.id, "", &Report::of(Outcome::Banned).and_release(), t(1800)).map(|r| r.cooldown_until),
         Ok(Some(t(1800 + 2400)))
     );
     // An ok report resets the streak.
     let fourth = store.lease(&on_a, t(4200)).expect("after the third cooldown");
-    store.report(&fourth.id, "", Outcome::Ok, false, t(4200)).expect("ok");
+    store.report(&fourth.id, "", &Report::of(Outcome::Ok), t(4200)).expect("ok");
     assert_eq!(
-        store.report(&fourth.id, "", Outcome::Banned, true, t(4200)).map(|r| r.cooldown_until),
+        store.report(&fourth.id, "", &Report::of(Outcome::Banned).and_release(), t(4200)).map(|r| r.cooldown_until),
         Ok(Some(t(4200 + 600)))
     );
     store.check_invariants().expect("invariants");
@@ -166,15 +176,18 @@ fn cooldown_cap_and_memory_bound() {
     let mut cooldowns = Vec::new();
     for _ in 0..4 {
         let lease = store.lease(&request("example.com"), now).expect("lease");
-        let until =
-            store.report(&lease.id, "", Outcome::Banned, true, now).expect("report").cooldown_until.expect("until");
+        let until = store
+            .report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), now)
+            .expect("report")
+            .cooldown_until
+            .expect("until");
         cooldowns.push(until.duration_since(now).expect("future").as_secs());
         now = until;
     }
     assert_eq!(cooldowns, [100, 200, 250, 250]);
     assert_eq!(store.sizes().1, 1);
     store.expire(now + Duration::from_secs(10_000));
-    assert_eq!(store.sizes(), (0, 0, 0, 0), "nothing outlives its usefulness");
+    assert_eq!(store.sizes(), (0, 0, 0, 0, 0), "nothing outlives its usefulness");
 }
 
 #[test]
@@ -187,7 +200,7 @@ fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
     assert_eq!(store.renew(&on_a.id, "", None, t(1)), Err(LeaseError::Revoked(on_a.id.clone())));
     assert_eq!(store.renew(&on_b.id, "", None, t(1)), Err(LeaseError::Revoked(on_b.id.clone())));
     // A ban reported on a revoked lease still counts.
-    assert!(store.report(&on_a.id, "", Outcome::Banned, false, t(1)).expect("report").cooldown_until.is_some());
+    assert!(store.report(&on_a.id, "", &Report::of(Outcome::Banned), t(1)).expect("report").cooldown_until.is_some());
     store.release(&on_a.id, "", t(1)).expect("releasing a revoked lease is accepted");
     store.check_invariants().expect("invariants");
     assert_eq!(store.lease(&request("example.com"), t(2)), Err(LeaseError::NoneHealthy));
@@ -197,7 +210,7 @@ fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
 fn refusal_reasons() {
     let store = store_with(&[proxy("a", 1)]);
     let lease = store.lease(&request("example.com"), t(0)).expect("lease");
-    store.report(&lease.id, "", Outcome::Banned, true, t(0)).expect("ban");
+    store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
     assert_eq!(store.lease(&request("example.com"), t(1)), Err(LeaseError::AllCoolingDown { until: t(600) }));
     assert!(matches!(store.lease(&request("not a host"), t(1)), Err(LeaseError::InvalidTarget(_))));
 }
@@ -207,7 +220,7 @@ fn exact_host_mode_separates_subdomains() {
     let store = InMemoryLeaseStore::new(LeaseConfig { target_mode: TargetMode::ExactHost, ..LeaseConfig::default() });
     store.upsert_proxy(proxy("a", 5));
     let lease = store.lease(&request("www.example.com"), t(0)).expect("lease");
-    store.report(&lease.id, "", Outcome::Banned, true, t(0)).expect("ban");
+    store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
     assert!(store.lease(&request("img.example.com"), t(1)).is_ok());
 }
 
@@ -244,7 +257,7 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
     {
         assert_eq!(store.renew(id, who, None, t(12)), Err(LeaseError::UnknownLease(id.clone())));
         assert_eq!(store.release(id, who, t(12)), Err(LeaseError::UnknownLease(id.clone())));
-        assert!(matches!(store.report(id, who, Outcome::Banned, false, t(12)), Err(LeaseError::UnknownLease(_))));
+        assert!(matches!(store.report(id, who, &Report::of(Outcome::Banned), t(12)), Err(LeaseError::UnknownLease(_))));
     }
     // An expired ID is not adopted.
     let short = old
@@ -254,8 +267,9 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
 
     // A ban reported on a lease the store never saw counts; releasing one frees nothing and is accepted.
     let third = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.org") }, t(0)).expect("lease");
-    let reported = new.report(&third.id, owner, Outcome::Banned, true, t(20)).expect("adopted report");
-    assert_eq!(reported, Reported { proxy: "a".into(), cooldown_until: Some(t(620)) });
+    let reported =
+        new.report(&third.id, owner, &Report::of(Outcome::Banned).and_release(), t(20)).expect("adopted report");
+    assert_eq!(reported, Reported { proxy: "a".into(), cooldown_until: Some(t(620)), cooled: vec!["a".into()] });
     let fourth = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.net") }, t(0)).expect("lease");
     new.release(&fourth.id, owner, t(20)).expect("release of an unseen lease");
     assert_eq!(new.active_leases(), 1);
@@ -290,7 +304,7 @@ fn cooldowns_read_per_proxy_restore_into_another_store() {
     let old = store_with(&[proxy("a", 5), proxy("b", 5)]);
     for (target, at) in [("example.com", 0), ("example.org", 5)] {
         let lease = old.lease(&LeaseRequest { proxy: Some("a".into()), ..request(target) }, t(at)).expect("lease");
-        old.report(&lease.id, "", Outcome::Banned, true, t(at)).expect("ban");
+        old.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(at)).expect("ban");
     }
     let saved = old.proxy_cooldowns("a", t(10));
     assert_eq!(
@@ -306,7 +320,7 @@ fn cooldowns_read_per_proxy_restore_into_another_store() {
     }
     // The streak survives: the next ban in a row doubles.
     let on_a = new.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(600)).expect("lease");
-    let reported = new.report(&on_a.id, "", Outcome::Banned, true, t(600)).expect("ban");
+    let reported = new.report(&on_a.id, "", &Report::of(Outcome::Banned).and_release(), t(600)).expect("ban");
     assert_eq!(reported.cooldown_until, Some(t(600 + 1200)));
     // An older record never rolls back what the store knows; ended and forgotten ones are not taken.
     assert_eq!(new.restore_cooldowns(&saved, t(601)), 0);
@@ -328,6 +342,79 @@ fn a_renew_after_a_replacement_moves_the_lease_to_the_new_endpoint() {
     assert_eq!(store.leases_on("a", "a:3128", t(1)), 0, "drained");
     assert_eq!(store.leases_on("a", "a-new:3128", t(1)), 1);
     assert_eq!(store.renew(&lease.id, "", None, t(2)).expect("renew").moved_from, None, "told once");
+}
+
+#[test]
+fn a_throttle_cools_down_for_the_sites_retry_after_and_leaves_the_streak_alone() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("shop.example.com") };
+    let lease = store.lease(&on_a, t(0)).expect("lease");
+    let throttled = Report::of(Outcome::Throttled { retry_after: Some(Duration::from_secs(30)) });
+    assert_eq!(store.report(&lease.id, "", &throttled, t(0)).expect("throttle").cooldown_until, Some(t(30)));
+    assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, "b", "a is throttled");
+    assert!(matches!(store.lease(&on_a, t(10)), Err(LeaseError::ProxyCoolingDown { until, .. }) if until == t(30)));
+    // Back after the site's Retry-After, and the next ban is still the first in a row.
+    let again = store.lease(&on_a, t(30)).expect("back after Retry-After");
+    let banned = store.report(&again.id, "", &Report::of(Outcome::Banned), t(30)).expect("ban");
+    assert_eq!(banned.cooldown_until, Some(t(630)), "a throttle is not a ban");
+    // A throttle never shortens a running cooldown; without Retry-After it takes the default, capped by config.
+    let shorter = store.report(&again.id, "", &Report::of(Outcome::Throttled { retry_after: None }), t(40)).expect("t");
+    assert_eq!(shorter.cooldown_until, Some(t(630)));
+    let lease = store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("other.org") }, t(0)).expect("lease");
+    let long = Report::of(Outcome::Throttled { retry_after: Some(Duration::from_secs(86_400)) });
+    assert_eq!(store.report(&lease.id, "", &long, t(0)).expect("t").cooldown_until, Some(t(3600)), "capped");
+    let streak = store.proxy_cooldowns("a", t(50)).into_iter().find(|c| c.target == "example.com").expect("kept");
+    assert_eq!(streak.streak, 1);
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn counts_in_reports_feed_the_success_rate_per_proxy_and_site() {
+    let store = store_with(&[proxy("a", 5)]);
+    let lease = store.lease(&request("shop.example.com"), t(0)).expect("lease");
+    let batch = Report { ok: 40, failed: 2, ..Report::default() };
+    store.report(&lease.id, "", &batch, t(1)).expect("counts");
+    store.report(&lease.id, "", &Report::of(Outcome::Throttled { retry_after: None }), t(2)).expect("throttle");
+    store.report(&lease.id, "", &Report { ok: 5, ..Report::of(Outcome::Banned) }, t(3)).expect("ok then a ban");
+    let load = |target: &str| store.loads(Some(target), t(4)).expect("loads").remove(0).outcomes;
+    let counted = load("www.example.com").expect("counted");
+    assert_eq!(counted, Outcomes { ok: 45, failed: 2, banned: 1, throttled: 1 });
+    assert_eq!(counted.success_rate(), Some(45.0 / 49.0));
+    assert_eq!(load("other.org"), None, "per site");
+    // A ban in the same report as served requests is the first in a row.
+    assert_eq!(store.proxy_cooldowns("a", t(4))[0].streak, 1);
+    // Forgotten an hour after the last report, like everything else.
+    store.expire(t(3 + 3600));
+    assert_eq!(store.sizes().4, 0);
+}
+
+#[test]
+fn proxies_leaving_through_one_address_share_their_cooldowns() {
+    let via = |id: &str, ip: Option<&str>| ProxyInfo { egress_ip: ip.map(Into::into), ..proxy(id, 5) };
+    let store =
+        store_with(&[via("a", Some("198.51.100.7")), via("b", Some("198.51.100.7")), via("c", Some("198.51.100.8"))]);
+    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("shop.example.com") };
+    let lease = store.lease(&on_a, t(0)).expect("lease");
+    let reported = store.report(&lease.id, "", &Report::of(Outcome::Banned), t(0)).expect("ban");
+    assert_eq!(reported.cooled, ["a", "b"], "the site banned the address, so both proxies behind it");
+    for _ in 0..4 {
+        assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, "c");
+    }
+    assert!(matches!(
+        store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("example.com") }, t(1)),
+        Err(LeaseError::ProxyCoolingDown { until, .. }) if until == t(600)
+    ));
+    assert!(
+        store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("other.org") }, t(1)).is_ok(),
+        "that site only"
+    );
+    // An address that changes moves the proxy out of the group; a removed proxy leaves it.
+    store.upsert_proxy(via("b", Some("198.51.100.9")));
+    store.remove_proxy("c");
+    let lease =
+        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("news.example.net") }, t(2)).expect("lease");
+    assert_eq!(store.report(&lease.id, "", &Report::of(Outcome::Banned), t(2)).expect("ban").cooled, ["a"]);
+    store.check_invariants().expect("invariants");
 }
 
 /// xorshift64*, for reproducible random operation sequences.
@@ -390,8 +477,13 @@ fn random_step(
         }
         4 if !leases.is_empty() => {
             let id = leases[rng.below(leases.len() as u64) as usize].clone();
-            let outcome = [Outcome::Ok, Outcome::Banned, Outcome::Failed][rng.below(3) as usize];
-            let _ = store.report(&id, "", outcome, rng.below(2) == 0, now);
+            let outcome = [
+                Outcome::Ok,
+                Outcome::Banned,
+                Outcome::Failed,
+                Outcome::Throttled { retry_after: Some(Duration::from_secs(1 + rng.below(20))) },
+            ][rng.below(4) as usize];
+            let _ = store.report(&id, "", &Report { release: rng.below(2) == 0, ..Report::of(outcome) }, now);
         }
         5 => {
             store.upsert_proxy(ProxyInfo { healthy: rng.below(3) != 0, ..proxy(&proxy_id, 1 + rng.below(4) as u32) });

@@ -749,8 +749,9 @@ pub(crate) fn apply_rewrites(text: &str, rewrites: &[(String, String)]) -> Strin
 }
 
 /// Rewrites a pod's `squid.conf` for this machine: the listen address becomes the pod's IP, log, PID and core
-/// paths move into the pod's runtime directory, mount paths move to where the volumes were materialised, and the
-/// ICMP pinger (which needs privileges) is turned off. Everything else is left exactly as the provider wrote it.
+/// paths move into the pod's runtime directory, mount paths move to where the volumes were materialised, the
+/// ICMP pinger (which needs privileges) is turned off, and outgoing connections leave from the pod's IP. Everything
+/// else is left exactly as the provider wrote it.
 pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts: &[(String, String)]) -> String {
     let runtime = runtime_dir.display();
     let mut out = String::with_capacity(text.len() + 256);
@@ -779,6 +780,9 @@ pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts
         out.push('\n');
     }
     out.push_str("pinger_enable off\n");
+    // Connections to origins leave from the pod's own address, as they would from a pod's own network namespace
+    // (here every pod shares one, and the kernel would pick the same source for all of them).
+    out.push_str(&format!("tcp_outgoing_address {ip}\n"));
     out
 }
 
@@ -800,6 +804,7 @@ mod tests {
         assert!(out.contains("access_log stdio:/tmp/p/access.log egress\n"));
         assert!(out.contains("cache_log /tmp/p/cache.log\n"));
         assert!(out.contains("pid_filename /tmp/p/squid.pid\n"));
+        assert!(out.contains("tcp_outgoing_address 127.1.0.7\n"), "{out}");
         assert!(out.contains("coredump_dir /tmp/p\n"));
         assert!(out.contains("cache deny all\n"), "other lines are untouched");
     }
