@@ -9,6 +9,7 @@ mod envtest;
 mod packages;
 mod podnet;
 mod process;
+mod python;
 mod quickstart;
 mod test;
 

@@ -1,6 +1,7 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages; the control-plane binaries build beside the Rust build), then formatting, lints and
+//! Set-up first (Debian packages; the control-plane binaries and the Python client's venv are made beside the Rust
+//! build), then formatting, lints and
 //! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
 //! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
 //! `cargo xtask quickstart --exit`.
@@ -8,7 +9,7 @@
 use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, packages, podnet};
+use crate::{crdgen, envtest, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     packages::ensure_installed()?;
@@ -16,12 +17,20 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     // which does not need it: each fills the cores the other leaves idle (a big crate or a link compiling alone,
     // downloads). Only the tests need the binaries.
     let control_plane = std::thread::spawn(envtest::ensure_built);
+    // So does the Python client's venv (a download on a fresh machine, nothing on a warm one).
+    let venv = std::thread::spawn(python::ensure_venv);
     let checked = check_and_build();
     let built = control_plane.join().map_err(|_| anyhow!("building the control plane panicked"))?;
+    let python = venv.join().map_err(|_| anyhow!("making the Python venv panicked"))?;
     checked?;
     built?;
+    let python = python?;
     let network = podnet::PodNetwork::create()?;
-    run(network.command(cargo_program()).args(["test", "--workspace", "--locked", "--offline"]).args(cargo_test_args))?;
+    run(network
+        .command(cargo_program())
+        .env("EGRESS_PYTHON", &python)
+        .args(["test", "--workspace", "--locked", "--offline"])
+        .args(cargo_test_args))?;
     drop(network);
     // The README's first command is a promise too: run it as a user would, to the end of its demo.
     if cargo_test_args.is_empty() {

@@ -147,7 +147,8 @@ pub struct Squid {
 }
 
 impl Squid {
-    /// Starts Squid on a fresh `127.1.x.y:3128` and waits until it accepts connections.
+    /// Starts Squid on a fresh `127.1.x.y:3128` and waits until it accepts connections. It reaches origins from that
+    /// address too, so origins (and the health engine's egress IP) tell two test Squids apart.
     pub async fn start(options: SquidOptions) -> Result<Self> {
         let binary = squid_binary()?;
         let ip = next_loopback_address();
@@ -159,7 +160,8 @@ impl Squid {
         let mut conf = format!(
             "http_port {address}\nvisible_hostname egress-test-squid\nacl clients src 127.0.0.0/8\n\
              access_log stdio:{runtime}/access.log\ncache_log {runtime}/cache.log\npid_filename {runtime}/squid.pid\n\
-             coredump_dir {runtime}\nnetdb_filename none\npinger_enable off\ncache deny all\nshutdown_lifetime 1 seconds\n"
+             coredump_dir {runtime}\nnetdb_filename none\npinger_enable off\ncache deny all\nshutdown_lifetime 1 seconds\n\
+             tcp_outgoing_address {ip}\n"
         );
         if options.deny_connect {
             conf.push_str("http_access deny CONNECT\n");

@@ -1,0 +1,40 @@
+"""A client for the egress-operator discovery API: lease proxies for a site, reuse them, report what the site did,
+and release them. Sync (`DiscoveryClient`) and async (`AsyncDiscoveryClient`), on httpx."""
+
+from ._client import AsyncDiscoveryClient, AsyncLease, DiscoveryClient, Lease
+from ._errors import (
+    BadRequest,
+    Conflict,
+    DecodeError,
+    DiscoveryError,
+    Forbidden,
+    Gone,
+    NotFound,
+    TransportError,
+    Unauthorized,
+    Unavailable,
+)
+from ._models import OUTCOMES, CooldownInfo, LeasedProxy, ProxyInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OUTCOMES",
+    "AsyncDiscoveryClient",
+    "AsyncLease",
+    "BadRequest",
+    "Conflict",
+    "CooldownInfo",
+    "DecodeError",
+    "DiscoveryClient",
+    "DiscoveryError",
+    "Forbidden",
+    "Gone",
+    "Lease",
+    "LeasedProxy",
+    "NotFound",
+    "ProxyInfo",
+    "TransportError",
+    "Unauthorized",
+    "Unavailable",
+]

@@ -1,0 +1,357 @@
+"""The sync and the async client, and the lease guards they hand out."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Dict, Generator, List, Mapping, Optional, Tuple
+
+import httpx
+
+from ._errors import DecodeError, DiscoveryError, TransportError, error_for
+from ._models import CooldownInfo, LeaseState, ProxyInfo, lease_body, parse_time, quoted, report_body
+
+#: How long one call may take, unless the client is given another timeout.
+DEFAULT_TIMEOUT = 10.0
+
+
+def _headers(token: Optional[str]) -> Dict[str, str]:
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _check_base(base_url: str) -> str:
+    if not base_url.startswith("http://") and not base_url.startswith("https://"):
+        raise ValueError(f"the discovery URL must be http:// or https://, not {base_url!r}")
+    return base_url.rstrip("/")
+
+
+def _answer(response: httpx.Response) -> Any:
+    """The JSON body of a success, or the typed error of a failure."""
+    if response.status_code == 204:
+        return None
+    try:
+        body = response.json() if response.content else {}
+    except ValueError:
+        body = None
+    if response.is_success:
+        if body is None:
+            raise DecodeError(f"the answer to {response.request.url} is not JSON", status=response.status_code)
+        return body
+    problem: Mapping[str, Any] = body if isinstance(body, dict) else {"detail": response.text[:200]}
+    raise error_for(response.status_code, problem, response.headers.get("retry-after"))
+
+
+def _query(**values: Optional[str]) -> Dict[str, str]:
+    return {key: value for key, value in values.items() if value}
+
+
+def _cooldown_until(body: Mapping[str, Any]) -> Optional[datetime.datetime]:
+    until = body.get("cooldownUntil")
+    return parse_time(until) if until is not None else None
+
+
+class Lease:
+    """A held lease (sync). Use it as a context manager to release it on exit, or call `release()`."""
+
+    def __init__(self, client: "DiscoveryClient", state: LeaseState):
+        self._client = client
+        self._state = state
+        self._released = False
+
+    @property
+    def id(self) -> str:
+        """The latest ID of the lease (renewing gives a new one; earlier ones keep naming the same lease)."""
+        return self._state.id
+
+    @property
+    def proxy_url(self) -> str:
+        """`http://[user:password@]host:port`, for the HTTP client's proxy setting."""
+        return self._state.proxy.url
+
+    @property
+    def proxy(self) -> str:
+        """The proxy, `namespace/name`."""
+        return self._state.proxy.id
+
+    @property
+    def target(self) -> str:
+        """The normalised target (site)."""
+        return self._state.target
+
+    @property
+    def expires_at(self) -> datetime.datetime:
+        """When the lease expires unless renewed."""
+        return self._state.expires_at
+
+    def renew(self, ttl: Optional[float] = None) -> bool:
+        """Extends the lease. Returns whether the proxy's instance was replaced since this lease last heard of it:
+        then `proxy_url` changed, and requests must go to the new URL from now on."""
+        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        answer = self._client._call("POST", f"/v1/leases/{quoted(self.id)}/renew", body)
+        self._state = LeaseState.from_json(answer)
+        return bool(answer.get("replaced", False))
+
+    def report(
+        self,
+        outcome: Optional[str] = None,
+        *,
+        status_code: Optional[int] = None,
+        retry_after: Optional[float] = None,
+        ok: Optional[int] = None,
+        failed: Optional[int] = None,
+        release: bool = False,
+    ) -> Optional[datetime.datetime]:
+        """Reports an outcome (`ok`, `banned`, `throttled` with the site's `retry_after`, `failed`), counts of
+        requests since the last report, or both. Returns the cooldown's end for a ban or a throttle."""
+        body = report_body(
+            outcome, status_code=status_code, retry_after=retry_after, ok=ok, failed=failed, release=release
+        )
+        answer = self._client._call("POST", f"/v1/leases/{quoted(self.id)}/report", body)
+        if release:
+            self._released = True
+        return _cooldown_until(answer)
+
+    def report_counts(self, ok: int = 0, failed: int = 0) -> None:
+        """Counts of requests made through the lease since the last report; starts no cooldown."""
+        if ok or failed:
+            self.report(ok=ok, failed=failed)
+
+    def release(self) -> None:
+        """Ends the lease now. Releasing twice, or a lease already ended by `report(release=True)`, does nothing."""
+        if self._released:
+            return
+        self._released = True
+        self._client._call("DELETE", f"/v1/leases/{quoted(self.id)}", None)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        try:
+            self.release()
+        except DiscoveryError:
+            # The lease expires by its TTL anyway; an exception leaving the block must not be hidden by this one.
+            pass
+
+
+class DiscoveryClient:
+    """A client for the discovery API (blocking calls, on `httpx.Client`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: Optional[str] = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: Optional[httpx.BaseTransport] = None,
+    ):
+        self._http = httpx.Client(
+            base_url=_check_base(base_url), headers=_headers(token), timeout=timeout, transport=transport
+        )
+
+    def close(self) -> None:
+        """Closes the connections."""
+        self._http.close()
+
+    def __enter__(self) -> "DiscoveryClient":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, body: Optional[Dict[str, Any]], params: Optional[Dict[str, str]] = None) -> Any:
+        try:
+            response = self._http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as error:
+            raise TransportError(f"{method} {path}: {error}") from error
+        return _answer(response)
+
+    def lease(
+        self,
+        target: str,
+        *,
+        selector: Optional[str] = None,
+        ttl: Optional[float] = None,
+        proxy: Optional[str] = None,
+        session: Optional[str] = None,
+    ) -> Lease:
+        """Leases a proxy for `target` (a host, an IP address or a URL). Use the result with `with` to release it."""
+        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session)
+        return Lease(self, LeaseState.from_json(self._call("POST", "/v1/leases", body)))
+
+    def resume(self, lease_id: str, ttl: Optional[float] = None) -> Lease:
+        """Picks a lease up by its ID (kept across the crawler's own restart): renews it and returns it."""
+        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        answer = self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
+        return Lease(self, LeaseState.from_json(answer))
+
+    def proxies(self, selector: Optional[str] = None, target: Optional[str] = None) -> List[ProxyInfo]:
+        """Healthy proxies matching `selector`; with `target`, each one's cooldown and success rate for it."""
+        answer = self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target))
+        return [ProxyInfo.from_json(entry) for entry in _list(answer, "proxies")]
+
+    def cooldowns(self, target: Optional[str] = None) -> List[CooldownInfo]:
+        """Live cooldowns, for one target or all."""
+        answer = self._call("GET", "/v1/cooldowns", None, _query(target=target))
+        return [CooldownInfo.from_json(entry) for entry in _list(answer, "cooldowns")]
+
+
+def _list(answer: Any, key: str) -> List[Mapping[str, Any]]:
+    entries = answer.get(key) if isinstance(answer, dict) else None
+    if not isinstance(entries, list):
+        raise DecodeError(f"expected {{{key!r}: [...]}}, got {answer!r}")
+    return entries
+
+
+class AsyncLease:
+    """A held lease (async). `async with` releases it on exit."""
+
+    def __init__(self, client: "AsyncDiscoveryClient", state: LeaseState):
+        self._client = client
+        self._state = state
+        self._released = False
+
+    id = Lease.id
+    proxy_url = Lease.proxy_url
+    proxy = Lease.proxy
+    target = Lease.target
+    expires_at = Lease.expires_at
+
+    async def renew(self, ttl: Optional[float] = None) -> bool:
+        """Extends the lease; `True` when the proxy's instance was replaced (`proxy_url` changed)."""
+        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        answer = await self._client._call("POST", f"/v1/leases/{quoted(self.id)}/renew", body)
+        self._state = LeaseState.from_json(answer)
+        return bool(answer.get("replaced", False))
+
+    async def report(
+        self,
+        outcome: Optional[str] = None,
+        *,
+        status_code: Optional[int] = None,
+        retry_after: Optional[float] = None,
+        ok: Optional[int] = None,
+        failed: Optional[int] = None,
+        release: bool = False,
+    ) -> Optional[datetime.datetime]:
+        """As `Lease.report`."""
+        body = report_body(
+            outcome, status_code=status_code, retry_after=retry_after, ok=ok, failed=failed, release=release
+        )
+        answer = await self._client._call("POST", f"/v1/leases/{quoted(self.id)}/report", body)
+        if release:
+            self._released = True
+        return _cooldown_until(answer)
+
+    async def report_counts(self, ok: int = 0, failed: int = 0) -> None:
+        """As `Lease.report_counts`."""
+        if ok or failed:
+            await self.report(ok=ok, failed=failed)
+
+    async def release(self) -> None:
+        """Ends the lease now (once)."""
+        if self._released:
+            return
+        self._released = True
+        await self._client._call("DELETE", f"/v1/leases/{quoted(self.id)}", None)
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        try:
+            await self.release()
+        except DiscoveryError:
+            pass
+
+
+class _PendingLease:
+    """`await client.lease(...)` gives the lease; `async with client.lease(...) as lease:` also releases it."""
+
+    def __init__(self, client: "AsyncDiscoveryClient", body: Dict[str, Any]):
+        self._client = client
+        self._body = body
+        self._lease: Optional[AsyncLease] = None
+
+    async def _take(self) -> AsyncLease:
+        answer = await self._client._call("POST", "/v1/leases", self._body)
+        return AsyncLease(self._client, LeaseState.from_json(answer))
+
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
+        return self._take().__await__()
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._take()
+        return self._lease
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._lease is not None:
+            await self._lease.__aexit__(*exc)
+
+
+class AsyncDiscoveryClient:
+    """A client for the discovery API for asyncio (on `httpx.AsyncClient`): never blocks the event loop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: Optional[str] = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ):
+        self._http = httpx.AsyncClient(
+            base_url=_check_base(base_url), headers=_headers(token), timeout=timeout, transport=transport
+        )
+
+    async def aclose(self) -> None:
+        """Closes the connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncDiscoveryClient":
+        return self
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        await self.aclose()
+
+    async def _call(
+        self, method: str, path: str, body: Optional[Dict[str, Any]], params: Optional[Dict[str, str]] = None
+    ) -> Any:
+        try:
+            response = await self._http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as error:
+            raise TransportError(f"{method} {path}: {error}") from error
+        return _answer(response)
+
+    def lease(
+        self,
+        target: str,
+        *,
+        selector: Optional[str] = None,
+        ttl: Optional[float] = None,
+        proxy: Optional[str] = None,
+        session: Optional[str] = None,
+    ) -> _PendingLease:
+        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit."""
+        return _PendingLease(self, lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session))
+
+    async def resume(self, lease_id: str, ttl: Optional[float] = None) -> AsyncLease:
+        """Picks a lease up by its ID: renews it and returns it."""
+        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        answer = await self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
+        return AsyncLease(self, LeaseState.from_json(answer))
+
+    async def proxies(self, selector: Optional[str] = None, target: Optional[str] = None) -> List[ProxyInfo]:
+        """As `DiscoveryClient.proxies`."""
+        answer = await self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target))
+        return [ProxyInfo.from_json(entry) for entry in _list(answer, "proxies")]
+
+    async def cooldowns(self, target: Optional[str] = None) -> List[CooldownInfo]:
+        """As `DiscoveryClient.cooldowns`."""
+        answer = await self._call("GET", "/v1/cooldowns", None, _query(target=target))
+        return [CooldownInfo.from_json(entry) for entry in _list(answer, "cooldowns")]
+
+
+__all__: Tuple[str, ...] = ("AsyncDiscoveryClient", "AsyncLease", "DiscoveryClient", "Lease")

@@ -1,0 +1,191 @@
+"""What the discovery API answers, as typed values."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import urllib.parse
+from typing import Any, Dict, Mapping, Optional
+
+from ._errors import DecodeError
+
+#: Outcomes a report may carry.
+OUTCOMES = ("ok", "banned", "throttled", "failed")
+
+
+def parse_time(text: Any) -> datetime.datetime:
+    """An RFC 3339 timestamp as an aware datetime."""
+    if not isinstance(text, str):
+        raise DecodeError(f"expected an RFC 3339 timestamp, got {text!r}")
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as error:
+        raise DecodeError(f"{text!r} is not an RFC 3339 timestamp") from error
+
+
+@dataclasses.dataclass(frozen=True)
+class LeasedProxy:
+    """The proxy a lease is on."""
+
+    namespace: str
+    name: str
+    host: str
+    port: int
+    #: `http://[user:password@]host:port`: give it to the HTTP client as its proxy.
+    url: str
+
+    @property
+    def id(self) -> str:
+        """`namespace/name`."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseState:
+    """A lease as the server last described it."""
+
+    id: str
+    proxy: LeasedProxy
+    target: str
+    expires_at: datetime.datetime
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "LeaseState":
+        try:
+            proxy = body["proxy"]
+            return cls(
+                id=str(body["id"]),
+                proxy=LeasedProxy(
+                    namespace=str(proxy["namespace"]),
+                    name=str(proxy["name"]),
+                    host=str(proxy["host"]),
+                    port=int(proxy["port"]),
+                    url=str(proxy["url"]),
+                ),
+                target=str(body["target"]),
+                expires_at=parse_time(body["expiresAt"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise DecodeError(f"not a lease: {body!r}") from error
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyInfo:
+    """A proxy as `GET /v1/proxies` lists it."""
+
+    namespace: str
+    name: str
+    host: str
+    port: int
+    url: str
+    labels: Dict[str, str]
+    active_leases: int
+    max_leases: int
+    egress_ip: Optional[str] = None
+    zone: Optional[str] = None
+    provider: Optional[str] = None
+    cooling_down_until: Optional[datetime.datetime] = None
+    #: For the asked target: the share of reported requests the proxy served, and over how many.
+    success_rate: Optional[float] = None
+    reported: Optional[int] = None
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "ProxyInfo":
+        try:
+            cooling = body.get("coolingDownUntil")
+            return cls(
+                namespace=str(body["namespace"]),
+                name=str(body["name"]),
+                host=str(body["host"]),
+                port=int(body["port"]),
+                url=str(body["url"]),
+                labels=dict(body.get("labels") or {}),
+                active_leases=int(body["activeLeases"]),
+                max_leases=int(body["maxLeases"]),
+                egress_ip=body.get("egressIP"),
+                zone=body.get("zone"),
+                provider=body.get("provider"),
+                cooling_down_until=parse_time(cooling) if cooling is not None else None,
+                success_rate=body.get("successRate"),
+                reported=body.get("reported"),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise DecodeError(f"not a proxy: {body!r}") from error
+
+
+@dataclasses.dataclass(frozen=True)
+class CooldownInfo:
+    """A live cooldown: `proxy` is not leased for `target` until `until`."""
+
+    proxy: str
+    target: str
+    until: datetime.datetime
+    streak: int
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "CooldownInfo":
+        try:
+            return cls(
+                proxy=str(body["proxy"]),
+                target=str(body["target"]),
+                until=parse_time(body["until"]),
+                streak=int(body["streak"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise DecodeError(f"not a cooldown: {body!r}") from error
+
+
+def lease_body(
+    target: str,
+    *,
+    selector: Optional[str],
+    ttl: Optional[float],
+    proxy: Optional[str],
+    session: Optional[str],
+) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"target": target}
+    if selector:
+        body["selector"] = selector
+    if ttl is not None:
+        body["ttlSeconds"] = max(1, int(ttl))
+    if proxy:
+        body["proxy"] = proxy
+    if session:
+        body["session"] = session
+    return body
+
+
+def report_body(
+    outcome: Optional[str],
+    *,
+    status_code: Optional[int],
+    retry_after: Optional[float],
+    ok: Optional[int],
+    failed: Optional[int],
+    release: bool,
+) -> Dict[str, Any]:
+    if outcome is not None and outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, not {outcome!r}")
+    if retry_after is not None and outcome != "throttled":
+        raise ValueError("retry_after goes only with outcome 'throttled'")
+    body: Dict[str, Any] = {}
+    if outcome is not None:
+        body["outcome"] = outcome
+    if status_code is not None:
+        body["statusCode"] = int(status_code)
+    if retry_after is not None:
+        body["retryAfterSeconds"] = min(86_400, max(1, int(round(retry_after))))
+    if ok:
+        body["ok"] = int(ok)
+    if failed:
+        body["failed"] = int(failed)
+    if release:
+        body["release"] = True
+    if not any(key in body for key in ("outcome", "ok", "failed")):
+        raise ValueError("a report needs an outcome, counts (ok, failed), or both")
+    return body
+
+
+def quoted(lease_id: str) -> str:
+    """A lease ID as a path segment."""
+    return urllib.parse.quote(lease_id, safe="")

@@ -1,0 +1,84 @@
+"""What the client does with each kind of answer, against httpx's mock transport (no server)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import egress_client
+from egress_client import DiscoveryClient
+
+LEASE = {
+    "id": "l1.AAA.BBB",
+    "proxy": {"namespace": "crawl", "name": "eu-1", "host": "10.0.0.1", "port": 3128, "url": "http://10.0.0.1:3128"},
+    "target": "example.com",
+    "expiresAt": "2026-12-01T12:00:00Z",
+}
+
+
+def client_answering(status: int, body: object, headers: dict = {}) -> tuple:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.method == "POST" and request.url.path == "/v1/leases":
+            return httpx.Response(201, json=LEASE)
+        return httpx.Response(status, json=body, headers=headers)
+
+    return DiscoveryClient("http://discovery", "token-1", transport=httpx.MockTransport(handler)), seen
+
+
+@pytest.mark.parametrize(
+    "status, kind",
+    [
+        (400, egress_client.BadRequest),
+        (401, egress_client.Unauthorized),
+        (403, egress_client.Forbidden),
+        (404, egress_client.NotFound),
+        (410, egress_client.Gone),
+        (409, egress_client.Conflict),
+        (503, egress_client.Unavailable),
+        (500, egress_client.DiscoveryError),
+    ],
+)
+def test_each_status_is_its_own_error(status: int, kind: type) -> None:
+    problem = {"type": "urn:x", "title": "t", "status": status, "detail": "what went wrong", "reason": "r"}
+    client, _ = client_answering(status, problem, {"retry-after": "7"})
+    with pytest.raises(kind) as raised:
+        client.lease("example.com").renew()
+    assert raised.value.detail == "what went wrong" and raised.value.status == status
+    if status in (409, 503):
+        assert (raised.value.reason, raised.value.retry_after) == ("r", 7.0)
+
+
+def test_requests_carry_the_token_and_the_bodies_the_api_wants() -> None:
+    client, seen = client_answering(200, {"cooldownUntil": "2026-12-01T12:10:00Z"})
+    lease = client.lease("example.com", ttl=90.5, selector="region=eu", session="s-1")
+    until = lease.report("throttled", status_code=429, retry_after=12.4)
+    assert until is not None and until.minute == 10
+    lease.report_counts(ok=5)
+    first, throttle, counts = seen
+    assert first.headers["authorization"] == "Bearer token-1"
+    assert json.loads(first.content) == {"target": "example.com", "ttlSeconds": 90, "selector": "region=eu", "session": "s-1"}
+    assert throttle.url.path == "/v1/leases/l1.AAA.BBB/report"
+    assert json.loads(throttle.content) == {"outcome": "throttled", "statusCode": 429, "retryAfterSeconds": 12}
+    assert json.loads(counts.content) == {"ok": 5}
+
+
+def test_bad_reports_are_refused_before_any_request() -> None:
+    client, seen = client_answering(200, {})
+    lease = client.lease("example.com")
+    for bad in [dict(outcome="meh"), dict(outcome="banned", retry_after=3), dict()]:
+        with pytest.raises(ValueError):
+            lease.report(**bad)
+    assert len(seen) == 1, "only the lease went out"
+    with pytest.raises(ValueError):
+        DiscoveryClient("discovery:8090")
+
+
+def test_an_answer_that_is_not_the_api_is_a_decode_error() -> None:
+    client, _ = client_answering(200, {"id": "x"})
+    with pytest.raises(egress_client.DecodeError):
+        client.lease("example.com").renew()

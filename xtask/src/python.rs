@@ -1,0 +1,41 @@
+//! The Python the client tests run with: a venv holding exactly `clients/python/requirements-test.lock`, made once
+//! under the cache directory and named by a hash of the lock file and the interpreter's version, so a warm machine
+//! reuses it and a changed lock file gets a new one. The client itself is not installed into it: the tests import it
+//! from the clone (`PYTHONPATH`), so one venv serves every clone.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use sha2::{Digest, Sha256};
+
+use crate::process::{output, run};
+use crate::workspace_root;
+
+/// The venv's interpreter, made if missing.
+pub fn ensure_venv() -> Result<PathBuf> {
+    let lock_path = workspace_root().join("clients/python/requirements-test.lock");
+    let lock = std::fs::read(&lock_path).with_context(|| format!("reading {}", lock_path.display()))?;
+    let version = output(Command::new("python3").arg("--version"))
+        .context("python3 is not on PATH; the Python client's tests need Python 3.9 or newer")?;
+    let mut hasher = Sha256::new();
+    hasher.update(version.trim().as_bytes());
+    hasher.update(&lock);
+    let key: String = hasher.finalize().iter().take(8).map(|byte| format!("{byte:02x}")).collect();
+    let venvs = egress_testenv::assets::cache_dir().join("python");
+    let venv = venvs.join(&key);
+    let python = venv.join("bin/python");
+    if python.is_file() {
+        return Ok(python);
+    }
+    std::fs::create_dir_all(&venvs)?;
+    // Made beside its final place and renamed, so a run killed half-way never leaves a venv that looks complete.
+    let partial = venvs.join(format!("{key}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    run(Command::new("python3").args(["-m", "venv"]).arg(&partial))?;
+    run(Command::new(partial.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check", "--no-input", "--require-virtualenv", "-r"])
+        .arg(&lock_path))?;
+    std::fs::rename(&partial, &venv).with_context(|| format!("moving the venv to {}", venv.display()))?;
+    Ok(python)
+}
