@@ -1,4 +1,5 @@
-//! The Python the client tests run with: a venv holding exactly `clients/python/requirements-test.lock`, made once
+//! The Python the client tests run with: a venv holding exactly `clients/python/requirements-test.lock` (and the
+//! same packages as wheels in its `wheelhouse`, for installs without an index), made once
 //! under the cache directory and named by a hash of the lock file and the interpreter's version, so a warm machine
 //! reuses it and a changed lock file gets a new one. The client itself is not installed into it: the tests import it
 //! from the clone (`PYTHONPATH`), so one venv serves every clone.
@@ -35,6 +36,13 @@ pub fn ensure_venv() -> Result<PathBuf> {
     run(Command::new("python3").args(["-m", "venv"]).arg(&partial))?;
     run(Command::new(partial.join("bin/pip"))
         .args(["install", "--quiet", "--disable-pip-version-check", "--no-input", "--require-virtualenv", "-r"])
+        .arg(&lock_path))?;
+    // The same wheels, for the packaging test: it installs the built client into a clean venv with no index (the
+    // tests' network namespace reaches no registry).
+    run(Command::new(partial.join("bin/pip"))
+        .args(["download", "--quiet", "--disable-pip-version-check", "--no-input", "--no-deps", "--dest"])
+        .arg(partial.join("wheelhouse"))
+        .arg("-r")
         .arg(&lock_path))?;
     std::fs::rename(&partial, &venv).with_context(|| format!("moving the venv to {}", venv.display()))?;
     Ok(python)

@@ -85,12 +85,17 @@ async fn the_python_client_passes_its_tests_against_a_live_operator() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../clients/python");
     let output = tokio::task::spawn_blocking(move || {
         Command::new(&python)
-            .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"])
+            .args(["-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider", "tests"])
             .current_dir(&root)
             .env("PYTHONPATH", root.join("src"))
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .env("EGRESS_URL", &operator.discovery_url)
             .env("EGRESS_TOKEN", TOKEN)
+            .env("EGRESS_METRICS", &operator.metrics_url)
+            .env(
+                "EGRESS_WHEELHOUSE",
+                python.parent().and_then(Path::parent).map(|venv| venv.join("wheelhouse")).unwrap_or_default(),
+            )
             .env("EGRESS_ORIGIN", origin.url())
             .env("EGRESS_PROXIES", PROXIES.to_string())
             .output()

@@ -1,0 +1,217 @@
+"""A Scrapy downloader middleware that sends every request through a proxy leased from egress-operator.
+
+Settings (only `EGRESS_URL` is required)::
+
+    DOWNLOADER_MIDDLEWARES = {"egress_client.scrapy.EgressProxyMiddleware": 700}  # before HttpProxyMiddleware (750)
+    EGRESS_URL = "http://egress-discovery.egress-system:8090"
+    EGRESS_TOKEN = "..."
+    EGRESS_SELECTOR = "region=eu"          # optional label selector
+    EGRESS_BAN_CODES = [403]               # reported `banned`: the proxy cools down for the site, a new one is leased
+    EGRESS_THROTTLE_CODES = [429]          # reported `throttled` with the answer's Retry-After
+    EGRESS_SESSION_META = "egress_session" # request.meta key: one lease per (site, session)
+
+One lease is kept per (site, session) and reused for every request to that site until it nears its expiry (then it
+is renewed; a renew that says the proxy's instance was replaced switches to the new URL) or the site bans or
+throttles it. `meta['download_slot']` is the proxy, so Scrapy's per-slot concurrency caps the load on each proxy.
+Served requests are reported in batches (`EGRESS_REPORT_EVERY`, default 20). On a ban or throttle the request is
+scheduled again on a new lease (`dont_filter`, at most `EGRESS_MAX_RETRIES` times, default 5). When no proxy can
+be leased now (503 with Retry-After) the request waits that long, without blocking the reactor, instead of failing
+(at most `EGRESS_MAX_WAIT` seconds in all, default 600). Exceptions are reported as `failed`. Every lease is
+reported and released when the spider closes. Needs Scrapy 2.13 or newer on its (default) asyncio reactor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import urllib.parse
+from typing import Any, Dict, Optional, Tuple
+
+from scrapy import Request, signals
+from scrapy.exceptions import NotConfigured
+from scrapy.http import Response
+
+from ._client import AsyncDiscoveryClient, AsyncLease
+from ._errors import DiscoveryError, Gone, NotFound, Unavailable
+
+#: The request.meta key holding the ID of the lease a request went through.
+LEASE_META = "egress_lease"
+#: The request.meta key counting the middleware's own reschedules of a request.
+RETRIES_META = "egress_retries"
+
+_Key = Tuple[str, Optional[str]]
+
+
+class _Held:
+    """A lease in use for one (site, session), with what it has not reported yet."""
+
+    def __init__(self, lease: AsyncLease):
+        self.lease = lease
+        self.ok = 0
+        self.failed = 0
+
+
+class EgressProxyMiddleware:
+    """See the module's documentation."""
+
+    def __init__(self, crawler: Any, settings: Any):
+        url = settings.get("EGRESS_URL")
+        if not url:
+            raise NotConfigured("EGRESS_URL is not set: the egress-operator discovery API's URL")
+        self.crawler = crawler
+        self.stats = crawler.stats
+        self.client = AsyncDiscoveryClient(url, settings.get("EGRESS_TOKEN"))
+        self.selector: Optional[str] = settings.get("EGRESS_SELECTOR")
+        self.ban_codes = {int(code) for code in settings.getlist("EGRESS_BAN_CODES", [403])}
+        self.throttle_codes = {int(code) for code in settings.getlist("EGRESS_THROTTLE_CODES", [429])}
+        self.session_meta: str = settings.get("EGRESS_SESSION_META", "egress_session")
+        self.report_every = max(1, settings.getint("EGRESS_REPORT_EVERY", 20))
+        self.max_retries = settings.getint("EGRESS_MAX_RETRIES", 5)
+        self.max_wait = settings.getfloat("EGRESS_MAX_WAIT", 600.0)
+        self.ttl = settings.getint("EGRESS_LEASE_TTL", 300)
+        self.held: Dict[_Key, _Held] = {}
+        self.by_id: Dict[str, _Key] = {}
+        self.locks: Dict[_Key, asyncio.Lock] = {}
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> "EgressProxyMiddleware":
+        middleware = cls(crawler, crawler.settings)
+        crawler.signals.connect(middleware.spider_closed, signal=signals.spider_closed)
+        return middleware
+
+    def _key(self, request: Request) -> _Key:
+        host = urllib.parse.urlsplit(request.url).hostname or ""
+        session = request.meta.get(self.session_meta)
+        return (host, str(session) if session is not None else None)
+
+    async def _lease_for(self, key: _Key, url: str) -> _Held:
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            held = self.held.get(key)
+            now = datetime.datetime.now(datetime.timezone.utc)
+            if held is not None and (held.lease.expires_at - now).total_seconds() < self.ttl / 3:
+                try:
+                    if await held.lease.renew(self.ttl):
+                        self.stats.inc_value("egress/replaced")
+                except (NotFound, Gone):
+                    self._forget(key)
+                    held = None
+            if held is not None:
+                return held
+            waited = 0.0
+            while True:
+                try:
+                    lease = await self.client.lease(url, selector=self.selector, ttl=self.ttl, session=key[1])
+                    break
+                except Unavailable as refused:
+                    wait = refused.retry_after if refused.retry_after is not None else 5.0
+                    if waited + wait > self.max_wait:
+                        raise
+                    self.stats.inc_value(f"egress/waits/{refused.reason or 'unavailable'}")
+                    await asyncio.sleep(wait)
+                    waited += wait
+            self.stats.inc_value("egress/leases")
+            held = _Held(lease)
+            self.held[key] = held
+            self.by_id[lease.id] = key
+            return held
+
+    def _forget(self, key: _Key) -> Optional[_Held]:
+        held = self.held.pop(key, None)
+        if held is not None:
+            self.by_id = {lease_id: k for lease_id, k in self.by_id.items() if k != key}
+        return held
+
+    def _held_of(self, request: Request) -> Optional[Tuple[_Key, _Held]]:
+        key = self.by_id.get(request.meta.get(LEASE_META, ""))
+        held = self.held.get(key) if key is not None else None
+        return (key, held) if key is not None and held is not None else None
+
+    async def process_request(self, request: Request, spider: Any = None) -> None:
+        if request.meta.get("egress_skip"):
+            return None
+        held = await self._lease_for(self._key(request), request.url)
+        request.meta["proxy"] = held.lease.proxy_url
+        request.meta["download_slot"] = held.lease.proxy
+        request.meta[LEASE_META] = held.lease.id
+        return None
+
+    async def _flush(self, held: _Held, release: bool = False, **extra: Any) -> Optional[datetime.datetime]:
+        """Reports what `held` has not reported yet (and `extra`: an outcome); with `release`, also ends it."""
+        ok, failed = held.ok, held.failed
+        held.ok = held.failed = 0
+        try:
+            if ok or failed or extra:
+                return await held.lease.report(ok=ok or None, failed=failed or None, release=release, **extra)
+            if release:
+                await held.lease.release()
+        except DiscoveryError:
+            self.stats.inc_value("egress/report_errors")
+        return None
+
+    def _again(self, request: Request) -> Optional[Request]:
+        retries = int(request.meta.get(RETRIES_META, 0))
+        if retries >= self.max_retries:
+            self.stats.inc_value("egress/retries_exhausted")
+            return None
+        meta = {k: v for k, v in request.meta.items() if k not in ("proxy", "download_slot", LEASE_META)}
+        meta[RETRIES_META] = retries + 1
+        return request.replace(meta=meta, dont_filter=True)
+
+    async def process_response(self, request: Request, response: Response, spider: Any = None) -> Any:
+        if LEASE_META not in request.meta:
+            return response
+        found = self._held_of(request)
+        if response.status in self.ban_codes or response.status in self.throttle_codes:
+            # The lease is done: the site refused this proxy. Reported once (requests already in flight on it
+            # answer the same), and every such request goes again on another lease.
+            if found is not None:
+                key, held = found
+                self._forget(key)
+                if response.status in self.ban_codes:
+                    outcome, extra = "banned", {}
+                    self.stats.inc_value("egress/bans")
+                else:
+                    outcome, extra = "throttled", {"retry_after": _retry_after(response)}
+                    self.stats.inc_value("egress/throttles")
+                await self._flush(held, outcome=outcome, status_code=response.status, release=True, **extra)
+                # Other sessions' leases on the same proxy for the same site are refused too: the site refused
+                # the proxy, not the session. They are released, and their sessions lease anew.
+                for other in [k for k, h in self.held.items() if k[0] == key[0] and h.lease.proxy == held.lease.proxy]:
+                    sibling = self._forget(other)
+                    if sibling is not None:
+                        await self._flush(sibling, release=True)
+            again = self._again(request)
+            return again if again is not None else response
+        if found is None:
+            return response
+        held = found[1]
+        held.ok += 1
+        if held.ok + held.failed >= self.report_every:
+            await self._flush(held)
+        return response
+
+    async def process_exception(self, request: Request, exception: BaseException, spider: Any = None) -> None:
+        found = self._held_of(request)
+        if found is not None:
+            found[1].failed += 1
+            self.stats.inc_value("egress/failed")
+        return None
+
+    async def spider_closed(self, spider: Any = None) -> None:
+        for key in list(self.held):
+            held = self._forget(key)
+            if held is None:
+                continue
+            await self._flush(held, release=True)
+        await self.client.aclose()
+
+
+def _retry_after(response: Response) -> Optional[float]:
+    value = response.headers.get(b"Retry-After")
+    if not value:
+        return None
+    try:
+        return max(1.0, float(value.decode("latin-1").strip()))
+    except ValueError:
+        return None
