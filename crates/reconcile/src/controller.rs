@@ -792,3 +792,47 @@ pub(crate) fn recorded_names(proxy: &Proxy) -> Vec<String> {
 pub(crate) fn age(created_at: Option<SystemTime>, first_seen: SystemTime, now: SystemTime) -> Duration {
     now.duration_since(created_at.unwrap_or(first_seen)).unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use egress_api::{CooldownStatus, ProxySpec};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn guarded(proxy: &Proxy) -> DeserializeGuard<Proxy> {
+        DeserializeGuard(Ok(proxy.clone()))
+    }
+
+    #[test]
+    fn status_writes_never_change_the_trigger_fingerprint_and_metadata_changes_do() {
+        let mut proxy = Proxy::new("p", ProxySpec::new(ProxyMode::Managed));
+        proxy.metadata.uid = Some("u-1".into());
+        proxy.metadata.generation = Some(1);
+        let base = trigger_fingerprint(&guarded(&proxy));
+        // Anything in status, the discovery API's cooldowns included, and a new resourceVersion: no reconcile.
+        let mut written = proxy.clone();
+        written.metadata.resource_version = Some("42".into());
+        written.status = Some(ProxyStatus {
+            phase: Some(ProxyPhase::Ready),
+            cooldowns: vec![CooldownStatus {
+                site: "example.com".into(),
+                until: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+                streak: 3,
+            }],
+            ..ProxyStatus::default()
+        });
+        assert_eq!(trigger_fingerprint(&guarded(&written)), base);
+        // What a reconcile depends on: each one changes it.
+        let mut labelled = proxy.clone();
+        labelled.metadata.labels = Some([("a".to_owned(), "b".to_owned())].into());
+        let mut annotated = proxy.clone();
+        annotated.metadata.annotations = Some([(egress_api::annotations::ROTATE.to_owned(), "1".to_owned())].into());
+        let mut respecced = proxy.clone();
+        respecced.metadata.generation = Some(2);
+        let mut deleting = proxy.clone();
+        deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        for changed in [labelled, annotated, respecced, deleting] {
+            assert_ne!(trigger_fingerprint(&guarded(&changed)), base, "{:?}", changed.metadata);
+        }
+    }
+}
