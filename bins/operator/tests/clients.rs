@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use egress_api::{Endpoint, HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{Proxy, ProxyPhase};
 use egress_client::DiscoveryClient;
 use egress_testenv::{LocalOrigin, OperatorOptions, OperatorProcess, Squid, SquidOptions, eventually};
 use kube::api::{Api, PostParams};
@@ -54,21 +54,7 @@ async fn the_python_client_passes_its_tests_against_a_live_operator() {
     let api: Api<Proxy> = ns.api();
     let mut names = Vec::new();
     for (index, squid) in squids.iter().enumerate() {
-        let spec = ProxySpec {
-            endpoint: Some(Endpoint {
-                host: squid.address().ip().to_string(),
-                port: i32::from(squid.address().port()),
-            }),
-            health_check: HealthCheck {
-                interval_seconds: 5,
-                timeout_seconds: 3,
-                healthy_threshold: 1,
-                unhealthy_threshold: 2,
-                probe_url: None,
-                ..HealthCheck::default()
-            },
-            ..ProxySpec::new(ProxyMode::External)
-        };
+        let spec = common::external(squid.address(), 1);
         let name = format!("py-{index}");
         api.create(&PostParams::default(), &Proxy::new(&name, spec)).await.expect("create");
         names.push(name);

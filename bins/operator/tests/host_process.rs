@@ -11,7 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_api::{Endpoint, HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::{
     LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually, http_get,
@@ -248,19 +248,7 @@ async fn a_restarted_operator_keeps_its_fleet_ready_its_leases_and_its_bans() {
     let mut operator = env.operator(false).await;
     let names: Vec<String> = (0..20).map(|index| format!("r-{index:02}")).collect();
     for (index, name) in names.iter().enumerate() {
-        let squid = squids[index % squids.len()].address();
-        let spec = ProxySpec {
-            endpoint: Some(Endpoint { host: squid.ip().to_string(), port: i32::from(squid.port()) }),
-            health_check: HealthCheck {
-                interval_seconds: 5,
-                timeout_seconds: 3,
-                healthy_threshold: 2,
-                unhealthy_threshold: 2,
-                probe_url: None,
-                ..HealthCheck::default()
-            },
-            ..ProxySpec::new(ProxyMode::External)
-        };
+        let spec = common::external(squids[index % squids.len()].address(), 2);
         env.ns.api::<Proxy>().create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create");
     }
     let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();

@@ -1,8 +1,9 @@
 //! Helpers both end-to-end binaries use.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
-use egress_api::{Proxy, ProxyPhase};
+use egress_api::{Endpoint, HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
 use kube::api::Api;
 
 /// Waits until every named Proxy is in `phase` and returns them; on timeout, the phases last seen.
@@ -32,5 +33,22 @@ pub async fn wait_phase(
         if tokio::time::Instant::now() > deadline {
             return Err(format!("timed out after {timeout:?} waiting for {phase:?}; phases: {}", seen.join(", ")));
         }
+    }
+}
+
+/// An External Proxy spec for the proxy at `address`, probed every 5 s, Ready after `healthy_threshold` probes.
+#[allow(dead_code)] // Not every binary that includes this module uses it.
+pub fn external(address: SocketAddr, healthy_threshold: i32) -> ProxySpec {
+    ProxySpec {
+        endpoint: Some(Endpoint { host: address.ip().to_string(), port: i32::from(address.port()) }),
+        health_check: HealthCheck {
+            interval_seconds: 5,
+            timeout_seconds: 3,
+            healthy_threshold,
+            unhealthy_threshold: 2,
+            probe_url: None,
+            ..HealthCheck::default()
+        },
+        ..ProxySpec::new(ProxyMode::External)
     }
 }
