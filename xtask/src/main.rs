@@ -6,6 +6,7 @@ mod bench;
 mod crdgen;
 mod e2e;
 mod envtest;
+mod node;
 mod packages;
 mod podnet;
 mod process;

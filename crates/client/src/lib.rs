@@ -154,6 +154,18 @@ pub struct ProxyInfo {
     pub port: u16,
     /// Proxy URL (with credentials for lease-scope tokens).
     pub url: String,
+    /// The address sites see its requests come from, once its probes observed it.
+    #[serde(rename = "egressIP", default)]
+    pub egress_ip: Option<String>,
+    /// The Proxy's labels.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Its zone, when it has one.
+    #[serde(default)]
+    pub zone: Option<String>,
+    /// Its provider (absent for External Proxies).
+    #[serde(default)]
+    pub provider: Option<String>,
     /// Active leases.
     pub active_leases: u32,
     /// Lease cap.

@@ -1,0 +1,120 @@
+// What the client does with each kind of answer, against a fetch that answers from a table (no server).
+
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+
+import * as egress from '../dist/index.js';
+
+const LEASE = {
+  id: 'l1.AAA/BBB',
+  proxy: { namespace: 'crawl', name: 'eu-1', host: '10.0.0.1', port: 3128, url: 'http://10.0.0.1:3128' },
+  target: 'example.com',
+  expiresAt: '2026-12-01T12:00:00Z',
+};
+
+function answering(status, body, headers = {}) {
+  const seen = [];
+  const fetch = async (url, init) => {
+    seen.push({ url: new URL(url), method: init.method, headers: init.headers, body: init.body && JSON.parse(init.body) });
+    if (init.method === 'POST' && new URL(url).pathname === '/v1/leases') {
+      return new Response(JSON.stringify(LEASE), { status: 201, headers: { 'content-type': 'application/json' } });
+    }
+    const text = typeof body === 'string' ? body : JSON.stringify(body);
+    return new Response(status === 204 ? null : text, { status, headers });
+  };
+  return { client: new egress.DiscoveryClient('http://discovery/', { token: 'token-1', fetch }), seen };
+}
+
+for (const [status, kind] of [
+  [400, egress.BadRequest],
+  [401, egress.Unauthorized],
+  [403, egress.Forbidden],
+  [404, egress.NotFound],
+  [410, egress.Gone],
+  [409, egress.Conflict],
+  [503, egress.Unavailable],
+  [500, egress.DiscoveryError],
+]) {
+  test(`${status} is a ${kind.name}`, async () => {
+    const problem = { type: 'urn:x', title: 't', status, detail: 'what went wrong', reason: 'r' };
+    const { client } = answering(status, problem, { 'retry-after': '7' });
+    const lease = await client.lease('example.com');
+    const error = await lease.renew().then(() => assert.fail('renew succeeded'), (error) => error);
+    assert.ok(error instanceof kind, `${error.name}: ${error.message}`);
+    assert.ok(error instanceof egress.DiscoveryError);
+    assert.equal(error.message, 'what went wrong');
+    assert.equal(error.status, status);
+    assert.equal(error.name, kind.name);
+    if (status === 409 || status === 503) {
+      assert.deepEqual([error.reason, error.retryAfter], ['r', 7]);
+    }
+  });
+}
+
+test('requests carry the token and the bodies the API wants', async () => {
+  const { client, seen } = answering(200, { cooldownUntil: '2026-12-01T12:10:00Z' });
+  const lease = await client.lease('example.com', { ttlSeconds: 90.4, selector: 'region=eu', session: 's-1' });
+  const until = await lease.report({ outcome: 'throttled', statusCode: 429, retryAfterSeconds: 12.4 });
+  assert.equal(until.toISOString(), '2026-12-01T12:10:00.000Z');
+  await lease.reportCounts(5);
+  await lease.reportCounts(0, 0); // nothing to say: no call
+  const [first, throttle, counts] = seen;
+  assert.equal(seen.length, 3);
+  assert.equal(first.headers.authorization, 'Bearer token-1');
+  assert.equal(first.url.href, 'http://discovery/v1/leases');
+  assert.deepEqual(first.body, { target: 'example.com', ttlSeconds: 90, selector: 'region=eu', session: 's-1' });
+  assert.equal(throttle.url.pathname, '/v1/leases/l1.AAA%2FBBB/report', 'the ID is one path segment');
+  assert.deepEqual(throttle.body, { outcome: 'throttled', statusCode: 429, retryAfterSeconds: 12 });
+  assert.deepEqual(counts.body, { ok: 5 });
+  assert.equal(lease.proxy, 'crawl/eu-1');
+  assert.equal(lease.proxyUrl, 'http://10.0.0.1:3128');
+});
+
+test('bad input is refused before any request, saying what is wrong', async () => {
+  const { client, seen } = answering(200, {});
+  const lease = await client.lease('example.com');
+  for (const [bad, says] of [
+    [{ outcome: 'meh' }, /outcome must be one of ok, banned, throttled, failed/],
+    [{ outcome: 'banned', retryAfterSeconds: 3 }, /retryAfterSeconds goes only with outcome 'throttled'/],
+    [{}, /needs an outcome, counts/],
+    [{ ok: -1 }, /ok must be a count/],
+    [{ outcome: 'banned', statusCode: 700 }, /statusCode must be an HTTP status/],
+  ]) {
+    await assert.rejects(lease.report(bad), says);
+  }
+  await assert.rejects(lease.renew(0), /ttlSeconds must be a positive number/);
+  await assert.rejects(client.lease(''), /target must be/);
+  assert.equal(seen.length, 1, 'only the lease went out');
+  assert.throws(() => new egress.DiscoveryClient('discovery:8090'), /must be http:\/\/ or https:\/\//);
+});
+
+test('an answer that is not the API is a decode error', async () => {
+  const { client } = answering(200, { id: 'x' });
+  const lease = await client.lease('example.com');
+  await assert.rejects(lease.renew(), (error) => error instanceof egress.DecodeError && /not a lease/.test(error.message));
+  const { client: garbled } = answering(200, '<html>');
+  await assert.rejects(garbled.proxies(), egress.DecodeError);
+});
+
+test('a release is sent once, and withLease releases however its body ends', async () => {
+  const { client, seen } = answering(204, null);
+  const lease = await client.lease('example.com');
+  await lease.release();
+  await lease.release();
+  assert.equal(seen.filter((call) => call.method === 'DELETE').length, 1);
+  await assert.rejects(
+    client.withLease('example.com', {}, async () => {
+      throw new Error('the crawl failed');
+    }),
+    /the crawl failed/,
+  );
+  assert.equal(seen.filter((call) => call.method === 'DELETE').length, 2);
+});
+
+test('Retry-After is read as seconds or as an HTTP date', () => {
+  const now = Date.parse('2026-12-01T12:00:00Z');
+  assert.equal(egress.retryAfterSeconds('120', {}, now), 120);
+  assert.equal(egress.retryAfterSeconds('Tue, 01 Dec 2026 12:00:30 GMT', {}, now), 30);
+  assert.equal(egress.retryAfterSeconds(null, { retryAfterSeconds: 9 }, now), 9);
+  assert.equal(egress.retryAfterSeconds('soon', {}, now), undefined);
+});
