@@ -222,6 +222,7 @@ struct Figures {
     list_returned: usize,
     lease_pairs_per_s: f64,
     delete: f64,
+    delete_cpu: f64,
     reconcile_windows: (usize, usize),
     spec_change_reconciled_ms: f64,
 }
@@ -401,10 +402,12 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     let lease_pairs_per_s = pairs.load(Ordering::SeqCst) as f64 / LEASE_PHASE.as_secs_f64();
 
     let started = Instant::now();
+    let delete_cpu = cpu_seconds(pid, ticks);
     delete_all(&api, n).await;
     wait_until("deletion through the operator", Duration::from_secs(1800), || seen.present.load(Ordering::SeqCst) == 0)
         .await;
     let delete = started.elapsed().as_secs_f64();
+    let delete_cpu = cpu_seconds(pid, ticks) - delete_cpu;
     let remaining = api.list(&Default::default()).await.map(|list| list.items.len()).unwrap_or(0);
     assert_eq!(remaining, 0, "every Proxy is gone");
     watch_task.abort();
@@ -425,6 +428,7 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
         list_returned,
         lease_pairs_per_s,
         delete,
+        delete_cpu,
         reconcile_windows,
         spec_change_reconciled_ms,
     }
@@ -453,7 +457,12 @@ fn print(figures: &Figures) {
         f.list_ms * 1000.0 / f.list_returned.max(1) as f64
     );
     println!("  lease+release pairs/s with {LEASE_CLIENTS} clients: {:.0}", f.lease_pairs_per_s);
-    println!("  delete all {:.1} s: delete / apiserver's own delete = {:.2}", f.delete, f.delete / f.baseline_delete);
+    println!(
+        "  delete all {:.1} s: delete / apiserver's own delete = {:.2} (operator CPU meanwhile {:.1} s)",
+        f.delete,
+        f.delete / f.baseline_delete,
+        f.delete_cpu
+    );
     println!(
         "  reconciles rose in {} of {} 10 s windows of the ramp; a spec change at the ramp's midpoint was reconciled in {:.0} ms",
         f.reconcile_windows.0, f.reconcile_windows.1, f.spec_change_reconciled_ms

@@ -69,9 +69,10 @@ pub struct EngineConfig {
     pub concurrency: usize,
     /// How many transitions may wait for the consumer before the scheduler waits for it.
     pub transition_capacity: usize,
-    /// The first probe of a new target starts within this window (jittered), instead of within one interval: a
-    /// restarted operator learns the state of its fleet in seconds, spread out, not after a whole interval.
-    /// `None` uses one interval.
+    /// The first probe of a target whose verdict is known (seeded from a previous run, or a target changed) starts
+    /// within this window (jittered), instead of within one interval: a restarted operator learns the state of its
+    /// fleet in seconds, spread out, not after a whole interval. `None` uses one interval. A target with no verdict
+    /// at all is probed at once.
     pub first_probe_within: Option<Duration>,
 }
 
@@ -96,6 +97,9 @@ struct Entry<K> {
     generation: u64,
     counters: Counters,
     in_flight: bool,
+    /// Probed at once on arrival: its second probe comes at a random point of the interval, so a fleet created in a
+    /// burst is probed evenly from then on, not in the burst's shape.
+    spread_next: bool,
 }
 
 /// A running engine. Dropping it stops every probe.
@@ -288,18 +292,27 @@ impl<K: TargetKey> Scheduler<K> {
                 }
                 self.next_generation += 1;
                 let generation = self.next_generation;
-                // A random first offset spreads a fleet's probes over time.
-                let window = self.first_probe_within.unwrap_or(target.interval).min(target.interval);
-                let first = Instant::now() + self.jitter.below(window);
+                // A seeded verdict starts the counters where it stands, so the thresholds apply from there.
+                let seeded = self.verdicts.get(&target.id);
+                // A target with a known verdict (a restart, a changed spec) gets a random first offset, which spreads
+                // a fleet's probes over time; a new one is probed at once, since nothing is known about it and its
+                // Proxy waits for the first verdict to say Ready (the probe concurrency bounds a burst).
+                let known = seeded.is_some();
+                let first = if known {
+                    let window = self.first_probe_within.unwrap_or(target.interval).min(target.interval);
+                    Instant::now() + self.jitter.below(window)
+                } else {
+                    Instant::now()
+                };
                 self.queue.push(Reverse((first, generation)));
                 self.keys.insert(generation, target.id.clone());
-                // A seeded verdict starts the counters where it stands, so the thresholds apply from there.
-                let counters = match self.verdicts.get(&target.id) {
+                let counters = match seeded {
                     Some(seeded) => Counters::seeded(seeded.healthy),
                     None => Counters::default(),
                 };
                 self.counts[slot(counters.verdict())] += 1;
-                let entry = Entry { target: target.clone(), generation, counters, in_flight: false };
+                let entry =
+                    Entry { target: target.clone(), generation, counters, in_flight: false, spread_next: !known };
                 if let Some(replaced) = self.targets.insert(target.id.clone(), entry) {
                     self.counts[slot(replaced.counters.verdict())] -= 1;
                     self.keys.remove(&replaced.generation);
@@ -325,7 +338,13 @@ impl<K: TargetKey> Scheduler<K> {
             let Some(id) = self.keys.get(&generation) else { continue };
             let Some(entry) = self.targets.get_mut(id) else { continue };
             let interval = entry.target.interval.max(Duration::from_secs(1));
-            self.queue.push(Reverse((due + interval, generation)));
+            let next = if std::mem::take(&mut entry.spread_next) {
+                due + self.jitter.below(interval).max(Duration::from_millis(100))
+            } else {
+                due + interval
+            };
+            self.queue.push(Reverse((next, generation)));
+            let Some(entry) = self.targets.get_mut(id) else { continue };
             if entry.in_flight {
                 // The previous probe is still running (it has its own timeout); skip this round.
                 continue;

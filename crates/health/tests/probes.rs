@@ -222,3 +222,20 @@ async fn a_changed_target_restarts_its_counters() {
     assert!(engine.verdict("a").is_none(), "a changed target starts unknown");
     assert!(next_transition(&mut transitions).await.healthy, "and becomes healthy again under its new settings");
 }
+
+#[tokio::test]
+async fn a_new_target_is_probed_at_once_however_wide_the_first_probe_window() {
+    let squid = Squid::start(SquidOptions::default()).await.expect("squid");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let config = EngineConfig { first_probe_within: Some(Duration::from_secs(30)), ..EngineConfig::default() };
+    let tls = tls_connector(b"").expect("TLS setup");
+    let (engine, mut transitions) = HealthEngine::start(config, tls, HealthMetrics::default());
+    let mut slow = target("new", squid.address(), &origin.url(), 1, 1);
+    slow.interval = Duration::from_secs(60);
+    let started = Instant::now();
+    engine.upsert(slow);
+    let transition = next_transition(&mut transitions).await;
+    assert!(transition.healthy);
+    // Its Proxy waits for this verdict to say Ready: no jitter for a target nothing is known about.
+    assert!(started.elapsed() < Duration::from_secs(2), "first verdict after {:?}", started.elapsed());
+}

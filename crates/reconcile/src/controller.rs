@@ -22,7 +22,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Error as FinalizerError, Event as FinalizerEvent, finalizer};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use tracing::{Instrument, debug, info, info_span, instrument, warn};
 
@@ -92,6 +92,12 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     quota_refusals: Mutex<HashMap<String, QuotaRefusal>>,
     drain: Option<Arc<dyn LeaseDrain>>,
+    /// One lock per Proxy (by UID) held for the length of a reconcile: the two lanes never reconcile one Proxy at
+    /// once. An entry lives while a reconcile holds or waits for it.
+    in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The shared Proxy store, once [`run`] starts: a reconcile that waited for the other lane reads the object
+    /// again from here, so it never acts on the copy the other one just changed.
+    store: std::sync::OnceLock<Store<DeserializeGuard<Proxy>>>,
 }
 
 /// Consecutive QuotaExceeded answers for one Proxy, and when the next create may be tried.
@@ -123,6 +129,8 @@ impl Context {
             failures: Mutex::default(),
             quota_refusals: Mutex::default(),
             drain: None,
+            in_flight: Mutex::default(),
+            store: std::sync::OnceLock::new(),
         }
     }
 
@@ -177,12 +185,7 @@ pub type Trigger = ObjectRef<DeserializeGuard<Proxy>>;
 pub fn trigger_channel() -> (tokio::sync::mpsc::UnboundedSender<Trigger>, impl Stream<Item = Trigger> + Send + 'static)
 {
     let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
-    let stream =
-        futures::stream::unfold(
-            receiver,
-            |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
-        );
-    (sender, stream)
+    (sender, receiver_stream(receiver))
 }
 
 /// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
@@ -208,38 +211,89 @@ pub async fn run(
         return;
     }
     let store = feed.store();
+    let _ = context.store.set(store.clone());
     let metrics = context.metrics.clone();
-    // What each Proxy last triggered a reconcile with: a change to anything else (our own status writes) wakes
-    // nothing, so a ramp costs one reconcile per real change, not one more per status write.
-    let mut seen: HashMap<ObjectRef<DeserializeGuard<Proxy>>, u64> = HashMap::new();
-    let changed = feed.subscribe().flat_map(move |change| {
-        futures::stream::iter(match change {
-            Change::Object(reference) => match store.get(&reference) {
-                Some(object) => {
-                    let fingerprint = trigger_fingerprint(&object);
-                    if seen.insert(reference, fingerprint) == Some(fingerprint) { Vec::new() } else { vec![object] }
+    // Two lanes over the same store: a change to a Proxy already known (its spec, labels, annotations, deletion)
+    // goes to a controller of its own, so a user's edit is never queued behind a fleet's creation or its first
+    // verdicts, which all go to the other. A task of its own sorts the feed's changes as they come: a controller
+    // takes triggers only when it has a free slot, so sorting inside one lane's trigger stream would hold the other
+    // lane's changes behind the busy one.
+    let (bulk_sender, bulk) = tokio::sync::mpsc::unbounded_channel::<Arc<DeserializeGuard<Proxy>>>();
+    let (urgent_sender, urgent) = tokio::sync::mpsc::unbounded_channel::<Arc<DeserializeGuard<Proxy>>>();
+    let changes = feed.subscribe();
+    let sorter = tokio::spawn(
+        async move {
+            futures::pin_mut!(changes);
+            // What each Proxy last triggered a reconcile with: a change to anything else (our own status writes)
+            // wakes nothing, so a ramp costs one reconcile per real change, not one more per status write.
+            let mut seen: HashMap<ObjectRef<DeserializeGuard<Proxy>>, u64> = HashMap::new();
+            while let Some(change) = changes.next().await {
+                match change {
+                    Change::Object(reference) => match store.get(&reference) {
+                        Some(object) => {
+                            let fingerprint = trigger_fingerprint(&object);
+                            let lane = match seen.insert(reference, fingerprint) {
+                                Some(before) if before == fingerprint => continue,
+                                Some(_) => &urgent_sender,
+                                None => &bulk_sender,
+                            };
+                            if lane.send(object).is_err() {
+                                return;
+                            }
+                        }
+                        None => {
+                            // Gone. A Proxy without our finalizer (External) is never reconciled on its way out.
+                            let namespace = reference.namespace.as_deref().unwrap_or_default();
+                            metrics.phase(&format!("{namespace}/{}", reference.name), None);
+                            seen.remove(&reference);
+                        }
+                    },
+                    // A relist or a fall behind: everything once, level-triggered.
+                    Change::Resync => {
+                        let all = store.state();
+                        seen = all
+                            .iter()
+                            .map(|object| (crate::feed::reference_of(object.as_ref()), trigger_fingerprint(object)))
+                            .collect();
+                        for object in all {
+                            if bulk_sender.send(object).is_err() {
+                                return;
+                            }
+                        }
+                    }
                 }
-                None => {
-                    // Gone. A Proxy without our finalizer (External) is never reconciled on its way out.
-                    let namespace = reference.namespace.as_deref().unwrap_or_default();
-                    metrics.phase(&format!("{namespace}/{}", reference.name), None);
-                    seen.remove(&reference);
-                    Vec::new()
-                }
-            },
-            // A relist or a fall behind: everything once, level-triggered.
-            Change::Resync => {
-                let all = store.state();
-                seen = all
-                    .iter()
-                    .map(|object| (crate::feed::reference_of(object.as_ref()), trigger_fingerprint(object)))
-                    .collect();
-                all
             }
-        })
-    });
-    drive(Controller::for_shared_stream(changed, feed.store()), context, health_triggers, shutdown).await;
+        }
+        .instrument(info_span!("proxy_trigger_sorter")),
+    );
+    let shutdown_urgent = shutdown.clone();
+    let bulk = drive(
+        Controller::for_shared_stream(receiver_stream(bulk), feed.store()),
+        context.clone(),
+        context.config.concurrency,
+        health_triggers,
+        shutdown,
+    );
+    let urgent = drive(
+        Controller::for_shared_stream(receiver_stream(urgent), feed.store()),
+        context.clone(),
+        URGENT_CONCURRENCY,
+        futures::stream::empty(),
+        shutdown_urgent,
+    );
+    futures::join!(bulk, urgent);
+    sorter.abort();
 }
+
+/// A stream of what `receiver` receives.
+fn receiver_stream<T: Send + 'static>(
+    receiver: tokio::sync::mpsc::UnboundedReceiver<T>,
+) -> impl Stream<Item = T> + Send {
+    futures::stream::unfold(receiver, |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) })
+}
+
+/// How many changes to known Proxies are reconciled at once, beside the bulk lane's `concurrency`.
+const URGENT_CONCURRENCY: u16 = 4;
 
 /// A hash of what a reconcile depends on beyond the status it wrote itself: identity, generation (the spec), labels,
 /// annotations (rotate, retry, skip-cleanup), finalizers and deletion. Status-only changes keep it.
@@ -264,11 +318,11 @@ fn trigger_fingerprint(object: &DeserializeGuard<Proxy>) -> u64 {
 async fn drive(
     controller: Controller<DeserializeGuard<Proxy>>,
     context: Arc<Context>,
+    concurrency: u16,
     health_triggers: impl Stream<Item = Trigger> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let triggers = health_triggers;
-    let concurrency = context.config.concurrency;
     controller
         .with_config(RuntimeConfig::default().concurrency(concurrency))
         .reconcile_on(triggers)
@@ -285,6 +339,28 @@ async fn drive(
 
 #[instrument(skip(object, context), fields(proxy = %object.name_any(), namespace = object.namespace().unwrap_or_default()))]
 async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) -> Result<Action, Error> {
+    let uid = object.uid().unwrap_or_default();
+    let lock = context.in_flight.lock().expect("in-flight locks").entry(uid.clone()).or_default().clone();
+    let guard = lock.lock().await;
+    // The other lane may have reconciled this Proxy while this one waited: act on the store's copy as it is now.
+    let latest = match context.store.get() {
+        Some(store) => store.get(&ObjectRef::from_obj(object.as_ref())),
+        None => Some(object),
+    };
+    let result = match latest {
+        Some(object) => reconcile_one(object, &context).await,
+        None => Ok(Action::await_change()),
+    };
+    drop(guard);
+    drop(lock);
+    let mut locks = context.in_flight.lock().expect("in-flight locks");
+    if locks.get(&uid).is_some_and(|lock| Arc::strong_count(lock) == 1) {
+        locks.remove(&uid);
+    }
+    result
+}
+
+async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Context>) -> Result<Action, Error> {
     let timer = context.metrics.start();
     let proxy = match &object.0 {
         Ok(proxy) => proxy.clone(),
@@ -305,14 +381,14 @@ async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) 
             context.metrics.phase(&proxy_key(&proxy), None);
             Ok(Action::await_change())
         } else {
-            apply(&proxy, &context).await
+            apply(&proxy, context).await
         }
     } else {
         let api: Api<Proxy> = Api::namespaced(context.client.clone(), &namespace);
         let result = finalizer(&api, FINALIZER, Arc::new(proxy), |event| async {
             match event {
-                FinalizerEvent::Apply(proxy) => apply(&proxy, &context).await,
-                FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, &context).await,
+                FinalizerEvent::Apply(proxy) => apply(&proxy, context).await,
+                FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, context).await,
             }
         })
         .await;
@@ -404,6 +480,7 @@ async fn observe(
         previous_leases: 0,
         drain_timeout: context.config.drain_timeout,
         health: None,
+        created: proxy.metadata.creation_timestamp.as_ref().map(|time| SystemTime::from(time.0)),
     };
     let latched = status.failure.as_ref().is_some_and(|failure| {
         status.observed_generation == facts.generation && failure.retry_token == facts.retry_token

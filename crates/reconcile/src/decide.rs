@@ -25,6 +25,9 @@ pub const QUOTA_BACKOFF_MIN: Duration = Duration::from_secs(60);
 pub const QUOTA_BACKOFF_MAX: Duration = Duration::from_secs(15 * 60);
 /// How often a draining previous instance is looked at again, to delete it as soon as its last lease moved.
 pub const DRAIN_RECHECK: Duration = Duration::from_secs(2);
+/// How long a new External Proxy's first status waits for its first health verdict (the engine probes a new target
+/// within 2 s), so the first write says Ready or Unhealthy instead of Running followed by a second write.
+pub const FIRST_VERDICT_WAIT: Duration = Duration::from_secs(5);
 
 /// What the provider said about the instance the status records as current, when its spec hash is the desired one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,6 +95,8 @@ pub struct Facts {
     /// The health verdict for the endpoint this decision is about: the running instance's address (Managed) or
     /// `spec.endpoint` (External).
     pub health: Option<Verdict>,
+    /// `metadata.creationTimestamp`.
+    pub created: Option<SystemTime>,
 }
 
 /// The one provider call a decision asks for.
@@ -152,12 +157,37 @@ pub struct Decision {
 
 /// Decides one reconcile of a Proxy that is not being deleted.
 pub fn decide(facts: &Facts) -> Decision {
+    if let Some(wait) = awaiting_first_verdict(facts) {
+        return Decision {
+            action: Action::Nothing,
+            status: facts.status.clone(),
+            events: Vec::new(),
+            requeue: Requeue::After(wait),
+        };
+    }
     let mut decision = match facts.mode {
         ProxyMode::External => decide_external(facts),
         ProxyMode::Managed => decide_managed(facts),
     };
     finish(facts, &mut decision);
     decision
+}
+
+/// A new External Proxy (never reconciled, never edited, created less than [`FIRST_VERDICT_WAIT`] ago) with no
+/// verdict yet: how much longer its first status waits. The verdict's arrival triggers a reconcile of its own, so the
+/// one write it makes carries the phase; a probe that takes longer gets `Running` written when the wait ends.
+fn awaiting_first_verdict(facts: &Facts) -> Option<Duration> {
+    // Only the spec as created waits: an edit wants its answer (observedGeneration) now.
+    let as_created = facts.generation.is_none_or(|generation| generation <= 1);
+    if facts.mode != ProxyMode::External
+        || facts.health.is_some()
+        || facts.status.observed_generation.is_some()
+        || !as_created
+    {
+        return None;
+    }
+    let age = facts.now.duration_since(facts.created?).unwrap_or_default();
+    FIRST_VERDICT_WAIT.checked_sub(age).filter(|wait| !wait.is_zero())
 }
 
 fn decide_external(facts: &Facts) -> Decision {
@@ -451,22 +481,25 @@ fn apply_health(facts: &Facts, status: &mut ProxyStatus, events: &mut Vec<EventS
     let Some(verdict) = &facts.health else { return };
     let flipped = status.health.as_ref().is_none_or(|health| health.healthy != verdict.healthy);
     if flipped {
+        // A first verdict that is healthy is news the phase already tells (Ready); an Event for it would be one more
+        // write per Proxy for a fleet coming up. Recovering from Unhealthy, and every failure, are worth one.
+        let recovered = status.health.as_ref().is_some_and(|health| !health.healthy);
         status.health = Some(HealthStatus {
             healthy: verdict.healthy,
             last_transition_time: Some(time(verdict.since)),
             last_error: if verdict.healthy { None } else { verdict.last_error.clone() },
         });
-        events.push(if verdict.healthy {
-            EventSpec::normal("Healthy", "probes through the proxy succeed")
-        } else {
-            EventSpec::warning(
+        if !verdict.healthy {
+            events.push(EventSpec::warning(
                 "Unhealthy",
                 format!(
                     "probes through the proxy fail: {}",
                     verdict.last_error.as_deref().unwrap_or("no reason given")
                 ),
-            )
-        });
+            ));
+        } else if recovered {
+            events.push(EventSpec::normal("Healthy", "probes through the proxy succeed again"));
+        }
     }
     if verdict.egress_ip.is_some() && verdict.egress_ip != status.egress_ip {
         status.egress_ip = verdict.egress_ip.clone();

@@ -49,6 +49,7 @@ fn facts() -> Facts {
         previous_leases: 0,
         drain_timeout: Duration::from_secs(300),
         health: None,
+        created: None,
     }
 }
 
@@ -180,13 +181,14 @@ fn first_run_emits_provisioned_once() {
     assert!(reasons(&decide(&with_current(InstanceState::Running, Some("10.0.0.2")))).is_empty());
 }
 
-// Health status is written only when `healthy` flips, with an Event each time.
+// Health status is written only when `healthy` flips, with an Event for every failure and every recovery (a first
+// verdict that is healthy has none: the phase says Ready).
 #[test]
 fn health_is_written_only_on_a_flip() {
     let mut facts = with_current(InstanceState::Running, Some("10.0.0.2"));
     facts.health = verdict(true);
     let first = decide(&facts);
-    assert_eq!(reasons(&first), ["Healthy"]);
+    assert!(reasons(&first).is_empty(), "{:?}", reasons(&first));
     assert_eq!(first.status.health.as_ref().map(|h| h.healthy), Some(true));
 
     let mut steady = facts.clone();
@@ -200,6 +202,15 @@ fn health_is_written_only_on_a_flip() {
     assert_eq!(reasons(&flipped), ["Unhealthy"]);
     assert_eq!(flipped.status.health.as_ref().and_then(|h| h.last_error.as_deref()), Some("connect refused"));
     assert_eq!(flipped.status.phase, Some(ProxyPhase::Unhealthy));
+
+    let mut recovering = steady.clone();
+    recovering.status = flipped.status.clone();
+    recovering.health = verdict(true);
+    assert_eq!(reasons(&decide(&recovering)), ["Healthy"]);
+
+    let mut failing_first = facts.clone();
+    failing_first.health = verdict(false);
+    assert_eq!(reasons(&decide(&failing_first)), ["Unhealthy"], "a first verdict that fails is worth an Event");
 }
 
 // Row: desired instance Terminated/Stopped unexpectedly → Delete it, then create again; Event InstanceLost.
@@ -460,6 +471,40 @@ fn external_follows_health() {
         assert_eq!(decision.status.instance, None);
         assert_eq!(condition(&decision.status, "Provisioned").reason, "External");
     }
+}
+
+// A new External Proxy's first status waits up to FIRST_VERDICT_WAIT for its first verdict, so one write says Ready
+// (or Unhealthy); it waits only when never reconciled and young, and never once a verdict is in.
+#[test]
+fn a_new_external_proxy_waits_for_its_first_verdict_before_its_first_write() {
+    let mut young = facts();
+    young.mode = ProxyMode::External;
+    young.spec_endpoint = Some(Endpoint { host: "proxy.example".into(), port: 8080 });
+    young.created = Some(young.now - Duration::from_secs(2));
+    let waiting = decide(&young);
+    assert_eq!(waiting.status, young.status, "nothing to write yet");
+    assert_eq!(waiting.requeue, Requeue::After(FIRST_VERDICT_WAIT - Duration::from_secs(2)));
+    assert!(waiting.events.is_empty());
+
+    let mut answered = young.clone();
+    answered.health = verdict(true);
+    assert_eq!(decide(&answered).status.phase, Some(ProxyPhase::Ready));
+
+    let mut old = young.clone();
+    old.created = Some(young.now - FIRST_VERDICT_WAIT);
+    assert_eq!(decide(&old).status.phase, Some(ProxyPhase::Running), "the wait is over: Running is written");
+
+    let mut reconciled = young.clone();
+    reconciled.status.observed_generation = Some(1);
+    assert_eq!(decide(&reconciled).status.phase, Some(ProxyPhase::Running), "only the first status waits");
+
+    let mut edited = young.clone();
+    edited.generation = Some(2);
+    assert_eq!(decide(&edited).status.phase, Some(ProxyPhase::Running), "an edit is answered at once");
+
+    let mut managed = young.clone();
+    managed.mode = ProxyMode::Managed;
+    assert_eq!(decide(&managed).action, Action::Create, "a Managed Proxy never waits");
 }
 
 // Rows: object being deleted (skip-cleanup; instances left; none left; provider no longer configured).
