@@ -95,9 +95,10 @@ pub struct Context {
     /// One lock per Proxy (by UID) held for the length of a reconcile: the two lanes never reconcile one Proxy at
     /// once. An entry lives while a reconcile holds or waits for it.
     in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// The shared Proxy store, once [`run`] starts: a reconcile that waited for the other lane reads the object
-    /// again from here, so it never acts on the copy the other one just changed.
-    store: std::sync::OnceLock<Store<DeserializeGuard<Proxy>>>,
+    /// Requeues the urgent lane handed over to the bulk lane and not yet due, by UID: a token each. A bulk reconcile
+    /// in between takes the entry away, since its own result schedules the next look.
+    handovers: Mutex<HashMap<String, u64>>,
+    next_handover: std::sync::atomic::AtomicU64,
 }
 
 /// Consecutive QuotaExceeded answers for one Proxy, and when the next create may be tried.
@@ -130,7 +131,8 @@ impl Context {
             quota_refusals: Mutex::default(),
             drain: None,
             in_flight: Mutex::default(),
-            store: std::sync::OnceLock::new(),
+            handovers: Mutex::default(),
+            next_handover: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -211,7 +213,6 @@ pub async fn run(
         return;
     }
     let store = feed.store();
-    let _ = context.store.set(store.clone());
     let metrics = context.metrics.clone();
     // Two lanes over the same store: a change to a Proxy already known (its spec, labels, annotations, deletion)
     // goes to a controller of its own, so a user's edit is never queued behind a fleet's creation or its first
@@ -266,23 +267,61 @@ pub async fn run(
         }
         .instrument(info_span!("proxy_trigger_sorter")),
     );
+    // The bulk lane alone keeps each Proxy's schedule (requeues and error backoffs): the urgent lane hands the
+    // requeue its reconcile asked for over to it, so a Proxy never has two timers.
+    let (handover, handed_over) = tokio::sync::mpsc::unbounded_channel::<Trigger>();
     let shutdown_urgent = shutdown.clone();
     let bulk = drive(
         Controller::for_shared_stream(receiver_stream(bulk), feed.store()),
         context.clone(),
+        Arc::new(Lane { store: feed.store(), handover: None }),
         context.config.concurrency,
-        health_triggers,
+        futures::stream::select(health_triggers, receiver_stream(handed_over)),
         shutdown,
     );
     let urgent = drive(
         Controller::for_shared_stream(receiver_stream(urgent), feed.store()),
         context.clone(),
+        Arc::new(Lane { store: feed.store(), handover: Some(handover) }),
         URGENT_CONCURRENCY,
         futures::stream::empty(),
         shutdown_urgent,
     );
     futures::join!(bulk, urgent);
     sorter.abort();
+}
+
+/// One of the two controllers: the store a reconcile reads its Proxy from once it holds the Proxy's lock, and, for
+/// the urgent lane, where it hands requeues over to the bulk lane.
+struct Lane {
+    store: Store<DeserializeGuard<Proxy>>,
+    handover: Option<tokio::sync::mpsc::UnboundedSender<Trigger>>,
+}
+
+impl Lane {
+    /// The action for kube's scheduler: the bulk lane schedules `next` itself; the urgent lane asks the bulk lane to
+    /// look again after that long, and schedules nothing.
+    fn action(&self, context: &Arc<Context>, object: &DeserializeGuard<Proxy>, next: Requeue) -> Action {
+        match (&self.handover, next) {
+            (_, Requeue::AwaitChange) => Action::await_change(),
+            (None, Requeue::After(after)) => Action::requeue(after),
+            (Some(handover), Requeue::After(after)) => {
+                let uid = object.uid().unwrap_or_default();
+                let token = context.next_handover.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                context.handovers.lock().expect("handovers").insert(uid.clone(), token);
+                let (handover, reference, context) = (handover.clone(), ObjectRef::from_obj(object), context.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let mut handovers = context.handovers.lock().expect("handovers");
+                    if handovers.get(&uid) == Some(&token) {
+                        handovers.remove(&uid);
+                        let _ = handover.send(reference);
+                    }
+                });
+                Action::await_change()
+            }
+        }
+    }
 }
 
 /// A stream of what `receiver` receives.
@@ -318,16 +357,22 @@ fn trigger_fingerprint(object: &DeserializeGuard<Proxy>) -> u64 {
 async fn drive(
     controller: Controller<DeserializeGuard<Proxy>>,
     context: Arc<Context>,
+    lane: Arc<Lane>,
     concurrency: u16,
     health_triggers: impl Stream<Item = Trigger> + Send + 'static,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let triggers = health_triggers;
+    let for_errors = lane.clone();
     controller
         .with_config(RuntimeConfig::default().concurrency(concurrency))
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, context)
+        .run(
+            move |object, context| reconcile(object, context, lane.clone()),
+            move |object, error, context| for_errors.action(&context, &object, error_policy(&object, error, &context)),
+            context,
+        )
         .for_each(|result| async move {
             if let Err(error) = result {
                 debug!(%error, "controller event");
@@ -337,18 +382,22 @@ async fn drive(
         .await;
 }
 
-#[instrument(skip(object, context), fields(proxy = %object.name_any(), namespace = object.namespace().unwrap_or_default()))]
-async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) -> Result<Action, Error> {
+#[instrument(skip(object, context, lane), fields(proxy = %object.name_any(), namespace = object.namespace().unwrap_or_default(), urgent = lane.handover.is_some()))]
+async fn reconcile(
+    object: Arc<DeserializeGuard<Proxy>>,
+    context: Arc<Context>,
+    lane: Arc<Lane>,
+) -> Result<Action, Error> {
     let uid = object.uid().unwrap_or_default();
     let lock = context.in_flight.lock().expect("in-flight locks").entry(uid.clone()).or_default().clone();
     let guard = lock.lock().await;
+    if lane.handover.is_none() {
+        // This reconcile's result schedules the next look: a requeue the urgent lane handed over is superseded.
+        context.handovers.lock().expect("handovers").remove(&uid);
+    }
     // The other lane may have reconciled this Proxy while this one waited: act on the store's copy as it is now.
-    let latest = match context.store.get() {
-        Some(store) => store.get(&ObjectRef::from_obj(object.as_ref())),
-        None => Some(object),
-    };
-    let result = match latest {
-        Some(object) => reconcile_one(object, &context).await,
+    let result = match lane.store.get(&ObjectRef::from_obj(object.as_ref())) {
+        Some(latest) => reconcile_one(latest, &context).await.map(|next| lane.action(&context, &object, next)),
         None => Ok(Action::await_change()),
     };
     drop(guard);
@@ -360,7 +409,7 @@ async fn reconcile(object: Arc<DeserializeGuard<Proxy>>, context: Arc<Context>) 
     result
 }
 
-async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Context>) -> Result<Action, Error> {
+async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Context>) -> Result<Requeue, Error> {
     let timer = context.metrics.start();
     let proxy = match &object.0 {
         Ok(proxy) => proxy.clone(),
@@ -368,7 +417,7 @@ async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Conte
             // Nothing can be done until someone fixes or deletes the object; keep it out of the backoff loop.
             warn!(error = %invalid.error, "skipping a Proxy that cannot be read");
             timer.finish(false);
-            return Ok(Action::await_change());
+            return Ok(Requeue::AwaitChange);
         }
     };
     let uid = proxy.uid().unwrap_or_default();
@@ -379,26 +428,32 @@ async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Conte
     let result = if proxy.spec.mode == ProxyMode::External && !proxy.finalizers().iter().any(|name| name == FINALIZER) {
         if proxy.metadata.deletion_timestamp.is_some() {
             context.metrics.phase(&proxy_key(&proxy), None);
-            Ok(Action::await_change())
+            Ok(Requeue::AwaitChange)
         } else {
             apply(&proxy, context).await
         }
     } else {
         let api: Api<Proxy> = Api::namespaced(context.client.clone(), &namespace);
+        // The helper wants kube's `Action` back; what apply or cleanup asked for is kept beside it. When the helper
+        // acts alone (adding or removing the finalizer), it asks for nothing: the watch event of its patch follows.
+        let asked = Mutex::new(Requeue::AwaitChange);
         let result = finalizer(&api, FINALIZER, Arc::new(proxy), |event| async {
-            match event {
-                FinalizerEvent::Apply(proxy) => apply(&proxy, context).await,
-                FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, context).await,
-            }
+            let next = match event {
+                FinalizerEvent::Apply(proxy) => apply(&proxy, context).await?,
+                FinalizerEvent::Cleanup(proxy) => cleanup(&proxy, context).await?,
+            };
+            *asked.lock().expect("asked requeue") = next;
+            Ok::<_, Error>(Action::await_change())
         })
-        .await;
+        .await
+        .map(|_| *asked.lock().expect("asked requeue"));
         match result {
             // The helper's JSON patch tests the finalizers it read, so a 422 means the store's copy is older than
             // the server's (a trigger raced the watch event of our own last write). The newer object is on its way
             // and triggers a reconcile of its own; this is no failure to back off from.
             Err(FinalizerError::AddFinalizer(kube::Error::Api(status))) if status.code == 422 => {
                 debug!("the stored Proxy is older than the server's; waiting for the newer one");
-                Ok(Action::requeue(STALE_READ_RECHECK))
+                Ok(Requeue::After(STALE_READ_RECHECK))
             }
             other => other.map_err(|error| Error::Finalizer(Box::new(error))),
         }
@@ -410,7 +465,7 @@ async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Conte
     result
 }
 
-fn error_policy(object: Arc<DeserializeGuard<Proxy>>, error: &Error, context: Arc<Context>) -> Action {
+fn error_policy(object: &DeserializeGuard<Proxy>, error: &Error, context: &Context) -> Requeue {
     let uid = object.uid().unwrap_or_default();
     let failures = {
         let mut counts = context.failures.lock().expect("failure counts");
@@ -422,7 +477,7 @@ fn error_policy(object: Arc<DeserializeGuard<Proxy>>, error: &Error, context: Ar
     let backoff = ERROR_BACKOFF_MIN.saturating_mul(factor).min(ERROR_BACKOFF_MAX);
     context.metrics.error(error.kind());
     warn!(proxy = %object.name_any(), kind = error.kind(), %error, failures, backoff_secs = backoff.as_secs(), "reconcile failed");
-    Action::requeue(backoff)
+    Requeue::After(backoff)
 }
 
 /// `maxAge` shortened by a per-Proxy jitter of up to 10%, so a fleet created together does not rotate together.
@@ -525,10 +580,10 @@ async fn observe(
 /// so its creation wakes nothing.
 const MISSING_AUTH_SECRET_RECHECK: Duration = Duration::from_secs(15);
 
-async fn apply(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let auth_secret_exists = ensure_auth_label(proxy, context).await?;
     let action = apply_spec(proxy, context).await?;
-    Ok(if auth_secret_exists { action } else { Action::requeue(MISSING_AUTH_SECRET_RECHECK) })
+    Ok(if auth_secret_exists { action } else { Requeue::After(MISSING_AUTH_SECRET_RECHECK) })
 }
 
 /// Puts the credential store's label on the Proxy's auth Secret, so creates, probes and discovery all see it
@@ -557,7 +612,7 @@ async fn ensure_auth_label(proxy: &Proxy, context: &Context) -> Result<bool, Err
 /// The field manager that owns only the auth Secret's credential-store label.
 const AUTH_LABEL_MANAGER: &str = "egress-operator-auth-label";
 
-async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let uid = proxy.uid().unwrap_or_default();
     let provider = match (proxy.spec.mode, provider_name(proxy)) {
         (ProxyMode::Managed, Some(name)) => match context.providers.provider(name).await {
@@ -592,7 +647,7 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
             let refusal = context.quota_refusals.lock().expect("quota refusals").get(&uid).copied();
             if let Some(wait) = refusal.and_then(|refusal| refusal.retry_at.checked_duration_since(Instant::now())) {
                 debug!(wait_secs = wait.as_secs(), "create deferred by the quota backoff");
-                return Ok(Action::requeue(wait));
+                return Ok(Requeue::After(wait));
             }
             let request = match create_request(proxy, context, &facts, provider.as_ref()).await {
                 Ok(request) => request,
@@ -624,7 +679,7 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
                     write_status(proxy, context, &facts.status, &status).await?;
                     context.publish(proxy, &event).await;
                     info!(backoff_secs = backoff.as_secs(), "provider quota exceeded; backing off");
-                    return Ok(Action::requeue(backoff));
+                    return Ok(Requeue::After(backoff));
                 }
                 Err(error) if error.class() == ErrorClass::Permanent => {
                     return latch(proxy, context, &facts, &error).await;
@@ -649,19 +704,19 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
     }
     context.metrics.phase(&proxy_key(proxy), status.phase);
     Ok(match requeue {
-        Requeue::AwaitChange => Action::await_change(),
-        Requeue::After(after) => Action::requeue(after.max(Duration::from_millis(100))),
+        Requeue::AwaitChange => Requeue::AwaitChange,
+        Requeue::After(after) => Requeue::After(after.max(Duration::from_millis(100))),
     })
 }
 
 /// Latches a permanent failure: status `Failed` with the reason, an Event, and no retry until something changes.
-async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &ProviderError) -> Result<Action, Error> {
+async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &ProviderError) -> Result<Requeue, Error> {
     warn!(error = %error.chain(), "permanent failure; waiting for a spec or retry-annotation change");
     let (status, event) = decide::on_permanent_failure(facts, &error.chain());
     write_status(proxy, context, &facts.status, &status).await?;
     context.publish(proxy, &event).await;
     context.metrics.phase(&proxy_key(proxy), status.phase);
-    Ok(Action::await_change())
+    Ok(Requeue::AwaitChange)
 }
 
 /// The status record of a freshly created instance. It is recorded as Provisioning whatever `create` returned: the
@@ -792,7 +847,7 @@ async fn write_status(
     Ok(())
 }
 
-async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
+async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let uid = proxy.uid().unwrap_or_default();
     let skip = annotations::skip_cleanup(proxy);
     let name = provider_name(proxy).unwrap_or_default().to_owned();
@@ -826,7 +881,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
             }
             context.metrics.phase(&proxy_key(proxy), None);
             info!("cleanup finished; releasing the finalizer");
-            Ok(Action::await_change())
+            Ok(Requeue::AwaitChange)
         }
         CleanupDecision::ProviderMissing => {
             let error = Error::ProviderMissing(name);
@@ -847,7 +902,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Action, Error> {
                 context.metrics.phase(&proxy_key(proxy), Some(ProxyPhase::Deleting));
             }
             debug!(instances = provider_ids.len(), "deleting instances; waiting until they are gone");
-            Ok(Action::requeue(decide::DELETING_REQUEUE))
+            Ok(Requeue::After(decide::DELETING_REQUEUE))
         }
     }
 }

@@ -622,3 +622,22 @@ async fn cooldowns_in_the_status_are_kept_by_the_reconciler_and_cost_it_nothing(
         .collect();
     assert_eq!(owners, ["egress-operator-cooldowns"], "only the discovery API's manager owns status.cooldowns");
 }
+
+/// A change to a known Proxy is reconciled by the urgent lane, which hands its requeue over to the bulk lane: the
+/// Proxy keeps one schedule. (The first version let each lane keep its own, so a Proxy touched once was looked at
+/// twice per resync from then on, and a failed delete was retried before its backoff.)
+#[tokio::test]
+async fn a_changed_proxy_keeps_one_schedule() {
+    let mut harness = Harness::new("rc-one-schedule").await;
+    harness.resync = Duration::from_secs(2);
+    harness.crash().await;
+    harness.start();
+    ready(&harness, "p", "zone-a").await;
+    touch_and_await_reconciles(&harness, "p", 3).await;
+    // Settle, then count: one look per resync, give or take one at the window's edges.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = harness.provider.calls(Op::Get);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let looks = harness.provider.calls(Op::Get) - before;
+    assert!((3..=5).contains(&looks), "{looks} provider gets in 8 s with a 2 s resync");
+}
