@@ -17,6 +17,8 @@ export interface LeasedProxy {
   port: number;
   /** `http://[user:password@]host:port`: give it to the HTTP client as its proxy. */
   url: string;
+  /** The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns. */
+  egressIP?: string;
 }
 
 /** A proxy as `GET /v1/proxies` lists it. */
@@ -114,13 +116,16 @@ function leasedProxy(body: unknown): LeasedProxy {
   if (!isObject(body)) {
     throw new DecodeError(`not a lease: \`proxy\` is ${JSON.stringify(body)}`);
   }
-  return {
+  const proxy: LeasedProxy = {
     namespace: field(body, 'namespace', 'string', 'a lease'),
     name: field(body, 'name', 'string', 'a lease'),
     host: field(body, 'host', 'string', 'a lease'),
     port: field(body, 'port', 'number', 'a lease'),
     url: field(body, 'url', 'string', 'a lease'),
   };
+  const egressIP = optional<string>(body, 'egressIP', 'string', 'a lease');
+  if (egressIP !== undefined) proxy.egressIP = egressIP;
+  return proxy;
 }
 
 interface LeaseState {
@@ -276,7 +281,12 @@ export class Lease {
     return `${this.#state.proxy.namespace}/${this.#state.proxy.name}`;
   }
 
-  /** The proxy's namespace, name, host, port and URL. */
+  /** The address sites see requests through the proxy come from (proxies sharing it share cooldowns). */
+  get egressIP(): string | undefined {
+    return this.#state.proxy.egressIP;
+  }
+
+  /** The proxy's namespace, name, host, port, URL and egress address. */
   get leasedProxy(): LeasedProxy {
     return { ...this.#state.proxy };
   }

@@ -13,8 +13,9 @@
  * before it expires (a renew that says the proxy's instance was replaced switches to the new URL), released when the
  * session retires. So the session pool's size is how many proxies one site gets at once. The post-navigation hook
  * reads every answer: a ban code (403, and any other status the session pool retires sessions on) is reported
- * `banned` and a throttle code (429) `throttled` with the site's `Retry-After`, the lease (and every other lease on that proxy for that site) is dropped, and the request is retried:
- * a ban as a crawlee `SessionError` (the session retires, the request goes again on a new session and a new lease), a
+ * `banned` and a throttle code (429) `throttled` with the site's `Retry-After`, the lease (and every other lease for
+ * that site on that proxy, or on one leaving through the same address) is dropped, and the request is retried: a ban
+ * as a crawlee `SessionError` (the session retires, the request goes again on a new session and a new lease), a
  * throttle as a `RetryRequestError` (same session, new lease, at most `maxRetries` times). Other answers are counted
  * `ok` and requests that got no answer `failed`, reported in batches of `reportEvery`. A `SessionError` from
  * elsewhere (crawlee's own block detection, or your handler) is reported `banned` by the error handlers. When no proxy
@@ -385,8 +386,12 @@ export class EgressProxyConfiguration extends ProxyConfiguration {
     if (held.dropped) return; // A request already in flight on it answered first, and was reported.
     if (report.outcome === 'banned') this.stats.bans += 1;
     else this.stats.throttles += 1;
+    // The site refused the proxy, or the address it leaves through, which other proxies may share (the server cools
+    // them down together): every lease the crawl holds for the site through either is refused too.
+    const sameExit = (other: Held) =>
+      other.lease.proxy === held.lease.proxy || (held.lease.egressIP !== undefined && other.lease.egressIP === held.lease.egressIP);
     const siblings = [...this.#held.values()].filter(
-      (other) => other !== held && other.lease.target === held.lease.target && other.lease.proxy === held.lease.proxy,
+      (other) => other !== held && other.lease.target === held.lease.target && sameExit(other),
     );
     siblings.forEach((other) => this.#forget(other));
     await Promise.all([this.#drop(held, report), ...siblings.map((other) => this.#drop(other))]);

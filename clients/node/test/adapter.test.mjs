@@ -10,7 +10,7 @@ import { DiscoveryClient, Unavailable } from '../dist/index.js';
 import { EgressBlockedError, EgressProxyConfiguration, EgressThrottledError } from '../dist/crawlee.js';
 
 /** A discovery API in a table: leases go to proxies `p0`, `p1`, ... in turn; every call is recorded. */
-function discovery({ unavailable = 0, retryAfter = '0' } = {}) {
+function discovery({ unavailable = 0, retryAfter = '0', proxies = 2, egressOf = (proxy) => `203.0.113.${proxy}` } = {}) {
   const calls = [];
   let serial = 0;
   let refusals = unavailable;
@@ -26,10 +26,18 @@ function discovery({ unavailable = 0, retryAfter = '0' } = {}) {
         return json(503, { status: 503, detail: 'every matching proxy is cooling down', reason: 'all-cooling-down' }, { 'retry-after': retryAfter });
       }
       const n = serial++;
-      const proxy = `p${n % 2}`;
+      const index = n % proxies;
+      const proxy = `p${index}`;
       return json(201, {
         id: `l1.${n}`,
-        proxy: { namespace: 'crawl', name: proxy, host: `127.0.0.${10 + (n % 2)}`, port: 3128, url: `http://127.0.0.${10 + (n % 2)}:3128` },
+        proxy: {
+          namespace: 'crawl',
+          name: proxy,
+          host: `127.0.0.${10 + index}`,
+          port: 3128,
+          url: `http://127.0.0.${10 + index}:3128`,
+          egressIP: egressOf(index),
+        },
         target: new URL(body.target).hostname.replace(/^www\./, ''),
         expiresAt: new Date(Date.now() + 300_000).toISOString(),
       });
@@ -114,6 +122,25 @@ test('a ban code is reported once, drops every lease on that proxy for the site,
   // An answer from a request already in flight on the banned lease is not reported again.
   await egress.errorHandler(banned.context, banned.error);
   assert.equal(egress.stats.bans, 1);
+  await egress.close();
+});
+
+test('a ban drops the leases on every proxy that leaves through the same address, and only those', async () => {
+  // p0 and p2 leave through one address; p1 through its own.
+  const { client, calls } = discovery({ proxies: 3, egressOf: (index) => (index === 1 ? '203.0.113.1' : '203.0.113.2') });
+  const egress = new EgressProxyConfiguration({ client });
+  const sessions = await pool();
+  const [one, two, three] = [await sessions.getSession(), await sessions.getSession(), await sessions.getSession()];
+  await fetchPage(egress, one, 'http://shop.example/a', 200); // l1.0 on p0
+  await fetchPage(egress, two, 'http://shop.example/b', 200); // l1.1 on p1
+  await fetchPage(egress, three, 'http://shop.example/c', 200); // l1.2 on p2, same address as p0
+  const banned = await fetchPage(egress, one, 'http://shop.example/d', 403);
+  assert.ok(banned.error instanceof EgressBlockedError);
+  assert.deepEqual(reports(calls), [
+    ['l1.0', { outcome: 'banned', statusCode: 403, ok: 1, release: true }],
+    ['l1.2', { ok: 1, release: true }],
+  ]);
+  assert.equal(egress.heldLeases, 1, 'only the lease on p1 is kept');
   await egress.close();
 });
 

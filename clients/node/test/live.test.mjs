@@ -54,6 +54,7 @@ test('a lease fetches through its proxy, renews, reports and releases', { skip }
     assert.equal(listed.reported, 42);
     assert.ok(Math.abs(listed.successRate - 40 / 42) < 1e-9, String(listed.successRate));
     assert.ok(listed.egressIP, 'the probes observed its egress address');
+    assert.equal(lease.egressIP, listed.egressIP, 'the lease says which address the site sees');
     assert.equal(await active(client), 1);
   });
   assert.equal(await active(client), 0, 'withLease released the lease');

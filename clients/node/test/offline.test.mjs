@@ -7,7 +7,7 @@ import * as egress from '../dist/index.js';
 
 const LEASE = {
   id: 'l1.AAA/BBB',
-  proxy: { namespace: 'crawl', name: 'eu-1', host: '10.0.0.1', port: 3128, url: 'http://10.0.0.1:3128' },
+  proxy: { namespace: 'crawl', name: 'eu-1', host: '10.0.0.1', port: 3128, url: 'http://10.0.0.1:3128', egressIP: '203.0.113.7' },
   target: 'example.com',
   expiresAt: '2026-12-01T12:00:00Z',
 };
@@ -68,6 +68,7 @@ test('requests carry the token and the bodies the API wants', async () => {
   assert.deepEqual(counts.body, { ok: 5 });
   assert.equal(lease.proxy, 'crawl/eu-1');
   assert.equal(lease.proxyUrl, 'http://10.0.0.1:3128');
+  assert.equal(lease.egressIP, '203.0.113.7');
 });
 
 test('bad input is refused before any request, saying what is wrong', async () => {

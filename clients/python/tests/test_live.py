@@ -45,6 +45,7 @@ def test_a_lease_fetches_through_its_proxy_renews_reports_and_releases() -> None
             listed = {proxy.namespace + "/" + proxy.name: proxy for proxy in client.proxies(target="py-one.example")}
             assert listed[lease.proxy].reported == 42
             assert listed[lease.proxy].success_rate == pytest.approx(40 / 42)
+            assert lease.egress_ip is not None and lease.egress_ip == listed[lease.proxy].egress_ip
             assert active(client) == 1
         assert active(client) == 0, "leaving the block released the lease"
 

@@ -12,7 +12,14 @@ from egress_client import DiscoveryClient
 
 LEASE = {
     "id": "l1.AAA.BBB",
-    "proxy": {"namespace": "crawl", "name": "eu-1", "host": "10.0.0.1", "port": 3128, "url": "http://10.0.0.1:3128"},
+    "proxy": {
+        "namespace": "crawl",
+        "name": "eu-1",
+        "host": "10.0.0.1",
+        "port": 3128,
+        "url": "http://10.0.0.1:3128",
+        "egressIP": "203.0.113.7",
+    },
     "target": "example.com",
     "expiresAt": "2026-12-01T12:00:00Z",
 }
@@ -65,6 +72,7 @@ def test_requests_carry_the_token_and_the_bodies_the_api_wants() -> None:
     assert throttle.url.path == "/v1/leases/l1.AAA.BBB/report"
     assert json.loads(throttle.content) == {"outcome": "throttled", "statusCode": 429, "retryAfterSeconds": 12}
     assert json.loads(counts.content) == {"ok": 5}
+    assert lease.egress_ip == "203.0.113.7"
 
 
 def test_bad_reports_are_refused_before_any_request() -> None:

@@ -198,6 +198,8 @@ struct LeasedProxy {
     namespace: String,
     name: String,
     url: String,
+    #[serde(rename = "egressIP", default)]
+    egress_ip: Option<String>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -385,6 +387,12 @@ impl LeaseGuard {
     /// `reqwest::Proxy::all(guard.proxy_url())`).
     pub fn proxy_url(&self) -> &str {
         &self.lease.proxy.url
+    }
+
+    /// The address sites see requests through the proxy come from, once its probes observed it. Proxies that share
+    /// it share cooldowns: after a ban or a throttle, drop every lease held on a proxy with the same address.
+    pub fn egress_ip(&self) -> Option<&str> {
+        self.lease.proxy.egress_ip.as_deref()
     }
 
     /// The normalised target.

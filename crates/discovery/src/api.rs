@@ -321,6 +321,10 @@ struct LeasedProxy<'a> {
     host: &'a str,
     port: u16,
     url: String,
+    /// The address sites see, once probes observed it: a client holding leases on several proxies drops, on a ban
+    /// or a throttle, every one that leaves through the same address (they share the cooldown).
+    #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
+    egress_ip: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -352,6 +356,7 @@ fn lease_json(state: &Discovery, lease: &Lease, scope: Scope, replaced: Option<b
             host: &record.host,
             port: record.port,
             url: proxy_url(record, scope),
+            egress_ip: record.egress_ip.as_deref(),
         },
         target: &lease.target,
         expires_at: timestamp(lease.expires_at),

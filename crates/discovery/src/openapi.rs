@@ -114,10 +114,11 @@ pub fn document() -> Value {
                 }},
                 "ProxyRef": { "type": "object", "required": ["namespace", "name", "host", "port", "url"], "properties": {
                     "namespace": { "type": "string" }, "name": { "type": "string" }, "host": { "type": "string" }, "port": { "type": "integer" },
-                    "url": { "type": "string", "description": "http://[user:password@]host:port; credentials only for lease-scope tokens" }
+                    "url": { "type": "string", "description": "http://[user:password@]host:port; credentials only for lease-scope tokens" },
+                    "egressIP": { "type": "string", "description": "the address sites see requests through this proxy come from, once its probes observed it; proxies sharing it share cooldowns" }
                 }},
                 "Proxy": { "allOf": [{ "$ref": "#/components/schemas/ProxyRef" }, { "type": "object", "required": ["labels", "activeLeases", "maxLeases"], "properties": {
-                    "egressIP": { "type": "string" }, "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
                     "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
                     "coolingDownUntil": { "type": "string", "format": "date-time" },
                     "successRate": { "type": "number", "minimum": 0, "maximum": 1, "description": "with target: the share of requests reported through this proxy for that site (in the last hour of reports) that it served" },

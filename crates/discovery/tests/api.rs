@@ -175,6 +175,7 @@ async fn every_route_succeeds() {
     );
     assert_eq!(lease["target"], "example.co.uk");
     assert_eq!(lease["proxy"]["url"], "http://crawler:p%40ss@10.0.0.1:3128", "credentials for a lease token");
+    assert_eq!(lease["proxy"]["egressIP"], "203.0.113.97", "the address the site sees, for the holder's siblings");
     assert!(lease["expiresAt"].as_str().is_some_and(|t| t.ends_with('Z')));
 
     let (status, _, renewed) =

@@ -76,6 +76,11 @@ class Lease:
         return self._state.proxy.id
 
     @property
+    def egress_ip(self) -> Optional[str]:
+        """The address sites see requests through the proxy come from (proxies sharing it share cooldowns)."""
+        return self._state.proxy.egress_ip
+
+    @property
     def target(self) -> str:
         """The normalised target (site)."""
         return self._state.target
@@ -216,6 +221,7 @@ class AsyncLease:
     id = Lease.id
     proxy_url = Lease.proxy_url
     proxy = Lease.proxy
+    egress_ip = Lease.egress_ip
     target = Lease.target
     expires_at = Lease.expires_at
 

@@ -33,6 +33,8 @@ class LeasedProxy:
     port: int
     #: `http://[user:password@]host:port`: give it to the HTTP client as its proxy.
     url: str
+    #: The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns.
+    egress_ip: Optional[str] = None
 
     @property
     def id(self) -> str:
@@ -61,6 +63,7 @@ class LeaseState:
                     host=str(proxy["host"]),
                     port=int(proxy["port"]),
                     url=str(proxy["url"]),
+                    egress_ip=proxy.get("egressIP"),
                 ),
                 target=str(body["target"]),
                 expires_at=parse_time(body["expiresAt"]),

@@ -176,8 +176,9 @@ class EgressProxyMiddleware:
                     self.stats.inc_value("egress/throttles")
                 await self._flush(held, outcome=outcome, status_code=response.status, release=True, **extra)
                 # Other sessions' leases on the same proxy for the same site are refused too: the site refused
-                # the proxy, not the session. They are released, and their sessions lease anew.
-                for other in [k for k, h in self.held.items() if k[0] == key[0] and h.lease.proxy == held.lease.proxy]:
+                # the proxy (or its address, which other proxies may share), not the session. They are released,
+                # and their sessions lease anew.
+                for other in [k for k, h in self.held.items() if k[0] == key[0] and _same_exit(h.lease, held.lease)]:
                     sibling = self._forget(other)
                     if sibling is not None:
                         await self._flush(sibling, release=True)
@@ -205,6 +206,12 @@ class EgressProxyMiddleware:
                 continue
             await self._flush(held, release=True)
         await self.client.aclose()
+
+
+def _same_exit(one: AsyncLease, other: AsyncLease) -> bool:
+    """Whether a site sees the two leases' requests as the same client: the same proxy, or the same egress address
+    (the server cools down every proxy behind an address together)."""
+    return one.proxy == other.proxy or (one.egress_ip is not None and one.egress_ip == other.egress_ip)
 
 
 def _retry_after(response: Response) -> Optional[float]:
