@@ -112,20 +112,25 @@ function time(body: Json, key: string, what: string): Date {
   return date;
 }
 
+/** The fields a lease's proxy and a listed proxy share. */
+function proxyRef(body: Json, what: string): LeasedProxy {
+  const proxy: LeasedProxy = {
+    namespace: field(body, 'namespace', 'string', what),
+    name: field(body, 'name', 'string', what),
+    host: field(body, 'host', 'string', what),
+    port: field(body, 'port', 'number', what),
+    url: field(body, 'url', 'string', what),
+  };
+  const egressIP = optional<string>(body, 'egressIP', 'string', what);
+  if (egressIP !== undefined) proxy.egressIP = egressIP;
+  return proxy;
+}
+
 function leasedProxy(body: unknown): LeasedProxy {
   if (!isObject(body)) {
     throw new DecodeError(`not a lease: \`proxy\` is ${JSON.stringify(body)}`);
   }
-  const proxy: LeasedProxy = {
-    namespace: field(body, 'namespace', 'string', 'a lease'),
-    name: field(body, 'name', 'string', 'a lease'),
-    host: field(body, 'host', 'string', 'a lease'),
-    port: field(body, 'port', 'number', 'a lease'),
-    url: field(body, 'url', 'string', 'a lease'),
-  };
-  const egressIP = optional<string>(body, 'egressIP', 'string', 'a lease');
-  if (egressIP !== undefined) proxy.egressIP = egressIP;
-  return proxy;
+  return proxyRef(body, 'a lease');
 }
 
 interface LeaseState {
@@ -156,21 +161,15 @@ function proxyInfo(body: unknown): ProxyInfo {
     throw new DecodeError(`not a proxy: \`labels\` is ${JSON.stringify(labels)}`);
   }
   const info: ProxyInfo = {
-    namespace: field(body, 'namespace', 'string', 'a proxy'),
-    name: field(body, 'name', 'string', 'a proxy'),
-    host: field(body, 'host', 'string', 'a proxy'),
-    port: field(body, 'port', 'number', 'a proxy'),
-    url: field(body, 'url', 'string', 'a proxy'),
+    ...proxyRef(body, 'a proxy'),
     labels: labels as Record<string, string>,
     activeLeases: field(body, 'activeLeases', 'number', 'a proxy'),
     maxLeases: field(body, 'maxLeases', 'number', 'a proxy'),
   };
-  const egressIP = optional<string>(body, 'egressIP', 'string', 'a proxy');
   const zone = optional<string>(body, 'zone', 'string', 'a proxy');
   const provider = optional<string>(body, 'provider', 'string', 'a proxy');
   const successRate = optional<number>(body, 'successRate', 'number', 'a proxy');
   const reported = optional<number>(body, 'reported', 'number', 'a proxy');
-  if (egressIP !== undefined) info.egressIP = egressIP;
   if (zone !== undefined) info.zone = zone;
   if (provider !== undefined) info.provider = provider;
   if (body.coolingDownUntil != null) info.coolingDownUntil = time(body, 'coolingDownUntil', 'a proxy');
