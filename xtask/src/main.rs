@@ -6,6 +6,7 @@ mod bench;
 mod crdgen;
 mod e2e;
 mod envtest;
+mod guest;
 mod node;
 mod packages;
 mod podnet;
@@ -51,6 +52,9 @@ enum Command {
         #[arg(long, requires = "up")]
         controller: bool,
     },
+    /// Build the kvm boot test's Debian guest image into the cache (nothing when the recipe's image is there) and
+    /// print its path.
+    GuestImage,
     /// Run the end-to-end suite: the operator binary under the shipped RBAC against the local control plane.
     E2e {
         /// Run it on a kind cluster (`egress-e2e`, created when missing) instead; needs Docker, kind and kubectl, and
@@ -93,6 +97,7 @@ fn main() -> ExitCode {
         Command::Envtest { up: true, kubeconfig, no_sample, controller } => {
             envtest::up(kubeconfig, !no_sample, controller)
         }
+        Command::GuestImage => guest::ensure_built().map(|path| println!("{}", path.display())),
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
         Command::Quickstart { exit, inside } => quickstart::run(exit, inside),
         Command::E2e { kind, cargo_test_args } => e2e::run_suite(kind, &cargo_test_args),

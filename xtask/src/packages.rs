@@ -21,6 +21,16 @@ pub const REQUIRED: &[(&str, &str)] = &[
     ("netcat-openbsd", "nc, which libvirt runs on the far side of SSH to reach the daemon's socket"),
     ("genisoimage", "isoinfo, which reads the kvm provider's seed ISOs back in tests"),
     ("iproute2", "ip, which creates the network namespace and pod network the tests run in"),
+    ("qemu-system-x86", "QEMU, which boots the kvm provider's guests (KVM when /dev/kvm opens, TCG otherwise)"),
+    ("ovmf", "the UEFI firmware the guests boot with"),
+    ("mmdebstrap", "building the guest image from Debian packages"),
+    ("dosfstools", "mkfs.vfat for the guest image's EFI system partition"),
+    ("mtools", "filling the guest image's EFI system partition without mounting it"),
+    ("syslinux", "the guest image's BIOS boot loader"),
+    ("syslinux-common", "the GPT MBR that starts SYSLINUX"),
+    ("fdisk", "sfdisk, which writes the guest image's partition table"),
+    ("e2fsprogs", "mkfs.ext4 -d, which makes the guest image's root filesystem from a directory"),
+    ("dnsmasq-base", "DHCP for the guests on the boot test's own bridge"),
     ("util-linux", "unshare, nsenter and setpriv, with which the node agent gives pods mounts and users"),
 ];
 
@@ -29,7 +39,7 @@ fn installed(package: &str) -> bool {
         .is_some_and(|status| status.trim() == "install ok installed")
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
 }
 

@@ -1,7 +1,7 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages; the control-plane binaries, the Python client's venv and the Node client's modules
-//! are made beside the Rust build), then formatting, lints and
+//! Set-up first (Debian packages; the control-plane binaries, the Python client's venv, the Node client's modules and
+//! the kvm boot test's guest image are made beside the Rust build), then formatting, lints and
 //! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
 //! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
 //! `cargo xtask quickstart --exit`.
@@ -9,7 +9,7 @@
 use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, node, packages, podnet, python};
+use crate::{crdgen, envtest, guest, node, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     packages::ensure_installed()?;
@@ -19,16 +19,19 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     let control_plane = std::thread::spawn(envtest::ensure_built);
     // So does the Python client's venv (a download on a fresh machine, nothing on a warm one).
     let venv = std::thread::spawn(python::ensure_venv);
-    // And the Node client's modules.
+    // And the Node client's modules, and the guest image (two minutes of packages on a fresh machine, then cached).
     let modules = std::thread::spawn(node::ensure_modules);
+    let image = std::thread::spawn(guest::ensure_built);
     let checked = check_and_build();
     let built = control_plane.join().map_err(|_| anyhow!("building the control plane panicked"))?;
     let python = venv.join().map_err(|_| anyhow!("making the Python venv panicked"))?;
     let modules = modules.join().map_err(|_| anyhow!("installing the Node modules panicked"))?;
+    let image = image.join().map_err(|_| anyhow!("building the guest image panicked"))?;
     checked?;
     built?;
     let python = python?;
     modules?;
+    image?;
     let network = podnet::PodNetwork::create()?;
     run(network
         .command(cargo_program())

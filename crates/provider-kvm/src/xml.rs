@@ -63,6 +63,9 @@ pub struct DomainSpec {
 
 /// The domain XML for `spec`: path-based file disks (AppArmor's libvirt profile grants those), a bridged virtio
 /// NIC, the guest agent's channel, and the provider's metadata.
+///
+/// The seed ISO is a read-only virtio disk, not a CD-ROM: Debian's cloud kernel (the one in its `genericcloud`
+/// images) has no ATA or SCSI CD-ROM drivers, and NoCloud finds the `cidata` label on any block device.
 pub fn domain(spec: &DomainSpec) -> String {
     let mut xml = format!("<domain type=\"{}\">\n  <name>{}</name>\n", escape(&spec.domain_type), escape(&spec.name));
     xml.push_str("  <metadata>\n");
@@ -95,22 +98,32 @@ pub fn domain(spec: &DomainSpec) -> String {
         xml,
         "    <disk type=\"file\" device=\"disk\">\n      <driver name=\"qemu\" type=\"qcow2\"/>\n      <source \
          file=\"{disk}\"/>\n      <target dev=\"vda\" bus=\"virtio\"/>\n    </disk>\n    <disk type=\"file\" \
-         device=\"cdrom\">\n      <driver name=\"qemu\" type=\"raw\"/>\n      <source file=\"{seed}\"/>\n      \
-         <target dev=\"sda\" bus=\"sata\"/>\n      <readonly/>\n    </disk>\n    <interface type=\"bridge\">\n      \
+         device=\"disk\">\n      <driver name=\"qemu\" type=\"raw\"/>\n      <source file=\"{seed}\"/>\n      \
+         <target dev=\"vdb\" bus=\"virtio\"/>\n      <readonly/>\n    </disk>\n    <interface type=\"bridge\">\n      \
          <source bridge=\"{bridge}\"/>\n      <model type=\"virtio\"/>\n    </interface>\n",
         disk = escape(&spec.disk_path),
         seed = escape(&spec.seed_path),
         bridge = escape(&spec.bridge),
     );
     if hardware {
-        xml.push_str(
+        // The serial console is also written to a file on the host, so a guest that never comes up can be read.
+        let _ = write!(
+            xml,
             "    <channel type=\"unix\">\n      <target type=\"virtio\" name=\"org.qemu.guest_agent.0\"/>\n    \
-             </channel>\n    <serial type=\"pty\"/>\n    <console type=\"pty\"/>\n    <rng model=\"virtio\">\n      \
-             <backend model=\"random\">/dev/urandom</backend>\n    </rng>\n",
+             </channel>\n    <serial type=\"pty\">\n      <log file=\"{log}\" append=\"off\"/>\n    </serial>\n    \
+             <console type=\"pty\"/>\n    <rng model=\"virtio\">\n      <backend \
+             model=\"random\">/dev/urandom</backend>\n    </rng>\n",
+            log = escape(&console_log(&spec.name)),
         );
     }
     xml.push_str("  </devices>\n</domain>\n");
     xml
+}
+
+/// Where the host keeps a guest's serial console output (libvirt's log directory; the file outlives the guest, like
+/// libvirt's own log of it).
+pub fn console_log(name: &str) -> String {
+    format!("/var/log/libvirt/qemu/{name}-serial.log")
 }
 
 /// The provider's metadata element: every tag, the port and the creation time.
@@ -222,14 +235,39 @@ mod tests {
             "<disk type=\"file\" device=\"disk\">",
             "<source file=\"/var/lib/libvirt/images/px-a.qcow2\"/>",
             "<source file=\"/var/lib/libvirt/images/px-a-seed.iso\"/>",
+            "<target dev=\"vdb\" bus=\"virtio\"/>",
             "<interface type=\"bridge\">",
             "<source bridge=\"br0\"/>",
             "org.qemu.guest_agent.0",
             "<memory unit=\"MiB\">1024</memory>",
             "<vcpu>2</vcpu>",
+            "<log file=\"/var/log/libvirt/qemu/px-a-serial.log\" append=\"off\"/>",
         ] {
             assert!(xml.contains(part), "{part} in\n{xml}");
         }
+    }
+
+    /// Found booting Debian's cloud kernel: it has no ATA, so a seed on a SATA CD-ROM is never read and the guest
+    /// comes up without its Squid.
+    #[test]
+    fn the_seed_is_a_read_only_virtio_disk_every_cloud_kernel_sees() {
+        let xml = domain(&spec("kvm", Firmware::Uefi));
+        let document = roxmltree::Document::parse(&xml).expect("well-formed");
+        let seed = document
+            .descendants()
+            .filter(|node| node.has_tag_name("disk"))
+            .find(|disk| {
+                disk.children().any(|child| {
+                    child.has_tag_name("source")
+                        && child.attribute("file").is_some_and(|file| file.ends_with("seed.iso"))
+                })
+            })
+            .expect("the seed disk");
+        assert_eq!(seed.attribute("device"), Some("disk"));
+        let target = seed.children().find(|child| child.has_tag_name("target")).expect("target");
+        assert_eq!(target.attribute("bus"), Some("virtio"));
+        assert!(seed.children().any(|child| child.has_tag_name("readonly")));
+        assert!(!xml.contains("sata") && !xml.contains("cdrom"), "{xml}");
     }
 
     #[test]

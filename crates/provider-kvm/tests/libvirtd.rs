@@ -1,6 +1,6 @@
 //! The kvm provider against a real libvirtd with a directory pool, locally and over SSH to an sshd on loopback.
-//! No guest boots (these machines have no KVM device): images, overlays, seeds, the checker, connection handling
-//! and a failed create's clean-up are what is tested here.
+//! No guest boots here (`boot.rs` boots real ones): images, overlays, seeds, the checker, connection handling and a
+//! failed create's clean-up are what is tested here.
 
 mod support;
 
@@ -106,7 +106,7 @@ where
 {
     for _ in 0..600 {
         match create().await {
-            Ok(instance) => panic!("no guest can start here, yet {instance:?}"),
+            Ok(instance) => panic!("no guest can start here (there is no bridge br0), yet {instance:?}"),
             Err(error) if done(&error) => return error,
             Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
         }

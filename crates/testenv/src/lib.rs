@@ -17,6 +17,7 @@
 
 pub mod assets;
 pub mod control_plane;
+pub mod guest;
 pub mod install;
 pub mod node_agent;
 pub mod operator;
