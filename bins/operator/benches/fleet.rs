@@ -9,6 +9,10 @@
 //! steady CPU per probe, status writes per Proxy per hour in steady state, `GET /v1/proxies` time (and per returned
 //! Proxy), lease + release pairs per second with 16 clients, delete-all ÷ baseline, whether reconciles rose in every
 //! 10 s window of the ramp, and how long a spec change of one Proxy took to be reconciled at the ramp's midpoint.
+//! With them, where the time went: the control plane's CPU (kube-apiserver and etcd) in each phase, created and Ready
+//! counts every half second of the ramp, and the apiserver's own count of Proxy requests during it. Last, with the
+//! operator stopped, a second baseline of objects like the operator's: N status writes (the operator's status, by
+//! server-side apply) and the delete of those Proxies, by the apiserver alone.
 //! Then the ratios between the largest and the smallest N. Everything is loopback; every loop is bounded in time.
 
 use std::collections::HashMap;
@@ -61,6 +65,28 @@ fn rss_kib(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The pids of this bench's control plane (the kube-apiserver and etcd it started), found by name among its
+/// children: their CPU shows whether a phase is bound by the apiserver's work or by the operator's.
+fn control_plane_pids() -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let Some((head, rest)) = stat.rsplit_once(')') else { return false };
+            let comm = head.split_once('(').map_or("", |(_, comm)| comm);
+            let parent = rest.split_whitespace().nth(1).and_then(|value| value.parse::<u32>().ok());
+            matches!(comm, "kube-apiserver" | "etcd") && parent == Some(me)
+        })
+        .collect()
+}
+
+/// CPU seconds used by every process in `pids` so far.
+fn cpu_seconds_of(pids: &[u32], ticks: f64) -> f64 {
+    pids.iter().map(|&pid| cpu_seconds(pid, ticks)).sum()
+}
+
 fn ticks_per_second() -> f64 {
     std::process::Command::new("getconf")
         .arg("CLK_TCK")
@@ -68,6 +94,40 @@ fn ticks_per_second() -> f64 {
         .ok()
         .and_then(|output| String::from_utf8_lossy(&output.stdout).trim().parse().ok())
         .unwrap_or(100.0)
+}
+
+/// The apiserver's own count of requests for Proxies, by verb and subresource (from its /metrics).
+async fn apiserver_proxy_requests(client: &Client) -> std::collections::BTreeMap<String, f64> {
+    let request = http::Request::get("/metrics").body(Vec::new()).expect("a request");
+    let Ok(text) = client.request_text(request).await else { return Default::default() };
+    let mut counts = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|line| line.starts_with("apiserver_request_total{")) {
+        let label = |name: &str| {
+            line.split(&format!("{name}=\"")).nth(1).and_then(|rest| rest.split('"').next()).unwrap_or("").to_owned()
+        };
+        if label("resource") != "proxies" {
+            continue;
+        }
+        let Some(value) = line.rsplit_once(' ').and_then(|(_, value)| value.parse::<f64>().ok()) else { continue };
+        let subresource = label("subresource");
+        let key = if subresource.is_empty() { label("verb") } else { format!("{} {subresource}", label("verb")) };
+        *counts.entry(key).or_insert(0.0) += value;
+    }
+    counts
+}
+
+/// What the apiserver counted between two readings, as `verb: count` pairs.
+fn request_delta(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+) -> String {
+    let parts: Vec<String> = after
+        .iter()
+        .map(|(key, value)| (key, value - before.get(key).copied().unwrap_or(0.0)))
+        .filter(|(_, delta)| *delta > 0.0)
+        .map(|(key, delta)| format!("{key} {delta:.0}"))
+        .collect();
+    parts.join(", ")
 }
 
 /// The sum of every series of a counter in the operator's /metrics.
@@ -223,6 +283,16 @@ struct Figures {
     lease_pairs_per_s: f64,
     delete: f64,
     delete_cpu: f64,
+    /// The control plane's CPU seconds in the baseline's create and delete, the ramp and the delete.
+    plane_cpu: [f64; 4],
+    /// The second baseline: N status writes and the delete of those Proxies, by the apiserver alone, with the
+    /// control plane's CPU seconds in each.
+    status_writes_alone: (f64, f64),
+    status_delete_alone: (f64, f64),
+    /// Created and Ready counts every half second of the ramp.
+    timeline: Vec<(usize, usize)>,
+    /// The apiserver's Proxy requests during the ramp, by verb.
+    ramp_requests: String,
     reconcile_windows: (usize, usize),
     spec_change_reconciled_ms: f64,
 }
@@ -248,20 +318,25 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     let origin = LocalOrigin::start().await.expect("origin");
     let seen = Arc::new(Seen::default());
     let watch_task = watch(client.clone(), seen.clone());
+    let plane_pids = control_plane_pids();
 
     // Baseline: the apiserver alone, same objects, same concurrency, nobody reconciling.
     let started = Instant::now();
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
     let created = AtomicUsize::new(0);
     create_all(&api, (0..n).map(|index| proxy(index, &squids, interval)).collect(), &created).await;
     let baseline_create = started.elapsed().as_secs_f64();
+    let baseline_create_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
     wait_until("the bench's watch sees every Proxy", Duration::from_secs(300), || {
         seen.present.load(Ordering::SeqCst) == n
     })
     .await;
     let started = Instant::now();
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
     delete_all(&api, n).await;
     wait_until("baseline deletion", Duration::from_secs(600), || seen.present.load(Ordering::SeqCst) == 0).await;
     let baseline_delete = started.elapsed().as_secs_f64();
+    let baseline_delete_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
 
     let options = OperatorOptions {
         providers_yaml: "providers: []\n".into(),
@@ -286,9 +361,25 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     // The ramp: reconciles are sampled every 10 s, and at the midpoint one Proxy's spec changes (maxLeases, which
     // bumps its generation without replacing anything) and the time until its status says so is measured.
     let ramp_cpu = cpu_seconds(pid, ticks);
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
+    let requests_before = apiserver_proxy_requests(&client).await;
     let started = Instant::now();
     let created = Arc::new(AtomicUsize::new(0));
     let ramp_over = Arc::new(AtomicBool::new(false));
+    // Where the ramp's time goes: created and Ready counts every half second.
+    let timeline = {
+        let (created, seen, ramp_over) = (created.clone(), seen.clone(), ramp_over.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            tick.tick().await;
+            let mut points = Vec::new();
+            while !ramp_over.load(Ordering::SeqCst) {
+                tick.tick().await;
+                points.push((created.load(Ordering::SeqCst), seen.ready_count.load(Ordering::SeqCst)));
+            }
+            points
+        })
+    };
     let windows = {
         let (metrics_url, ramp_over) = (operator.metrics_url.clone(), ramp_over.clone());
         tokio::spawn(async move {
@@ -334,6 +425,9 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     let all_ready = started.elapsed().as_secs_f64();
     ramp_over.store(true, Ordering::SeqCst);
     let ramp_cpu = cpu_seconds(pid, ticks) - ramp_cpu;
+    let ramp_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
+    let timeline = timeline.await.expect("ramp timeline");
+    let ramp_requests = request_delta(&requests_before, &apiserver_proxy_requests(&client).await);
     let reconcile_windows = windows.await.expect("window sampler");
     let spec_change_reconciled_ms = spec_change.await.expect("spec change");
 
@@ -401,17 +495,65 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
     futures::future::try_join_all(clients).await.expect("lease clients");
     let lease_pairs_per_s = pairs.load(Ordering::SeqCst) as f64 / LEASE_PHASE.as_secs_f64();
 
+    // The status the operator wrote, for the second baseline below.
+    let written_status = api.get(&name(n - 1)).await.expect("a Proxy").status.expect("a status");
     let started = Instant::now();
     let delete_cpu = cpu_seconds(pid, ticks);
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
     delete_all(&api, n).await;
     wait_until("deletion through the operator", Duration::from_secs(1800), || seen.present.load(Ordering::SeqCst) == 0)
         .await;
     let delete = started.elapsed().as_secs_f64();
     let delete_cpu = cpu_seconds(pid, ticks) - delete_cpu;
+    let delete_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
     let remaining = api.list(&Default::default()).await.map(|list| list.items.len()).unwrap_or(0);
     assert_eq!(remaining, 0, "every Proxy is gone");
-    watch_task.abort();
     drop(operator);
+
+    // A second baseline, the apiserver alone again, with objects like the operator's: the same Proxies, each given
+    // the status the operator wrote, by server-side apply under the operator's field manager, 16 at once (the
+    // reconciler's bulk lane); then deleted. What one status write costs the apiserver, and what deleting objects
+    // that carry a status and its managed fields costs, without the operator running.
+    let created = AtomicUsize::new(0);
+    create_all(&api, (0..n).map(|index| proxy(index, &squids, interval)).collect(), &created).await;
+    wait_until("the bench's watch sees every Proxy again", Duration::from_secs(600), || {
+        seen.present.load(Ordering::SeqCst) == n
+    })
+    .await;
+    let started = Instant::now();
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
+    futures::stream::iter(0..n)
+        .map(|index| {
+            let (api, status) = (api.clone(), written_status.clone());
+            async move {
+                let patch = serde_json::json!({
+                    "apiVersion": "crawl.example.com/v1alpha1",
+                    "kind": "Proxy",
+                    "status": status,
+                });
+                let params = PatchParams::apply("egress-operator").force();
+                api.patch_status(&name(index), &params, &Patch::Apply(&patch)).await.expect("a status write");
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    wait_until("the bench's watch sees every status", Duration::from_secs(600), || {
+        seen.ready_count.load(Ordering::SeqCst) == n
+    })
+    .await;
+    let status_writes_alone = started.elapsed().as_secs_f64();
+    let status_writes_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
+    let started = Instant::now();
+    let plane_cpu = cpu_seconds_of(&plane_pids, ticks);
+    delete_all(&api, n).await;
+    wait_until("the second baseline's deletion", Duration::from_secs(1800), || {
+        seen.present.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    let status_delete_alone = started.elapsed().as_secs_f64();
+    let status_delete_plane_cpu = cpu_seconds_of(&plane_pids, ticks) - plane_cpu;
+    watch_task.abort();
     Figures {
         n,
         baseline_create,
@@ -429,6 +571,11 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
         lease_pairs_per_s,
         delete,
         delete_cpu,
+        plane_cpu: [baseline_create_plane_cpu, baseline_delete_plane_cpu, ramp_plane_cpu, delete_plane_cpu],
+        status_writes_alone: (status_writes_alone, status_writes_plane_cpu),
+        status_delete_alone: (status_delete_alone, status_delete_plane_cpu),
+        timeline,
+        ramp_requests,
         reconcile_windows,
         spec_change_reconciled_ms,
     }
@@ -437,13 +584,25 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
 fn print(figures: &Figures) {
     let f = figures;
     println!("fleet N = {}", f.n);
-    println!("  apiserver alone: create {:.1} s, delete {:.1} s", f.baseline_create, f.baseline_delete);
     println!(
-        "  create {:.1} s, all Ready after {:.1} s: all-Ready / create = {:.2}",
+        "  apiserver alone: create {:.1} s, delete {:.1} s (control plane CPU {:.1} s, {:.1} s)",
+        f.baseline_create, f.baseline_delete, f.plane_cpu[0], f.plane_cpu[1]
+    );
+    println!(
+        "  create {:.1} s, all Ready after {:.1} s: all-Ready / create = {:.2} (control plane CPU {:.1} s)",
         f.create,
         f.all_ready,
-        f.all_ready / f.create
+        f.all_ready / f.create,
+        f.plane_cpu[2]
     );
+    let points: Vec<String> = f
+        .timeline
+        .iter()
+        .enumerate()
+        .map(|(index, (created, ready))| format!("{:.1}:{created}/{ready}", (index + 1) as f64 / 2.0))
+        .collect();
+    println!("  ramp, seconds:created/Ready: {}", points.join(" "));
+    println!("  the apiserver's Proxy requests during the ramp: {}", f.ramp_requests);
     println!("  operator CPU per Proxy during the ramp: {:.2} ms", f.ramp_cpu_per_proxy_ms);
     println!("  resident memory per Proxy above the empty operator: {:.1} KiB", f.rss_per_proxy_kib);
     println!("  back to steady CPU {:.0} s after the last Ready", f.quiet_after);
@@ -458,10 +617,27 @@ fn print(figures: &Figures) {
     );
     println!("  lease+release pairs/s with {LEASE_CLIENTS} clients: {:.0}", f.lease_pairs_per_s);
     println!(
-        "  delete all {:.1} s: delete / apiserver's own delete = {:.2} (operator CPU meanwhile {:.1} s)",
+        "  delete all {:.1} s: delete / apiserver's own delete = {:.2} (operator CPU meanwhile {:.1} s, control plane {:.1} s)",
         f.delete,
         f.delete / f.baseline_delete,
-        f.delete_cpu
+        f.delete_cpu,
+        f.plane_cpu[3]
+    );
+    println!(
+        "  apiserver alone with the operator's status: {} status writes {:.1} s (control plane CPU {:.1} s), then \
+         delete {:.1} s (control plane CPU {:.1} s); delete all / this delete = {:.2}",
+        f.n,
+        f.status_writes_alone.0,
+        f.status_writes_alone.1,
+        f.status_delete_alone.0,
+        f.status_delete_alone.1,
+        f.delete / f.status_delete_alone.0
+    );
+    // The least a ramp can take: every Proxy is one create and one status write, and the apiserver alone takes this
+    // long for each set.
+    println!(
+        "  all Ready / (the apiserver's own create + its own status writes) = {:.2}",
+        f.all_ready / (f.baseline_create + f.status_writes_alone.0)
     );
     println!(
         "  reconciles rose in {} of {} 10 s windows of the ramp; a spec change at the ramp's midpoint was reconciled in {:.0} ms",
