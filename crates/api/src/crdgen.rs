@@ -6,7 +6,7 @@
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
-use crate::{ProviderHealth, Proxy};
+use crate::{ProviderHealth, Proxy, ProxyPool};
 
 /// One generated file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub struct CrdFile {
 
 /// Every CRD this crate defines.
 pub fn definitions() -> Vec<CustomResourceDefinition> {
-    vec![Proxy::crd(), ProviderHealth::crd()]
+    vec![Proxy::crd(), ProxyPool::crd(), ProviderHealth::crd()]
 }
 
 /// Every CRD rendered as the file `crds/<group>_<plural>.yaml`.

@@ -2,7 +2,9 @@
 //!
 //! `Proxy` (namespaced, short name `px`) declares one HTTP forward proxy: in `Managed` mode the operator creates and
 //! deletes an instance on a configured provider, in `External` mode it adopts a proxy that exists elsewhere.
-//! `ProviderHealth` (cluster-scoped, status only) publishes the health of one configured provider.
+//! `ProxyPool` (namespaced, short name `pxp`) declares a fleet of Managed Proxies by count, spread over providers,
+//! recycled by age and scaled by demand. `ProviderHealth` (cluster-scoped, status only) publishes the health of one
+//! configured provider.
 //!
 //! The CRD YAML in `crds/` is generated from these types by `cargo xtask crdgen`; the apiserver enforces the schema,
 //! the defaults and the CEL rules declared here. This crate also holds the pure helpers every other part needs
@@ -12,10 +14,15 @@
 pub mod annotations;
 pub mod crdgen;
 pub mod hash;
+pub mod pool;
 pub mod provider_health;
 pub mod proxy;
 
 pub use hash::spec_hash;
+pub use pool::{
+    Autoscale, ProxyPool, ProxyPoolSpec, ProxyPoolStatus, ProxyTemplate, ProxyTemplateSpec, Recycle, ScalingDecision,
+    SpreadEntry, SpreadStatus, TemplateMetadata,
+};
 pub use provider_health::{ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, TargetHealth};
 pub use proxy::{
     CloudInit, CooldownStatus, EffectiveHealthCheck, Endpoint, EndpointStatus, FailureStatus, HealthCheck,

@@ -170,7 +170,7 @@ pub struct ProxyDestinations {
 /// then stores an explicit `null` that CEL's `has()` counts as set: `provider: null` would satisfy "Managed requires
 /// provider". Without `nullable`, the apiserver drops nulls before defaulting and validation, so in the spec `null`
 /// always means absent.
-fn without_nullable(schema: &mut schemars::Schema) {
+pub(crate) fn without_nullable(schema: &mut schemars::Schema) {
     fn walk(value: &mut serde_json::Value) {
         match value {
             serde_json::Value::Object(map) => {

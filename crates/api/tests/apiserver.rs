@@ -1,12 +1,13 @@
 //! The CRDs as the real kube-apiserver serves them: every CEL rule accepts and rejects, defaults are filled in,
-//! an explicit `maxLeases: 0` survives, and the printer columns come back through the Table API.
+//! an explicit `maxLeases: 0` survives, and the printer columns come back through the Table API. For `ProxyPool`
+//! also the scale subresource, as `kubectl scale` and a HorizontalPodAutoscaler use it.
 //!
 //! Objects are sent as raw JSON with server-side apply where the point is what a user would type (`healthCheck: {}`)
 //! and as Rust values where the point is the round trip through the Rust types.
 
 use egress_api::{
-    Endpoint, EndpointStatus, HealthStatus, ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, Proxy, ProxyMode,
-    ProxyPhase, ProxySpec, ProxyStatus, TargetHealth,
+    Autoscale, Endpoint, EndpointStatus, HealthStatus, ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, Proxy,
+    ProxyMode, ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ProxyStatus, Recycle, TargetHealth,
 };
 use egress_testenv::TestNamespace;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -318,4 +319,206 @@ async fn provider_health_shows_ready_over_total() {
         .expect("our ProviderHealth is listed")
         .clone();
     assert_eq!(row["cells"][1], "1/1");
+}
+
+/// Applies `spec` as the ProxyPool `name` and returns the apiserver's error message, if it refused.
+async fn apply_pool(pools: &Api<ProxyPool>, name: &str, spec: Value) -> Result<ProxyPool, String> {
+    let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "metadata": { "name": name }, "spec": spec });
+    pools.patch(name, &PatchParams::apply(MANAGER), &Patch::Apply(&body)).await.map_err(describe)
+}
+
+#[track_caller]
+fn assert_pool_rejected(result: Result<ProxyPool, String>, message: &str) {
+    match result {
+        Ok(pool) => panic!("the apiserver accepted {:?}; expected a rejection saying {message:?}", pool.spec),
+        Err(error) => {
+            assert!(error.starts_with("422"), "expected 422 Invalid, got {error}");
+            assert!(error.contains(message), "expected {message:?} in the rejection, got {error}");
+        }
+    }
+}
+
+#[track_caller]
+fn assert_pool_accepted(result: Result<ProxyPool, String>) -> ProxyPool {
+    result.unwrap_or_else(|error| panic!("the apiserver rejected a valid ProxyPool: {error}"))
+}
+
+fn pool(replicas: i32) -> Value {
+    json!({ "replicas": replicas, "template": { "spec": { "provider": "pods" } } })
+}
+
+fn spread_pool(replicas: i32, spread: Value) -> Value {
+    json!({ "replicas": replicas, "template": { "spec": {} }, "spread": spread })
+}
+
+#[tokio::test]
+async fn a_pool_gets_every_default() {
+    let ns = egress_testenv::namespace("pool-defaults").await;
+    let api: Api<ProxyPool> = ns.api();
+    let spec = json!({
+        "replicas": 2,
+        "template": { "spec": {} },
+        "spread": [{ "provider": "gcp-eu", "zone": "europe-west1-b" }, { "provider": "kvm-home", "weight": 2 }],
+        "recycle": { "maxAge": "24h" },
+        "autoscale": { "max": 10 },
+    });
+    let created = assert_pool_accepted(apply_pool(&api, "eu", spec).await);
+    assert_eq!(created.spec.template.spec.port, 3128);
+    assert_eq!(created.spec.template.spec.health_check.interval_seconds, 30);
+    assert_eq!(created.spec.spread[0].weight, 1, "weight defaults to 1");
+    assert_eq!(created.spec.spread[1].weight, 2);
+    let recycle = created.spec.recycle.clone().expect("recycle");
+    assert_eq!(recycle, Recycle { max_age: Some("24h".parse().expect("duration")), ..Recycle::default() });
+    assert_eq!(created.spec.autoscale, Some(Autoscale::new(0, 10)));
+    assert_eq!(created.spec.recycle_max_age().map(|age| age.as_secs()), Some(86_400));
+}
+
+#[tokio::test]
+async fn pool_rules_each_refuse_with_their_message() {
+    let ns = egress_testenv::namespace("pool-cel").await;
+    let api: Api<ProxyPool> = ns.api();
+    assert_pool_rejected(
+        apply_pool(&api, "no-provider", json!({ "replicas": 1, "template": { "spec": {} } })).await,
+        "a ProxyPool needs a provider",
+    );
+    assert_pool_rejected(
+        apply_pool(
+            &api,
+            "both-providers",
+            json!({ "replicas": 1, "template": { "spec": { "provider": "pods" } }, "spread": [{ "provider": "gcp" }] }),
+        )
+        .await,
+        "spec.template.spec.provider must not be set when spec.spread lists providers",
+    );
+    assert_pool_rejected(
+        apply_pool(
+            &api,
+            "twice",
+            spread_pool(2, json!([{ "provider": "gcp", "zone": "a" }, { "provider": "gcp", "zone": "a" }])),
+        )
+        .await,
+        "spec.spread lists a provider and zone twice",
+    );
+    assert_pool_rejected(
+        apply_pool(
+            &api,
+            "twice-unzoned",
+            spread_pool(2, json!([{ "provider": "gcp" }, { "provider": "gcp", "weight": 3 }])),
+        )
+        .await,
+        "spec.spread lists a provider and zone twice",
+    );
+    assert_pool_accepted(
+        apply_pool(
+            &api,
+            "two-zones",
+            spread_pool(2, json!([{ "provider": "gcp", "zone": "a" }, { "provider": "gcp", "zone": "b" }])),
+        )
+        .await,
+    );
+    assert_pool_rejected(
+        apply_pool(&api, "zero-weight", spread_pool(2, json!([{ "provider": "gcp", "weight": 0 }]))).await,
+        "spec.spread[0].weight",
+    );
+    assert_pool_rejected(
+        apply_pool(&api, "min-over-max", with(pool(2), "autoscale", json!({ "min": 5, "max": 3 }))).await,
+        "spec.autoscale.min must not exceed spec.autoscale.max",
+    );
+    assert_pool_rejected(
+        apply_pool(&api, "floor-over-replicas", with(pool(2), "recycle", json!({ "minAvailable": 3 }))).await,
+        "spec.recycle.minAvailable must not exceed spec.replicas",
+    );
+    assert_pool_rejected(
+        apply_pool(
+            &api,
+            "floor-over-min",
+            with(with(pool(4), "recycle", json!({ "minAvailable": 2 })), "autoscale", json!({ "min": 0, "max": 8 })),
+        )
+        .await,
+        "spec.recycle.minAvailable must not exceed spec.autoscale.min",
+    );
+    assert_pool_rejected(
+        apply_pool(&api, "zero-surge", with(pool(2), "recycle", json!({ "maxSurge": 0 }))).await,
+        "spec.recycle.maxSurge",
+    );
+    assert_pool_rejected(
+        apply_pool(&api, "bad-age", with(pool(2), "recycle", json!({ "maxAge": "1d" }))).await,
+        "spec.recycle.maxAge",
+    );
+    assert_pool_rejected(apply_pool(&api, "too-many", pool(1001)).await, "spec.replicas");
+    let labelled = json!({ "replicas": 1, "template": { "metadata": { "labels": { "crawl.example.com/pool": "other" } }, "spec": { "provider": "pods" } } });
+    assert_pool_rejected(
+        apply_pool(&api, "own-label", labelled).await,
+        "spec.template.metadata.labels must not set crawl.example.com/pool",
+    );
+    let long = "p".repeat(59);
+    assert_pool_rejected(apply_pool(&api, &long, pool(1)).await, "at most 58 characters");
+    assert_pool_accepted(apply_pool(&api, &"p".repeat(58), pool(1)).await);
+    // A template carries no mode, endpoint or maxAge: created as kubectl does (strict field validation), the
+    // apiserver names the field it does not know.
+    for (field, value) in
+        [("endpoint", json!({ "host": "h", "port": 1 })), ("mode", json!("External")), ("maxAge", json!("1h"))]
+    {
+        let body = json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "ProxyPool",
+            "metadata": { "name": format!("with-{}", field.to_lowercase()) },
+            "spec": { "replicas": 1, "template": { "spec": { "provider": "pods", field: value } } },
+        });
+        let request = http::Request::post(format!(
+            "/apis/crawl.example.com/v1alpha1/namespaces/{}/proxypools?fieldValidation=Strict",
+            ns.name()
+        ))
+        .header("Content-Type", "application/json")
+        .body(serde_json::to_vec(&body).expect("serializes"))
+        .expect("request");
+        let refused = ns.client().request_text(request).await.map_err(describe);
+        let error = refused.expect_err("an unknown template field is refused");
+        assert!(error.contains(&format!("unknown field \"spec.template.spec.{field}\"")), "{error}");
+    }
+}
+
+#[tokio::test]
+async fn the_scale_subresource_moves_replicas_within_the_rules() {
+    let ns = egress_testenv::namespace("pool-scale").await;
+    let api: Api<ProxyPool> = ns.api();
+    assert_pool_accepted(apply_pool(&api, "eu", with(pool(6), "recycle", json!({ "minAvailable": 4 }))).await);
+    let status = ProxyPoolStatus {
+        replicas: 6,
+        ready_replicas: 5,
+        leased_replicas: 2,
+        selector: ProxyPool::selector("eu"),
+        ..ProxyPoolStatus::default()
+    };
+    api.patch_status("eu", &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
+        .await
+        .expect("status patch");
+
+    // What `kubectl scale` reads and writes.
+    let scale = api.get_scale("eu").await.expect("the scale subresource");
+    assert_eq!(scale.spec.and_then(|spec| spec.replicas), Some(6));
+    let scale_status = scale.status.expect("scale status");
+    assert_eq!(scale_status.replicas, 6);
+    assert_eq!(scale_status.selector.as_deref(), Some("crawl.example.com/pool=eu"));
+    api.patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 9 } })))
+        .await
+        .expect("scaling to 9");
+    assert_eq!(api.get("eu").await.expect("get").spec.replicas, 9);
+    // The pool's own rules hold through the scale subresource: below the recycling floor is refused.
+    let refused = api
+        .patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
+        .await
+        .map(|_| ())
+        .map_err(describe);
+    let error = refused.expect_err("scaling below minAvailable is refused");
+    assert!(error.contains("spec.recycle.minAvailable must not exceed spec.replicas"), "{error}");
+
+    let table =
+        table(&ns.client(), &format!("/apis/crawl.example.com/v1alpha1/namespaces/{}/proxypools", ns.name())).await;
+    assert_eq!(column_names(&table), ["NAME", "DESIRED", "READY", "LEASED", "AGE"]);
+    let cells = table["rows"][0]["cells"].as_array().expect("one row").clone();
+    assert_eq!(cells[0], "eu");
+    assert_eq!(cells[1], 9);
+    assert_eq!(cells[2], 5);
+    assert_eq!(cells[3], 2);
 }

@@ -31,3 +31,23 @@ fn proxy_crd_has_the_promised_shape() {
     assert!(yaml.contains("categories:\n    - egress\n"), "category egress");
     assert!(yaml.contains("subresources:\n      status: {}"), "status subresource");
 }
+
+#[test]
+fn proxy_pool_crd_has_the_promised_shape() {
+    let pool = egress_api::crdgen::files()
+        .expect("the CRDs render")
+        .into_iter()
+        .find(|file| file.file_name.contains("proxypools"))
+        .expect("the ProxyPool CRD");
+    let yaml = pool.contents;
+    assert!(yaml.contains("shortNames:\n    - pxp\n"), "short name pxp");
+    assert!(yaml.contains("categories:\n    - egress\n"), "category egress");
+    assert!(
+        yaml.contains(
+            "subresources:\n      scale:\n        labelSelectorPath: .status.selector\n        specReplicasPath: \
+             .spec.replicas\n        statusReplicasPath: .status.replicas\n      status: {}"
+        ),
+        "scale and status subresources"
+    );
+    assert!(yaml.matches("rule:").count() >= 9, "every bound has its CEL rule");
+}
