@@ -27,7 +27,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use egress_api::Proxy;
+use egress_api::{Proxy, ProxyPool};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
@@ -172,6 +172,12 @@ pub fn reference_of<K: Resource<DynamicType = ()>>(object: &K) -> ObjectRef<K> {
 /// The operator's Proxy store.
 pub type ProxyFeed = Fanout<GuardedProxy>;
 
+/// The watched ProxyPools.
+pub type GuardedPool = DeserializeGuard<ProxyPool>;
+
+/// The operator's ProxyPool store: the pool controller reads it on the leader, discovery on every replica.
+pub type PoolFeed = Fanout<GuardedPool>;
+
 /// Drops what no consumer reads, so the store holds a small object: managed fields, and the copy of the whole
 /// object that `kubectl apply` keeps in an annotation.
 fn trim_metadata<K: Resource>(object: &mut K) {
@@ -221,6 +227,19 @@ impl ProxyFeed {
     /// The valid Proxy behind a reference, when the store holds one.
     pub fn proxy(&self, reference: &ObjectRef<GuardedProxy>) -> Option<Arc<GuardedProxy>> {
         self.store.get(reference)
+    }
+}
+
+fn trim_pool(object: &mut GuardedPool) {
+    if let Ok(pool) = object.0.as_mut() {
+        trim_metadata(pool);
+    }
+}
+
+impl PoolFeed {
+    /// Starts watching ProxyPools (in `namespace`, or all) into one store; the returned task drives the watch.
+    pub fn start(client: Client, namespace: Option<&str>) -> (Self, JoinHandle<()>) {
+        Self::spawn(watch(client, namespace, watcher::Config::default()), trim_pool, "ProxyPool")
     }
 }
 

@@ -16,14 +16,15 @@ mod health;
 pub mod health_feed;
 mod metrics;
 pub mod monitor;
+pub mod pool;
 mod providers;
 mod status;
 
 pub use controller::{Context, ControllerConfig, LeaseDrain, Trigger, run, trigger_channel};
 pub use error::Error;
 pub use feed::{
-    AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedProxy, ProxyFeed, SecretIndex,
-    auth_secret_of, reference_of,
+    AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedPool, GuardedProxy, PoolFeed,
+    ProxyFeed, SecretIndex, auth_secret_of, reference_of,
 };
 pub use health::{ProbeKey, ProxyVerdicts, Verdict, seed_from_status, verdict_of};
 pub use metrics::ReconcileMetrics;

@@ -36,22 +36,6 @@ impl Rng {
     }
 }
 
-/// Plays the health engine: every running instance's address is reported healthy once.
-async fn report_health(harness: &Harness) {
-    let Ok(list) = harness.proxies().list(&ListParams::default()).await else { return };
-    for proxy in list.items {
-        let Some(ip) =
-            proxy.status.as_ref().and_then(|status| status.instance.as_ref()).and_then(|instance| instance.ip.clone())
-        else {
-            continue;
-        };
-        let address = format!("{ip}:3128");
-        if harness.health.get(&harness.probe_key(&proxy.name_any(), &address)).is_none() {
-            harness.feed_health(&proxy.name_any(), &address, true);
-        }
-    }
-}
-
 /// What is wrong with the world now, or nothing.
 async fn violations(harness: &Harness) -> Vec<String> {
     let mut problems = Vec::new();
@@ -117,7 +101,7 @@ async fn random_operations_with_crashes_converge() {
                 let _ = harness.proxies().delete(name, &DeleteParams::default()).await;
             }
         }
-        report_health(&harness).await;
+        harness.report_health().await;
         if rng.below(8) == 0 {
             harness.crash().await;
             crashes += 1;
@@ -145,7 +129,7 @@ async fn random_operations_with_crashes_converge() {
     let mut poll = tokio::time::interval(Duration::from_millis(500));
     loop {
         poll.tick().await;
-        report_health(&harness).await;
+        harness.report_health().await;
         collector.collect_once().await.expect("orphan collection");
         let problems = violations(&harness).await;
         if problems.is_empty() {

@@ -228,6 +228,8 @@ pub struct Harness {
     pub metrics: ReconcileMetrics,
     /// The controller's periodic resync (1 s unless a test sets it before a restart).
     pub resync: Duration,
+    /// The Proxy store the controller reads (a pool controller reads the same one).
+    pub feed: Option<ProxyFeed>,
 }
 
 impl Harness {
@@ -245,6 +247,7 @@ impl Harness {
             tasks: Vec::new(),
             metrics: ReconcileMetrics::default(),
             resync: Duration::from_secs(1),
+            feed: None,
         };
         harness.start();
         harness
@@ -258,7 +261,10 @@ impl Harness {
     }
 
     pub fn context(&self, credentials: CredentialStore) -> Arc<Context> {
-        let providers = StaticProviders::new().with("scripted", self.provider.clone() as Arc<dyn Provider>);
+        // One backend under two names, so a pool can spread over two providers.
+        let providers = StaticProviders::new()
+            .with("scripted", self.provider.clone() as Arc<dyn Provider>)
+            .with("scripted-b", self.provider.clone() as Arc<dyn Provider>);
         Arc::new(Context::new(
             self.ns.client(),
             Arc::new(providers),
@@ -293,7 +299,8 @@ impl Harness {
         };
         let before = reader(feed.clone());
         let controller = tokio::spawn(egress_reconcile::run(context, feed.clone(), stream, futures::future::pending()));
-        let after = reader(feed);
+        let after = reader(feed.clone());
+        self.feed = Some(feed);
         self.tasks = vec![watch, secret_watch, before, controller, after];
     }
 
@@ -321,6 +328,26 @@ impl Harness {
         let proxy = key.proxy.clone();
         self.health.set(key, verdict);
         let _ = self.triggers.send(proxy);
+    }
+
+    /// Plays the health engine: every recorded instance's address is reported healthy once.
+    pub async fn report_health(&self) {
+        let Ok(list) = self.proxies().list(&ListParams::default()).await else { return };
+        for proxy in list.items {
+            let Some(ip) = proxy
+                .status
+                .as_ref()
+                .and_then(|status| status.instance.as_ref())
+                .and_then(|instance| instance.ip.clone())
+            else {
+                continue;
+            };
+            let name = kube::ResourceExt::name_any(&proxy);
+            let address = format!("{ip}:{}", proxy.spec.port);
+            if self.health.get(&self.probe_key(&name, &address)).is_none() {
+                self.feed_health(&name, &address, true);
+            }
+        }
     }
 
     /// The verdict key of `host:port` of the Proxy `name` in this namespace.

@@ -1,0 +1,439 @@
+//! The pool controller against the test control plane, beside the Proxy controller and its scriptable provider:
+//! members made on the spread and kept there as the count changes, a template change rolled within `maxSurge` and
+//! `minAvailable`, recycling by age, Proxies the pool does not own left alone, members deleted with their pool by the
+//! cluster's garbage collector, and autoscaling to zero and back.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use egress_api::pool::POOL_LABEL;
+use egress_api::{Proxy, ProxyPool};
+use egress_reconcile::pool::{NoSignals, PoolContext, PoolDemand, PoolMetrics, PoolSignals, run_pools};
+use egress_reconcile::{PoolFeed, ProxyFeed};
+use k8s_openapi::api::events::v1::Event;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::{Harness, managed};
+use tokio::task::JoinHandle;
+
+const SETTLE: Duration = Duration::from_secs(90);
+
+/// Lease counts and demand the test sets, standing for the discovery API.
+#[derive(Default)]
+struct TestSignals {
+    leases: Mutex<HashMap<String, u32>>,
+    demand: Mutex<PoolDemand>,
+}
+
+impl PoolSignals for TestSignals {
+    fn leases_of(&self, proxy: &str) -> u32 {
+        self.leases.lock().unwrap().get(proxy).copied().unwrap_or(0)
+    }
+    fn demand(&self, _pool: &str) -> PoolDemand {
+        *self.demand.lock().unwrap()
+    }
+}
+
+/// The pool controller beside the harness's Proxy controller, on the same Proxy store.
+struct PoolController {
+    tasks: Vec<JoinHandle<()>>,
+    metrics: PoolMetrics,
+}
+
+impl PoolController {
+    fn start(harness: &Harness, signals: Arc<dyn PoolSignals>) -> Self {
+        let proxies: ProxyFeed = harness.feed.clone().expect("the harness runs a Proxy feed");
+        let (pools, watch) = PoolFeed::start(harness.ns.client(), Some(harness.ns.name()));
+        let metrics = PoolMetrics::default();
+        let context = Arc::new(PoolContext::new(harness.ns.client(), &proxies, signals, metrics.clone()));
+        let controller =
+            tokio::spawn(run_pools(context, pools, proxies, futures::stream::pending(), futures::future::pending()));
+        Self { tasks: vec![watch, controller], metrics }
+    }
+}
+
+impl Drop for PoolController {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+fn pools(harness: &Harness) -> Api<ProxyPool> {
+    harness.ns.api()
+}
+
+async fn apply_pool(harness: &Harness, name: &str, spec: Value) -> ProxyPool {
+    let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "metadata": { "name": name }, "spec": spec });
+    pools(harness)
+        .patch(name, &PatchParams::apply("pool-tests").force(), &Patch::Apply(&body))
+        .await
+        .unwrap_or_else(|error| panic!("applying ProxyPool {name}: {error}"))
+}
+
+/// The pool's members as the apiserver has them, by name.
+async fn members(harness: &Harness, pool: &str) -> BTreeMap<String, Proxy> {
+    let list = harness
+        .proxies()
+        .list(&ListParams::default().labels(&format!("{POOL_LABEL}={pool}")))
+        .await
+        .expect("list members");
+    list.items.into_iter().map(|proxy| (proxy.name_any(), proxy)).collect()
+}
+
+fn ready(proxy: &Proxy) -> bool {
+    proxy.status.as_ref().is_some_and(|status| {
+        status.conditions.iter().any(|condition| condition.type_ == "Ready" && condition.status == "True")
+    })
+}
+
+/// Settled on its current spec: Ready, its instance of the desired spec hash, nothing being replaced.
+fn settled(proxy: &Proxy) -> bool {
+    let status = proxy.status.clone().unwrap_or_default();
+    ready(proxy)
+        && proxy.metadata.deletion_timestamp.is_none()
+        && status.previous_instance.is_none()
+        && status.instance.is_some_and(|instance| instance.spec_hash == proxy.desired_spec_hash())
+}
+
+fn providers(members: &BTreeMap<String, Proxy>) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for proxy in members.values() {
+        *counts.entry(proxy.spec.provider.clone().unwrap_or_default()).or_default() += 1;
+    }
+    counts
+}
+
+/// Waits (reporting health as the engine would) until `done` holds for the pool's members; calls `observe` on
+/// every look.
+async fn settle(
+    harness: &Harness,
+    pool: &str,
+    what: &str,
+    mut observe: impl FnMut(&BTreeMap<String, Proxy>),
+    done: impl Fn(&BTreeMap<String, Proxy>) -> bool,
+) -> BTreeMap<String, Proxy> {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        harness.report_health().await;
+        let now = members(harness, pool).await;
+        observe(&now);
+        if done(&now) {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not reached within {SETTLE:?}; members: {:?}",
+            now.values()
+                .map(|proxy| (proxy.name_any(), proxy.spec.provider.clone(), settled(proxy)))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn pool_events(harness: &Harness, pool: &str) -> Vec<(String, String)> {
+    let events: Api<Event> = harness.ns.api();
+    let list = events.list(&ListParams::default()).await.expect("list Events");
+    list.items
+        .into_iter()
+        .filter(|event| event.regarding.as_ref().and_then(|regarding| regarding.kind.as_deref()) == Some("ProxyPool"))
+        .filter(|event| event.regarding.as_ref().and_then(|regarding| regarding.name.as_deref()) == Some(pool))
+        .map(|event| (event.reason.unwrap_or_default(), event.note.unwrap_or_default()))
+        .collect()
+}
+
+fn spread_spec(replicas: i32) -> Value {
+    json!({
+        "replicas": replicas,
+        "template": { "metadata": { "labels": { "tier": "gold" } }, "spec": { "placement": { "machineType": "small" } } },
+        "spread": [{ "provider": "scripted", "weight": 2 }, { "provider": "scripted-b", "weight": 1 }],
+        "recycle": { "maxSurge": 1, "minAvailable": 2 },
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_keeps_its_spread_as_it_scales_and_rolls_its_template() {
+    let harness = Harness::new("pool-spread").await;
+    let _pools = PoolController::start(&harness, Arc::new(NoSignals));
+    let pool = apply_pool(&harness, "eu", spread_spec(6)).await;
+
+    let members = settle(
+        &harness,
+        "eu",
+        "6 Ready members",
+        |_| {},
+        |members| members.len() == 6 && members.values().all(settled),
+    )
+    .await;
+    assert_eq!(members.keys().cloned().collect::<Vec<_>>(), ["eu-0", "eu-1", "eu-2", "eu-3", "eu-4", "eu-5"]);
+    assert_eq!(providers(&members), BTreeMap::from([("scripted".into(), 4), ("scripted-b".into(), 2)]));
+    for proxy in members.values() {
+        let owner = &proxy.owner_references()[0];
+        assert_eq!((owner.kind.as_str(), owner.controller), ("ProxyPool", Some(true)));
+        assert_eq!(Some(&owner.uid), pool.metadata.uid.as_ref());
+        assert_eq!(proxy.labels().get("tier").map(String::as_str), Some("gold"));
+        assert_eq!(proxy.spec.placement.as_ref().and_then(|p| p.machine_type.as_deref()), Some("small"));
+    }
+    let status = wait_for_status(&harness, "eu", |status| status.ready_replicas == 6).await;
+    assert_eq!((status.replicas, status.updated_replicas), (6, 6));
+    assert_eq!(status.selector, "crawl.example.com/pool=eu");
+    assert_eq!(status.spread.iter().map(|entry| (entry.desired, entry.ready)).collect::<Vec<_>>(), [(4, 4), (2, 2)]);
+    assert_eq!(status.last_scale.as_ref().map(|last| last.reason.as_str()), Some("Created"));
+
+    // `kubectl scale --replicas=9`: three more, keeping 2:1.
+    pools(&harness)
+        .patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 9 } })))
+        .await
+        .expect("scale to 9");
+    let members = settle(
+        &harness,
+        "eu",
+        "9 Ready members",
+        |_| {},
+        |members| members.len() == 9 && members.values().all(settled),
+    )
+    .await;
+    assert_eq!(providers(&members), BTreeMap::from([("scripted".into(), 6), ("scripted-b".into(), 3)]));
+    let status = wait_for_status(&harness, "eu", |status| status.ready_replicas == 9).await;
+    let last = status.last_scale.expect("the scale is recorded");
+    assert_eq!((last.from, last.to, last.reason.as_str()), (6, 9, "Manual"));
+
+    // A template change that needs new instances: every member gets one, at most maxSurge (1) replacing at a
+    // time and never fewer than minAvailable (2) Ready.
+    let before: BTreeMap<String, String> = members
+        .iter()
+        .map(|(name, proxy)| (name.clone(), proxy.status.clone().unwrap().instance.unwrap().name))
+        .collect();
+    let mut changed = spread_spec(9);
+    changed["template"]["spec"]["placement"]["machineType"] = json!("large");
+    apply_pool(&harness, "eu", changed).await;
+    let (mut fewest_ready, mut most_replacing) = (usize::MAX, 0);
+    let rolled = settle(
+        &harness,
+        "eu",
+        "every member on the new template",
+        |members| {
+            fewest_ready = fewest_ready.min(members.values().filter(|proxy| ready(proxy)).count());
+            let replacing = members
+                .values()
+                .filter(|proxy| {
+                    let status = proxy.status.clone().unwrap_or_default();
+                    status.previous_instance.is_some()
+                        || status.instance.is_some_and(|instance| instance.spec_hash != proxy.desired_spec_hash())
+                })
+                .count();
+            most_replacing = most_replacing.max(replacing);
+        },
+        |members| {
+            members.len() == 9
+                && members.values().all(|proxy| {
+                    settled(proxy)
+                        && proxy.spec.placement.as_ref().and_then(|p| p.machine_type.as_deref()) == Some("large")
+                })
+        },
+    )
+    .await;
+    for (name, proxy) in &rolled {
+        let instance = proxy.status.clone().unwrap().instance.unwrap().name;
+        assert_ne!(Some(&instance), before.get(name), "{name} has a new instance");
+    }
+    assert!(fewest_ready >= 2, "Ready members never fell below minAvailable: fewest {fewest_ready}");
+    assert!(most_replacing <= 1, "at most maxSurge members replaced at once: {most_replacing}");
+
+    // Down to 3: 2 + 1.
+    pools(&harness)
+        .patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
+        .await
+        .expect("scale to 3");
+    let members =
+        settle(&harness, "eu", "3 members", |_| {}, |members| members.len() == 3 && members.values().all(settled))
+            .await;
+    assert_eq!(providers(&members), BTreeMap::from([("scripted".into(), 2), ("scripted-b".into(), 1)]));
+
+    let reasons: Vec<String> = pool_events(&harness, "eu").await.into_iter().map(|(reason, _)| reason).collect();
+    for expected in ["MembersCreated", "Scaled", "RollingMembers", "MembersDeleted"] {
+        assert!(reasons.iter().any(|reason| reason == expected), "an Event {expected}: {reasons:?}");
+    }
+}
+
+async fn wait_for_status(
+    harness: &Harness,
+    pool: &str,
+    done: impl Fn(&egress_api::ProxyPoolStatus) -> bool,
+) -> egress_api::ProxyPoolStatus {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        harness.report_health().await;
+        let status = pools(harness).get(pool).await.expect("get pool").status.unwrap_or_default();
+        if done(&status) {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the pool status never got there: {status:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_leaves_proxies_it_does_not_own_and_goes_with_its_members() {
+    let harness = Harness::new("pool-foreign").await;
+    let _pools = PoolController::start(&harness, Arc::new(NoSignals));
+    // eu-0 carries the pool's label but no owner; eu-1 has the name only. Neither is the pool's.
+    let mut labelled = Proxy::new("eu-0", managed("z"));
+    labelled.metadata.labels = Some([(POOL_LABEL.to_owned(), "eu".to_owned())].into());
+    harness.proxies().create(&PostParams::default(), &labelled).await.expect("create eu-0");
+    harness.proxies().create(&PostParams::default(), &Proxy::new("eu-1", managed("z"))).await.expect("create eu-1");
+    let foreign_before: Vec<Proxy> =
+        vec![harness.proxies().get("eu-0").await.expect("eu-0"), harness.proxies().get("eu-1").await.expect("eu-1")];
+
+    apply_pool(&harness, "eu", json!({ "replicas": 2, "template": { "spec": { "provider": "scripted" } } })).await;
+    let deadline = Instant::now() + SETTLE;
+    let owned = loop {
+        harness.report_health().await;
+        let all = harness.proxies().list(&ListParams::default()).await.expect("list").items;
+        let owned: Vec<Proxy> = all.into_iter().filter(|proxy| !proxy.owner_references().is_empty()).collect();
+        if owned.len() == 2 && owned.iter().all(settled) {
+            break owned;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "2 owned members: {:?}",
+            owned.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut names: Vec<String> = owned.iter().map(|proxy| proxy.name_any()).collect();
+    names.sort();
+    assert_eq!(names, ["eu-2", "eu-3"], "the names others hold are skipped");
+    for before in &foreign_before {
+        let after = harness.proxies().get(&before.name_any()).await.expect("a foreign Proxy stays");
+        assert_eq!(after.spec, before.spec, "{} untouched", before.name_any());
+        assert_eq!(after.labels(), before.labels(), "{} untouched", before.name_any());
+        assert!(after.owner_references().is_empty());
+    }
+    let reasons: Vec<String> = pool_events(&harness, "eu").await.into_iter().map(|(reason, _)| reason).collect();
+    assert!(reasons.iter().any(|reason| reason == "MemberNameTaken"), "{reasons:?}");
+
+    // Deleting the pool deletes its members (the garbage collector follows the owner references), and their
+    // instances with them; the foreign Proxies stay.
+    pools(&harness).delete("eu", &DeleteParams::default()).await.expect("delete the pool");
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let all = harness.proxies().list(&ListParams::default()).await.expect("list").items;
+        let names: Vec<String> = all.iter().map(|proxy| proxy.name_any()).collect();
+        if names == ["eu-0", "eu-1"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the members go with the pool: {names:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recycling_gives_each_member_a_new_instance_one_at_a_time() {
+    let harness = Harness::new("pool-recycle").await;
+    let _pools = PoolController::start(&harness, Arc::new(NoSignals));
+    let spec = json!({
+        "replicas": 3,
+        "template": { "spec": { "provider": "scripted" } },
+        "recycle": { "maxAge": "20s", "jitterPercent": 0, "maxSurge": 1, "minAvailable": 2 },
+    });
+    apply_pool(&harness, "eu", spec).await;
+    let first = settle(
+        &harness,
+        "eu",
+        "3 Ready members",
+        |_| {},
+        |members| members.len() == 3 && members.values().all(settled),
+    )
+    .await;
+    let first_instances: BTreeMap<String, String> = first
+        .iter()
+        .map(|(name, proxy)| (name.clone(), proxy.status.clone().unwrap().instance.unwrap().name))
+        .collect();
+    let (mut fewest_ready, mut most_replacing) = (usize::MAX, 0);
+    settle(
+        &harness,
+        "eu",
+        "every member recycled once",
+        |members| {
+            fewest_ready = fewest_ready.min(members.values().filter(|proxy| ready(proxy)).count());
+            most_replacing = most_replacing.max(members.values().filter(|proxy| !settled(proxy)).count());
+        },
+        |members| {
+            members.len() == 3
+                && members.iter().all(|(name, proxy)| {
+                    settled(proxy)
+                        && proxy.status.clone().unwrap().instance.unwrap().name != first_instances[name]
+                        && proxy.annotations().get(egress_api::annotations::ROTATE).is_some()
+                })
+        },
+    )
+    .await;
+    assert!(fewest_ready >= 2, "recycling kept minAvailable: fewest Ready {fewest_ready}");
+    assert!(most_replacing <= 1, "one member at a time: {most_replacing}");
+    let reasons: Vec<String> = pool_events(&harness, "eu").await.into_iter().map(|(reason, _)| reason).collect();
+    assert!(reasons.iter().any(|reason| reason == "RecyclingMembers"), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
+    let harness = Harness::new("pool-autoscale").await;
+    let signals = Arc::new(TestSignals::default());
+    let pools_controller = PoolController::start(&harness, signals.clone());
+    let spec = json!({
+        "replicas": 2,
+        "template": { "spec": { "provider": "scripted" } },
+        "autoscale": { "min": 0, "max": 3, "idleSeconds": 4, "stabilizationSeconds": 0 },
+    });
+    apply_pool(&harness, "eu", spec).await;
+    settle(&harness, "eu", "2 Ready members", |_| {}, |members| members.len() == 2 && members.values().all(settled))
+        .await;
+    // A lease on eu-0 keeps the pool busy.
+    let namespace = harness.ns.name().to_owned();
+    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 1);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(pools(&harness).get("eu").await.expect("get").spec.replicas, 2, "a leased pool is not idle");
+
+    // Released: 4 s later the pool goes to zero.
+    let released = Instant::now();
+    signals.leases.lock().unwrap().clear();
+    settle(&harness, "eu", "no members", |_| {}, BTreeMap::is_empty).await;
+    let took = released.elapsed();
+    assert!(took >= Duration::from_secs(4), "not before idleSeconds: {took:?}");
+    let status = wait_for_status(&harness, "eu", |status| status.replicas == 0).await;
+    let last = status.last_scale.clone().expect("recorded");
+    assert_eq!((last.from, last.to, last.reason.as_str()), (2, 0, "Idle"));
+    assert!(status.conditions.iter().any(|c| c.type_ == "Available" && c.reason == "ScaledToZero"), "{status:?}");
+    assert!(harness.provider.live().is_empty(), "no instance is left");
+
+    // A lease asked for at zero wakes it.
+    signals.demand.lock().unwrap().woken = Some(SystemTime::now());
+    settle(&harness, "eu", "woken", |_| {}, |members| members.len() == 1 && members.values().all(settled)).await;
+    let status = wait_for_status(&harness, "eu", |status| status.ready_replicas == 1).await;
+    assert_eq!(status.last_scale.map(|last| last.reason), Some("Wake".into()));
+
+    // Every member at its cap and a refusal: one more.
+    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 5);
+    signals.demand.lock().unwrap().at_capacity = Some(SystemTime::now());
+    settle(
+        &harness,
+        "eu",
+        "scaled for capacity",
+        |_| {},
+        |members| members.len() == 2 && members.values().all(settled),
+    )
+    .await;
+    let reasons: Vec<(String, String)> = pool_events(&harness, "eu").await;
+    for (reason, note) in [("ScaledDown", "(Idle)"), ("ScaledUp", "(Wake)"), ("ScaledUp", "(AtCapacity)")] {
+        assert!(reasons.iter().any(|(r, n)| r == reason && n.contains(note)), "an Event {reason} {note}: {reasons:?}");
+    }
+    for reason in ["Idle", "Wake", "AtCapacity"] {
+        assert_eq!(pools_controller.metrics.decisions(reason), 1, "{reason}");
+    }
+}
