@@ -20,8 +20,11 @@ fn find<'a>(documents: &'a [Value], kind: &str) -> &'a Value {
 
 /// Every (API group, resource, verb) the operator calls, and nothing else.
 const USED: &[(&str, &str, &[&str])] = &[
-    ("crawl.example.com", "proxies", &["get", "list", "watch", "patch"]),
+    ("crawl.example.com", "proxies", &["get", "list", "watch", "patch", "create", "delete"]),
     ("crawl.example.com", "proxies/status", &["patch"]),
+    ("crawl.example.com", "proxypools", &["list", "watch"]),
+    ("crawl.example.com", "proxypools/status", &["patch"]),
+    ("crawl.example.com", "proxypools/scale", &["patch"]),
     ("crawl.example.com", "providerhealths", &["get", "list", "create", "delete"]),
     ("crawl.example.com", "providerhealths/status", &["patch"]),
     ("events.k8s.io", "events", &["create", "patch"]),

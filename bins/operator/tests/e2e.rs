@@ -13,7 +13,7 @@ mod common;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use egress_api::{HealthCheck, ProviderHealth, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{HealthCheck, ProviderHealth, Proxy, ProxyMode, ProxyPhase, ProxyPool, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::install::{InstallOptions, Installation, SHIPPED_LEASE_TOKEN, SYSTEM_NAMESPACE};
 use egress_testenv::{LocalOrigin, eventually, http_get};
@@ -25,8 +25,9 @@ use tokio::sync::RwLock;
 
 const WAIT: Duration = Duration::from_secs(120);
 
-/// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`.
-const NAMESPACES: [&str; 4] = ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos"];
+/// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`. The pool
+/// tests spread over two of them.
+const NAMESPACES: [&str; 6] = ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos", "e2e-pool", "e2e-pool-b"];
 
 /// The role label the leader sets on its own pod.
 const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
@@ -846,4 +847,372 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         (left.items.is_empty() && proxy_pods(&client, ns).await.is_empty()).then_some(())
     })
     .await;
+}
+
+/// Runs the real kubectl against the test cluster, as a user would; returns its standard output.
+async fn kubectl(args: &[&str]) -> String {
+    let kubeconfig = egress_testenv::shared().await.kubeconfig_path().to_path_buf();
+    let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(egress_testenv::assets::kubectl())
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(&args)
+            .output()
+    })
+    .await
+    .expect("kubectl's thread")
+    .expect("kubectl runs");
+    assert!(output.status.success(), "kubectl failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Probing fast, so members turn Ready within seconds.
+fn pool_health() -> serde_json::Value {
+    json!({ "intervalSeconds": 5, "timeoutSeconds": 3, "healthyThreshold": 1, "unhealthyThreshold": 2 })
+}
+
+async fn apply_pool(client: &Client, namespace: &str, name: &str, spec: serde_json::Value) {
+    let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "metadata": { "name": name }, "spec": spec });
+    Api::<ProxyPool>::namespaced(client.clone(), namespace)
+        .patch(name, &PatchParams::apply("e2e").force(), &Patch::Apply(&body))
+        .await
+        .unwrap_or_else(|error| panic!("applying ProxyPool {name}: {error}"));
+}
+
+async fn pool_status(client: &Client, namespace: &str, name: &str) -> egress_api::ProxyPoolStatus {
+    let pool = Api::<ProxyPool>::namespaced(client.clone(), namespace).get(name).await.expect("get ProxyPool");
+    pool.status.unwrap_or_default()
+}
+
+/// Ready, on its desired instance, nothing being replaced or deleted.
+fn settled(proxy: &Proxy) -> bool {
+    let status = proxy.status.clone().unwrap_or_default();
+    let ready = status.conditions.iter().any(|condition| condition.type_ == "Ready" && condition.status == "True");
+    ready
+        && proxy.metadata.deletion_timestamp.is_none()
+        && status.previous_instance.is_none()
+        && status.instance.is_some_and(|instance| instance.spec_hash == proxy.desired_spec_hash())
+}
+
+fn is_ready(proxy: &Proxy) -> bool {
+    proxy.status.as_ref().is_some_and(|status| {
+        status.conditions.iter().any(|condition| condition.type_ == "Ready" && condition.status == "True")
+    })
+}
+
+fn by_provider(members: &[Proxy]) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for proxy in members {
+        *counts.entry(proxy.spec.provider.clone().unwrap_or_default()).or_default() += 1;
+    }
+    counts
+}
+
+/// Waits until `done` holds for the pool's members (looking every half second, calling `observe` each time).
+async fn wait_members(
+    client: &Client,
+    namespace: &str,
+    pool: &str,
+    what: &str,
+    mut observe: impl FnMut(&[Proxy]),
+    done: impl Fn(&[Proxy]) -> bool,
+) -> Vec<Proxy> {
+    let api: Api<Proxy> = Api::namespaced(client.clone(), namespace);
+    let deadline = Instant::now() + 2 * WAIT;
+    loop {
+        let members = api
+            .list(&ListParams::default().labels(&format!("{}={pool}", egress_api::pool::POOL_LABEL)))
+            .await
+            .expect("list members")
+            .items;
+        observe(&members);
+        if done(&members) {
+            return members;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not reached in {:?}; members {:?}",
+            2 * WAIT,
+            members.iter().map(|proxy| (proxy.name_any(), settled(proxy))).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_pool_spreads_over_two_providers_scales_with_kubectl_and_rolls_within_its_floor() {
+    let _suite = SUITE.read().await;
+    let _cluster = cluster();
+    let client = client().await;
+    let namespace = "e2e-pool";
+    let mut spec = json!({
+        "replicas": 6,
+        "template": { "metadata": { "labels": { "fleet": "e2e" } }, "spec": { "maxLeases": 2, "healthCheck": pool_health() } },
+        "spread": [{ "provider": "pods-e2e-pool", "weight": 2 }, { "provider": "pods-e2e-pool-b", "weight": 1 }],
+        "recycle": { "maxSurge": 2, "minAvailable": 4 },
+    });
+    let started = Instant::now();
+    apply_pool(&client, namespace, "fleet", spec.clone()).await;
+    let members = wait_members(
+        &client,
+        namespace,
+        "fleet",
+        "6 Ready members",
+        |_| {},
+        |members| members.len() == 6 && members.iter().all(settled),
+    )
+    .await;
+    eprintln!("pool: 6 members Ready in {:.1?}", started.elapsed());
+    let expected = |first: usize, second: usize| {
+        std::collections::BTreeMap::from([("pods-e2e-pool".to_owned(), first), ("pods-e2e-pool-b".to_owned(), second)])
+    };
+    assert_eq!(by_provider(&members), expected(4, 2));
+
+    // `kubectl scale`, through the scale subresource: three more, keeping 2:1.
+    let scaled = kubectl(&["scale", "pxp/fleet", "-n", namespace, "--replicas=9"]).await;
+    assert!(scaled.contains("scaled"), "{scaled}");
+    let members = wait_members(
+        &client,
+        namespace,
+        "fleet",
+        "9 Ready members",
+        |_| {},
+        |members| members.len() == 9 && members.iter().all(settled),
+    )
+    .await;
+    assert_eq!(by_provider(&members), expected(6, 3));
+    let table = eventually("kubectl get pxp to show 9 desired and 9 Ready", WAIT, || async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let table = kubectl(&["get", "pxp", "-n", namespace]).await;
+        let row: Vec<String> = table.lines().nth(1).unwrap_or_default().split_whitespace().map(str::to_owned).collect();
+        (row.get(..3) == Some(&["fleet".to_owned(), "9".to_owned(), "9".to_owned()][..])).then_some(table)
+    })
+    .await;
+    let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
+    assert_eq!(header, ["NAME", "DESIRED", "READY", "LEASED", "AGE"]);
+    // The leader's metrics have the pool's members by state and the scaling decisions by reason.
+    let leader = operator_pods(&client).await.into_iter().find(is_leader).expect("a leader");
+    let (_, metrics) = http_get(&format!("http://{}:8080/metrics", pod_ip(&leader))).await.expect("metrics");
+    for series in [
+        "egress_pool_replicas{pool=\"e2e-pool/fleet\",state=\"ready\"} 9",
+        "egress_pool_replicas{pool=\"e2e-pool/fleet\",state=\"desired\"} 9",
+        "egress_pool_scaling_decisions_total{reason=\"Manual\"}",
+    ] {
+        assert!(metrics.contains(series), "/metrics has {series}");
+    }
+
+    // A template change that needs new instances: every member gets one, never fewer than minAvailable Ready.
+    let before: std::collections::BTreeMap<String, String> =
+        members.iter().map(|proxy| (proxy.name_any(), instance(proxy))).collect();
+    spec["replicas"] = json!(9);
+    spec["template"]["spec"]["destinations"] = json!({ "deny": ["203.0.113.0/24"] });
+    let rolling = Instant::now();
+    apply_pool(&client, namespace, "fleet", spec).await;
+    let mut fewest_ready = usize::MAX;
+    let rolled = wait_members(
+        &client,
+        namespace,
+        "fleet",
+        "every member on the new template",
+        |members| fewest_ready = fewest_ready.min(members.iter().filter(|proxy| is_ready(proxy)).count()),
+        |members| {
+            members.len() == 9
+                && members
+                    .iter()
+                    .all(|proxy| settled(proxy) && proxy.spec.destinations.as_ref().is_some_and(|d| d.deny.len() == 1))
+        },
+    )
+    .await;
+    eprintln!("pool: 9 members rolled in {:.1?}, fewest Ready {fewest_ready}", rolling.elapsed());
+    for proxy in &rolled {
+        assert_ne!(Some(&instance(proxy)), before.get(&proxy.name_any()), "{} has a new instance", proxy.name_any());
+    }
+    assert!(fewest_ready >= 4, "never fewer than minAvailable (4) Ready: fewest {fewest_ready}");
+    assert_eq!(by_provider(&rolled), expected(6, 3));
+
+    let described = kubectl(&["describe", "pxp", "fleet", "-n", namespace]).await;
+    for expected in ["MembersCreated", "Scaled", "from 6 to 9", "RollingMembers", "Available", "Progressing"] {
+        assert!(described.contains(expected), "kubectl describe pxp shows {expected}:\n{described}");
+    }
+
+    Api::<ProxyPool>::namespaced(client.clone(), namespace)
+        .delete("fleet", &DeleteParams::default())
+        .await
+        .expect("delete the pool");
+    wait_members(&client, namespace, "fleet", "the members gone with the pool", |_| {}, <[Proxy]>::is_empty).await;
+}
+
+#[tokio::test]
+async fn recycling_under_crawler_load_refuses_no_lease_for_capacity() {
+    let _suite = SUITE.read().await;
+    let _cluster = cluster();
+    let client = client().await;
+    let namespace = "e2e-pool-b";
+    let spec = json!({
+        "replicas": 3,
+        "template": { "spec": { "provider": "pods-e2e-pool-b", "maxLeases": 2, "healthCheck": pool_health() } },
+        "recycle": { "maxAge": "30s", "jitterPercent": 0, "maxSurge": 1, "minAvailable": 2 },
+    });
+    apply_pool(&client, namespace, "churn", spec).await;
+    let first = wait_members(
+        &client,
+        namespace,
+        "churn",
+        "3 Ready members",
+        |_| {},
+        |members| members.len() == 3 && members.iter().all(settled),
+    )
+    .await;
+    let first: std::collections::BTreeMap<String, String> =
+        first.iter().map(|proxy| (proxy.name_any(), instance(proxy))).collect();
+
+    // Five crawlers on six lease slots: if recycling took one member (two slots) out of service, leases would be
+    // refused for capacity.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refusals = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<String, u32>::new()));
+    let granted = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let crawlers: Vec<_> = (0..5)
+        .map(|index| {
+            let (stop, refusals, granted, discovery) = (stop.clone(), refusals.clone(), granted.clone(), discovery());
+            tokio::spawn(async move {
+                use std::sync::atomic::Ordering;
+                while !stop.load(Ordering::SeqCst) {
+                    let options = LeaseOptions::for_target(format!("site-{index}.example"))
+                        .pool("e2e-pool-b/churn")
+                        .ttl(Duration::from_secs(30));
+                    match discovery.lease(options).await {
+                        Ok(mut lease) => {
+                            granted.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            let _ = lease.renew(Some(Duration::from_secs(30))).await;
+                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            let _ = lease.release().await;
+                        }
+                        Err(error) => {
+                            let kind = match &error {
+                                ClientError::Unavailable { reason, .. } | ClientError::Conflict { reason, .. } => {
+                                    reason.clone()
+                                }
+                                other => other.to_string().chars().take(60).collect(),
+                            };
+                            *refusals.lock().expect("refusals").entry(kind).or_default() += 1;
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    // Recycling never stops at this maxAge (some member is always due), so each member counts once it has been
+    // seen settled on an instance other than its first.
+    let recycling = Instant::now();
+    let recycled = std::cell::RefCell::new(std::collections::BTreeSet::<String>::new());
+    wait_members(
+        &client,
+        namespace,
+        "churn",
+        "every member recycled",
+        |members| {
+            for proxy in members.iter().filter(|proxy| settled(proxy)) {
+                if first.get(&proxy.name_any()).is_some_and(|initial| *initial != instance(proxy)) {
+                    recycled.borrow_mut().insert(proxy.name_any());
+                }
+            }
+        },
+        |members| members.len() == 3 && recycled.borrow().len() == 3,
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for crawler in crawlers {
+        crawler.await.expect("a crawler");
+    }
+    let refusals = refusals.lock().expect("refusals").clone();
+    let granted = granted.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!(
+        "pool: 3 members recycled in {:.1?} under 5 crawlers: {granted} leases granted, refusals {refusals:?}",
+        recycling.elapsed()
+    );
+    assert_eq!(recycled.borrow().len(), 3);
+    assert!(granted > 20, "the crawlers leased throughout: {granted}");
+    for reason in ["all-at-capacity", "none-healthy", "scaling-up"] {
+        assert_eq!(refusals.get(reason), None, "no lease refused for lack of capacity while recycling: {refusals:?}");
+    }
+    Api::<ProxyPool>::namespaced(client.clone(), namespace)
+        .delete("churn", &DeleteParams::default())
+        .await
+        .expect("delete the pool");
+}
+
+#[tokio::test]
+async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
+    let _suite = SUITE.read().await;
+    let _cluster = cluster();
+    let client = client().await;
+    let namespace = "e2e-pool";
+    let mut spec = json!({
+        "replicas": 1,
+        "template": { "spec": { "provider": "pods-e2e-pool", "healthCheck": pool_health() } },
+    });
+    apply_pool(&client, namespace, "night", spec.clone()).await;
+    wait_members(
+        &client,
+        namespace,
+        "night",
+        "1 Ready member",
+        |_| {},
+        |members| members.len() == 1 && members.iter().all(settled),
+    )
+    .await;
+    let discovery = discovery();
+    let lease =
+        discovery.lease(LeaseOptions::for_target("night.example").pool("night")).await.expect("a lease from the pool");
+    assert!(lease.proxy().starts_with("e2e-pool/night-"), "{}", lease.proxy());
+    // Autoscaling on, while leased: the pool stays.
+    spec["autoscale"] =
+        json!({ "min": 0, "max": 2, "idleSeconds": 20, "targetLeasedPercent": 100, "stabilizationSeconds": 30 });
+    apply_pool(&client, namespace, "night", spec).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(pool_status(&client, namespace, "night").await.replicas, 1, "a leased pool is not idle");
+
+    lease.release().await.expect("release");
+    let released = Instant::now();
+    eventually("the idle pool to go to zero", Duration::from_secs(60), || async {
+        (pool_status(&client, namespace, "night").await.replicas == 0).then_some(())
+    })
+    .await;
+    let idle_for = released.elapsed();
+    eprintln!("pool: no members {idle_for:.1?} after the last lease (idleSeconds 20)");
+    assert!(
+        (Duration::from_secs(20)..=Duration::from_secs(40)).contains(&idle_for),
+        "zero members 20–40 s after the last lease, not {idle_for:?}"
+    );
+    let status = pool_status(&client, namespace, "night").await;
+    assert_eq!(status.last_scale.as_ref().map(|last| last.reason.as_str()), Some("Idle"));
+
+    // The next lease is told to come back, and wakes the pool.
+    let asked = Instant::now();
+    let retry_after = match discovery.lease(LeaseOptions::for_target("night.example").pool("e2e-pool/night")).await {
+        Err(ClientError::Unavailable { reason, retry_after, .. }) => {
+            assert_eq!(reason, "scaling-up");
+            retry_after.expect("a Retry-After")
+        }
+        other => panic!("expected 503 scaling-up, got {:?}", other.map(|lease| lease.proxy())),
+    };
+    assert!(retry_after >= Duration::from_secs(1) && retry_after <= Duration::from_secs(60), "{retry_after:?}");
+    let lease = eventually("a lease once a member is Ready", Duration::from_secs(90), || async {
+        tokio::time::sleep(retry_after.min(Duration::from_secs(3))).await;
+        discovery.lease(LeaseOptions::for_target("night.example").pool("e2e-pool/night")).await.ok()
+    })
+    .await;
+    eprintln!("pool: woken; a lease {:.1?} after the first 503 (Retry-After was {retry_after:?})", asked.elapsed());
+    assert!(lease.proxy().starts_with("e2e-pool/night-"), "{}", lease.proxy());
+    lease.release().await.expect("release");
+    let described = kubectl(&["describe", "pxp", "night", "-n", namespace]).await;
+    for expected in ["ScaledDown", "(Idle)", "ScaledUp", "(Wake)"] {
+        assert!(described.contains(expected), "kubectl describe pxp shows {expected}:\n{described}");
+    }
+    Api::<ProxyPool>::namespaced(client.clone(), namespace)
+        .delete("night", &DeleteParams::default())
+        .await
+        .expect("delete the pool");
 }

@@ -35,6 +35,8 @@ export interface ProxyInfo {
   egressIP?: string;
   zone?: string;
   provider?: string;
+  /** The ProxyPool it is a member of, in its namespace. */
+  pool?: string;
   /** For the asked target: when its cooldown ends. */
   coolingDownUntil?: Date;
   /** For the asked target: the share of reported requests the proxy served, and over how many. */
@@ -59,6 +61,11 @@ export interface LeaseOptions {
   proxy?: string;
   /** A sticky-session key: the same proxy for the same (session, target) while it stays eligible. */
   session?: string;
+  /**
+   * Only members of this ProxyPool (its name, or `namespace/name`). A pool getting its first members answers
+   * `Unavailable` with reason `scaling-up` and `retryAfter`.
+   */
+  pool?: string;
 }
 
 export interface Report {
@@ -168,10 +175,12 @@ function proxyInfo(body: unknown): ProxyInfo {
   };
   const zone = optional<string>(body, 'zone', 'string', 'a proxy');
   const provider = optional<string>(body, 'provider', 'string', 'a proxy');
+  const pool = optional<string>(body, 'pool', 'string', 'a proxy');
   const successRate = optional<number>(body, 'successRate', 'number', 'a proxy');
   const reported = optional<number>(body, 'reported', 'number', 'a proxy');
   if (zone !== undefined) info.zone = zone;
   if (provider !== undefined) info.provider = provider;
+  if (pool !== undefined) info.pool = pool;
   if (body.coolingDownUntil != null) info.coolingDownUntil = time(body, 'coolingDownUntil', 'a proxy');
   if (successRate !== undefined) info.successRate = successRate;
   if (reported !== undefined) info.reported = reported;
@@ -432,6 +441,12 @@ export class DiscoveryClient {
     if (seconds !== undefined) body.ttlSeconds = seconds;
     if (options.proxy) body.proxy = options.proxy;
     if (options.session) body.session = options.session;
+    if (options.pool !== undefined) {
+      if (typeof options.pool !== 'string' || !/^[^\s/]+(\/[^\s/]+)?$/.test(options.pool)) {
+        throw new TypeError(`lease: pool ${JSON.stringify(options.pool)} must be a ProxyPool's name or namespace/name`);
+      }
+      body.pool = options.pool;
+    }
     return new Lease(this, leaseState(await this.call('POST', '/v1/leases', body)));
   }
 
@@ -458,8 +473,9 @@ export class DiscoveryClient {
   }
 
   /** Healthy proxies matching `selector`; with `target`, each one's cooldown and success rate for it. */
-  async proxies(options: { selector?: string; target?: string } = {}): Promise<ProxyInfo[]> {
-    const answer = await this.call('GET', '/v1/proxies', undefined, { selector: options.selector, target: options.target });
+  async proxies(options: { selector?: string; target?: string; pool?: string } = {}): Promise<ProxyInfo[]> {
+    const query = { selector: options.selector, target: options.target, pool: options.pool };
+    const answer = await this.call('GET', '/v1/proxies', undefined, query);
     return list(answer, 'proxies', proxyInfo);
   }
 

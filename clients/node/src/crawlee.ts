@@ -36,6 +36,8 @@ export interface EgressProxyConfigurationOptions {
   client?: DiscoveryClient;
   /** A label selector every proxy must match, e.g. `region=eu`. */
   selector?: string;
+  /** Only members of this ProxyPool (its name, or `namespace/name`); while it scales up, requests wait. */
+  pool?: string;
   /** Answers reported `banned` (default `[403]`). */
   banCodes?: number[];
   /** Answers reported `throttled` with their `Retry-After` (default `[429]`). */
@@ -158,6 +160,7 @@ export class EgressProxyConfiguration extends ProxyConfiguration {
     reportErrors: 0,
   };
   readonly #selector: string | undefined;
+  readonly #pool: string | undefined;
   readonly #banCodes: Set<number>;
   readonly #throttleCodes: Set<number>;
   readonly #ttl: number;
@@ -182,6 +185,7 @@ export class EgressProxyConfiguration extends ProxyConfiguration {
       throw new TypeError('EgressProxyConfiguration: give the discovery API as `url` (and `token`), or a `client`');
     }
     this.#selector = options.selector;
+    this.#pool = options.pool;
     this.#banCodes = codes(options.banCodes, [403], 'banCodes');
     this.#throttleCodes = codes(options.throttleCodes, [429], 'throttleCodes');
     this.#ttl = Math.max(1, Math.round(positive(options.ttlSeconds, 300, 'ttlSeconds')));
@@ -325,7 +329,12 @@ export class EgressProxyConfiguration extends ProxyConfiguration {
     let waited = 0;
     for (;;) {
       try {
-        const options = { ttlSeconds: this.#ttl, ...(this.#selector ? { selector: this.#selector } : {}), ...(session ? { session } : {}) };
+        const options = {
+          ttlSeconds: this.#ttl,
+          ...(this.#selector ? { selector: this.#selector } : {}),
+          ...(this.#pool ? { pool: this.#pool } : {}),
+          ...(session ? { session } : {}),
+        };
         const lease = await this.client.lease(url, options);
         this.stats.leases += 1;
         held = new Held(key, session, lease);

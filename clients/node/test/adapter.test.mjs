@@ -10,7 +10,7 @@ import { DiscoveryClient, Unavailable } from '../dist/index.js';
 import { EgressBlockedError, EgressProxyConfiguration, EgressThrottledError } from '../dist/crawlee.js';
 
 /** A discovery API in a table: leases go to proxies `p0`, `p1`, ... in turn; every call is recorded. */
-function discovery({ unavailable = 0, retryAfter = '0', proxies = 2, egressOf = (proxy) => `203.0.113.${proxy}` } = {}) {
+function discovery({ unavailable = 0, retryAfter = '0', proxies = 2, egressOf = (proxy) => `203.0.113.${proxy}`, reason = 'all-cooling-down' } = {}) {
   const calls = [];
   let serial = 0;
   let refusals = unavailable;
@@ -23,7 +23,7 @@ function discovery({ unavailable = 0, retryAfter = '0', proxies = 2, egressOf = 
     if (init.method === 'POST' && pathname === '/v1/leases') {
       if (refusals > 0) {
         refusals -= 1;
-        return json(503, { status: 503, detail: 'every matching proxy is cooling down', reason: 'all-cooling-down' }, { 'retry-after': retryAfter });
+        return json(503, { status: 503, detail: `refused: ${reason}`, reason }, { 'retry-after': retryAfter });
       }
       const n = serial++;
       const index = n % proxies;
@@ -212,4 +212,16 @@ test('a retired session gives its leases back; no proxy now waits for the Retry-
   await assert.rejects(impatient.newProxyInfo('s'), /needs the request/);
   assert.throws(() => new EgressProxyConfiguration({}), /give the discovery API as `url`/);
   assert.throws(() => new EgressProxyConfiguration({ url: 'http://d', banCodes: [99] }), /banCodes must hold HTTP statuses/);
+});
+
+test('with a pool, every lease asks for its members, and a pool scaling up is waited for', async () => {
+  const { client, calls } = discovery({ unavailable: 1, reason: 'scaling-up' });
+  const egress = new EgressProxyConfiguration({ client, pool: 'crawl/eu', selector: 'region=eu' });
+  const sessions = await pool();
+  const page = await fetchPage(egress, await sessions.getSession(), 'http://shop.example/a', 200);
+  assert.equal(page.error, undefined);
+  assert.deepEqual(egress.stats.waits, { 'scaling-up': 1 });
+  const asked = calls.filter((call) => call.path === '/v1/leases').map((call) => [call.body.pool, call.body.selector]);
+  assert.deepEqual(asked, [['crawl/eu', 'region=eu'], ['crawl/eu', 'region=eu']]);
+  await egress.close();
 });

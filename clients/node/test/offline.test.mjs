@@ -119,3 +119,23 @@ test('Retry-After is read as seconds or as an HTTP date', () => {
   assert.equal(egress.retryAfterSeconds(null, { retryAfterSeconds: 9 }, now), 9);
   assert.equal(egress.retryAfterSeconds('soon', {}, now), undefined);
 });
+
+test('a pool is asked for by name, listed members say their pool, and a scaling pool says when to come back', async () => {
+  const member = { ...LEASE.proxy, labels: {}, activeLeases: 0, maxLeases: 5, pool: 'eu' };
+  const { client, seen } = answering(200, { proxies: [member] });
+  await client.lease('example.com', { pool: 'crawl/eu' });
+  const listed = await client.proxies({ pool: 'eu' });
+  assert.deepEqual(seen[0].body, { target: 'example.com', pool: 'crawl/eu' });
+  assert.equal(seen[1].url.searchParams.get('pool'), 'eu');
+  assert.equal(listed[0].pool, 'eu');
+  for (const bad of ['', 'a/b/c', 'e u', 7]) {
+    await assert.rejects(client.lease('example.com', { pool: bad }), TypeError);
+  }
+  assert.equal(seen.length, 2, 'a bad pool is refused before any request');
+  const problem = { type: 'urn:x', title: 't', status: 503, detail: 'no Ready member yet', reason: 'scaling-up' };
+  const fetch = async () => new Response(JSON.stringify(problem), { status: 503, headers: { 'retry-after': '42' } });
+  const scaling = new egress.DiscoveryClient('http://discovery/', { token: 'token-1', fetch });
+  const error = await scaling.lease('example.com', { pool: 'night' }).then(() => assert.fail('leased'), (error) => error);
+  assert.ok(error instanceof egress.Unavailable);
+  assert.deepEqual([error.reason, error.retryAfter], ['scaling-up', 42]);
+});

@@ -90,3 +90,22 @@ def test_an_answer_that_is_not_the_api_is_a_decode_error() -> None:
     client, _ = client_answering(200, {"id": "x"})
     with pytest.raises(egress_client.DecodeError):
         client.lease("example.com").renew()
+
+
+def test_a_pool_is_asked_for_by_name_and_a_scaling_pool_says_when_to_come_back() -> None:
+    client, seen = client_answering(200, {"proxies": [dict(LEASE["proxy"], labels={}, activeLeases=0, maxLeases=5, pool="eu")]})
+    client.lease("example.com", pool="crawl/eu")
+    listed = client.proxies(pool="eu")
+    assert json.loads(seen[0].content) == {"target": "example.com", "pool": "crawl/eu"}
+    assert seen[1].url.params["pool"] == "eu"
+    assert listed[0].pool == "eu"
+    for bad in ["", "a/b/c", "e u"]:
+        with pytest.raises(ValueError):
+            client.lease("example.com", pool=bad)
+    assert len(seen) == 2, "a bad pool is refused before any request"
+    problem = {"type": "urn:x", "title": "t", "status": 503, "detail": "pool crawl/night has no Ready member", "reason": "scaling-up"}
+    transport = httpx.MockTransport(lambda request: httpx.Response(503, json=problem, headers={"retry-after": "42"}))
+    scaling = DiscoveryClient("http://discovery", "token-1", transport=transport)
+    with pytest.raises(egress_client.Unavailable) as raised:
+        scaling.lease("example.com", pool="night")
+    assert (raised.value.reason, raised.value.retry_after) == ("scaling-up", 42.0)

@@ -385,6 +385,10 @@ pub struct SpreadStatus {
     pub current: i32,
     /// How many of them are Ready.
     pub ready: i32,
+    /// How long this entry's members recently took from creation to Ready, in seconds (the median over its Ready
+    /// members; kept while it has none). The discovery API's `Retry-After` while the pool scales up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioning_seconds: Option<i32>,
 }
 
 /// One change of `spec.replicas`.

@@ -34,9 +34,9 @@ fn describe(error: kube::Error) -> String {
 }
 
 #[track_caller]
-fn assert_rejected(result: Result<Proxy, String>, message: &str) {
+fn assert_rejected<K: std::fmt::Debug>(result: Result<K, String>, message: &str) {
     match result {
-        Ok(proxy) => panic!("the apiserver accepted {:?}; expected a rejection saying {message:?}", proxy.spec),
+        Ok(object) => panic!("the apiserver accepted {object:?}; expected a rejection saying {message:?}"),
         Err(error) => {
             assert!(error.starts_with("422"), "expected 422 Invalid, got {error}");
             assert!(error.contains(message), "expected {message:?} in the rejection, got {error}");
@@ -45,7 +45,7 @@ fn assert_rejected(result: Result<Proxy, String>, message: &str) {
 }
 
 #[track_caller]
-fn assert_accepted(result: Result<Proxy, String>) -> Proxy {
+fn assert_accepted<K>(result: Result<K, String>) -> K {
     result.unwrap_or_else(|error| panic!("the apiserver rejected a valid object: {error}"))
 }
 
@@ -327,22 +327,6 @@ async fn apply_pool(pools: &Api<ProxyPool>, name: &str, spec: Value) -> Result<P
     pools.patch(name, &PatchParams::apply(MANAGER), &Patch::Apply(&body)).await.map_err(describe)
 }
 
-#[track_caller]
-fn assert_pool_rejected(result: Result<ProxyPool, String>, message: &str) {
-    match result {
-        Ok(pool) => panic!("the apiserver accepted {:?}; expected a rejection saying {message:?}", pool.spec),
-        Err(error) => {
-            assert!(error.starts_with("422"), "expected 422 Invalid, got {error}");
-            assert!(error.contains(message), "expected {message:?} in the rejection, got {error}");
-        }
-    }
-}
-
-#[track_caller]
-fn assert_pool_accepted(result: Result<ProxyPool, String>) -> ProxyPool {
-    result.unwrap_or_else(|error| panic!("the apiserver rejected a valid ProxyPool: {error}"))
-}
-
 fn pool(replicas: i32) -> Value {
     json!({ "replicas": replicas, "template": { "spec": { "provider": "pods" } } })
 }
@@ -362,7 +346,7 @@ async fn a_pool_gets_every_default() {
         "recycle": { "maxAge": "24h" },
         "autoscale": { "max": 10 },
     });
-    let created = assert_pool_accepted(apply_pool(&api, "eu", spec).await);
+    let created = assert_accepted(apply_pool(&api, "eu", spec).await);
     assert_eq!(created.spec.template.spec.port, 3128);
     assert_eq!(created.spec.template.spec.health_check.interval_seconds, 30);
     assert_eq!(created.spec.spread[0].weight, 1, "weight defaults to 1");
@@ -377,11 +361,11 @@ async fn a_pool_gets_every_default() {
 async fn pool_rules_each_refuse_with_their_message() {
     let ns = egress_testenv::namespace("pool-cel").await;
     let api: Api<ProxyPool> = ns.api();
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "no-provider", json!({ "replicas": 1, "template": { "spec": {} } })).await,
         "a ProxyPool needs a provider",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(
             &api,
             "both-providers",
@@ -390,7 +374,7 @@ async fn pool_rules_each_refuse_with_their_message() {
         .await,
         "spec.template.spec.provider must not be set when spec.spread lists providers",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(
             &api,
             "twice",
@@ -399,7 +383,7 @@ async fn pool_rules_each_refuse_with_their_message() {
         .await,
         "spec.spread lists a provider and zone twice",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(
             &api,
             "twice-unzoned",
@@ -408,7 +392,7 @@ async fn pool_rules_each_refuse_with_their_message() {
         .await,
         "spec.spread lists a provider and zone twice",
     );
-    assert_pool_accepted(
+    assert_accepted(
         apply_pool(
             &api,
             "two-zones",
@@ -416,19 +400,19 @@ async fn pool_rules_each_refuse_with_their_message() {
         )
         .await,
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "zero-weight", spread_pool(2, json!([{ "provider": "gcp", "weight": 0 }]))).await,
         "spec.spread[0].weight",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "min-over-max", with(pool(2), "autoscale", json!({ "min": 5, "max": 3 }))).await,
         "spec.autoscale.min must not exceed spec.autoscale.max",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "floor-over-replicas", with(pool(2), "recycle", json!({ "minAvailable": 3 }))).await,
         "spec.recycle.minAvailable must not exceed spec.replicas",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(
             &api,
             "floor-over-min",
@@ -437,23 +421,23 @@ async fn pool_rules_each_refuse_with_their_message() {
         .await,
         "spec.recycle.minAvailable must not exceed spec.autoscale.min",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "zero-surge", with(pool(2), "recycle", json!({ "maxSurge": 0 }))).await,
         "spec.recycle.maxSurge",
     );
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "bad-age", with(pool(2), "recycle", json!({ "maxAge": "1d" }))).await,
         "spec.recycle.maxAge",
     );
-    assert_pool_rejected(apply_pool(&api, "too-many", pool(1001)).await, "spec.replicas");
+    assert_rejected(apply_pool(&api, "too-many", pool(1001)).await, "spec.replicas");
     let labelled = json!({ "replicas": 1, "template": { "metadata": { "labels": { "crawl.example.com/pool": "other" } }, "spec": { "provider": "pods" } } });
-    assert_pool_rejected(
+    assert_rejected(
         apply_pool(&api, "own-label", labelled).await,
         "spec.template.metadata.labels must not set crawl.example.com/pool",
     );
     let long = "p".repeat(59);
-    assert_pool_rejected(apply_pool(&api, &long, pool(1)).await, "at most 58 characters");
-    assert_pool_accepted(apply_pool(&api, &"p".repeat(58), pool(1)).await);
+    assert_rejected(apply_pool(&api, &long, pool(1)).await, "at most 58 characters");
+    assert_accepted(apply_pool(&api, &"p".repeat(58), pool(1)).await);
     // A template carries no mode, endpoint or maxAge: created as kubectl does (strict field validation), the
     // apiserver names the field it does not know.
     for (field, value) in
@@ -482,7 +466,7 @@ async fn pool_rules_each_refuse_with_their_message() {
 async fn the_scale_subresource_moves_replicas_within_the_rules() {
     let ns = egress_testenv::namespace("pool-scale").await;
     let api: Api<ProxyPool> = ns.api();
-    assert_pool_accepted(apply_pool(&api, "eu", with(pool(6), "recycle", json!({ "minAvailable": 4 }))).await);
+    assert_accepted(apply_pool(&api, "eu", with(pool(6), "recycle", json!({ "minAvailable": 4 }))).await);
     let status = ProxyPoolStatus {
         replicas: 6,
         ready_replicas: 5,
@@ -521,4 +505,21 @@ async fn the_scale_subresource_moves_replicas_within_the_rules() {
     assert_eq!(cells[1], 9);
     assert_eq!(cells[2], 5);
     assert_eq!(cells[3], 2);
+}
+
+#[tokio::test]
+async fn the_sample_pool_applies_as_shipped() {
+    let ns = egress_testenv::namespace("pool-sample").await;
+    let api: Api<ProxyPool> = ns.api();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/samples/pool.yaml");
+    let text = std::fs::read_to_string(&path).expect("the sample");
+    let sample: Value = serde_saphyr::from_str(&text).expect("the sample parses");
+    let name = sample["metadata"]["name"].as_str().expect("a name").to_owned();
+    let applied = api
+        .patch(&name, &PatchParams::apply(MANAGER), &Patch::Apply(&sample))
+        .await
+        .map_err(describe)
+        .unwrap_or_else(|error| panic!("deploy/samples/pool.yaml is refused: {error}"));
+    assert_eq!(applied.spec.replicas, 3);
+    assert!(applied.spec.autoscale.is_some() && applied.spec.recycle.is_some());
 }

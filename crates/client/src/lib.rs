@@ -38,7 +38,7 @@ pub enum ClientError {
     /// 503: no proxy can be leased now (or the server is not serving).
     #[error("no proxy available ({reason}): {detail}")]
     Unavailable {
-        /// `none-healthy`, `all-at-capacity`, `all-cooling-down`, `not-serving`.
+        /// `none-healthy`, `all-at-capacity`, `all-cooling-down`, `scaling-up`, `not-serving`.
         reason: String,
         /// The server's explanation.
         detail: String,
@@ -111,6 +111,7 @@ pub struct LeaseOptions {
     ttl: Option<Duration>,
     proxy: Option<String>,
     session: Option<String>,
+    pool: Option<String>,
 }
 
 impl LeaseOptions {
@@ -136,6 +137,12 @@ impl LeaseOptions {
     /// A sticky-session key.
     pub fn session(mut self, session: impl Into<String>) -> Self {
         self.session = Some(session.into());
+        self
+    }
+    /// Only members of this ProxyPool (`namespace/name`, or a name only one namespace has). A pool getting its
+    /// first members answers [`ClientError::Unavailable`] with reason `scaling-up` and a `retry_after`.
+    pub fn pool(mut self, pool: impl Into<String>) -> Self {
+        self.pool = Some(pool.into());
         self
     }
 }
@@ -166,6 +173,9 @@ pub struct ProxyInfo {
     /// Its provider (absent for External Proxies).
     #[serde(default)]
     pub provider: Option<String>,
+    /// The ProxyPool it is a member of, in its namespace.
+    #[serde(default)]
+    pub pool: Option<String>,
     /// Active leases.
     pub active_leases: u32,
     /// Lease cap.
@@ -356,6 +366,9 @@ impl DiscoveryClient {
         }
         if let Some(session) = options.session {
             body["session"] = json!(session);
+        }
+        if let Some(pool) = options.pool {
+            body["pool"] = json!(pool);
         }
         let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
         let lease: LeaseBody =

@@ -22,6 +22,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         healthy: true,
         credentials: Some(("crawler".into(), "secret".into())),
         cooldowns: Vec::new(),
+        pool: None,
     }
 }
 
@@ -167,4 +168,39 @@ async fn errors_are_typed() {
     ));
     let listed = reader.proxies(None, None).await.expect("a read token lists");
     assert!(listed.is_empty(), "unhealthy proxies are not listed");
+}
+
+#[tokio::test]
+async fn a_lease_by_pool_gets_a_member_or_says_the_pool_is_scaling_up() {
+    let member = ProxyRecord { pool: Some("crawl/eu".into()), ..record("eu-0", 1) };
+    let fixture = start(vec![record("loose", 5), member]).await;
+    fixture.state.upsert_pool(egress_discovery::PoolRecord {
+        namespace: "crawl".into(),
+        name: "eu".into(),
+        replicas: 1,
+        ready: 1,
+        wakes: true,
+        provisioning: Duration::from_secs(7),
+    });
+    fixture.state.upsert_pool(egress_discovery::PoolRecord {
+        namespace: "crawl".into(),
+        name: "night".into(),
+        replicas: 0,
+        ready: 0,
+        wakes: true,
+        provisioning: Duration::from_secs(7),
+    });
+    let client = lease_client(&fixture);
+    let lease = client.lease(LeaseOptions::for_target("example.com").pool("eu")).await.expect("a member");
+    assert_eq!(lease.proxy(), "crawl/eu-0");
+    let listed = client.proxies(None, None).await.expect("list");
+    let pools: Vec<Option<&str>> = listed.iter().map(|proxy| proxy.pool.as_deref()).collect();
+    assert_eq!(pools, [Some("eu"), None]);
+    match client.lease(LeaseOptions::for_target("example.com").pool("crawl/night")).await {
+        Err(ClientError::Unavailable { reason, retry_after, .. }) => {
+            assert_eq!(reason, "scaling-up");
+            assert_eq!(retry_after, Some(Duration::from_secs(7)));
+        }
+        other => panic!("expected scaling-up, got {:?}", other.map(|lease| lease.id().to_owned())),
+    }
 }

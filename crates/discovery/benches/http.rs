@@ -35,6 +35,7 @@ async fn discovery_server() -> SocketAddr {
             healthy: true,
             credentials: None,
             cooldowns: Vec::new(),
+            pool: None,
         })
         .collect::<Vec<_>>();
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));

@@ -19,7 +19,7 @@ use serde_json::json;
 
 use crate::auth::{Auth, Scope};
 use crate::problem::Problem;
-use crate::{Discovery, ProxyRecord};
+use crate::{Discovery, PoolRecord, ProxyRecord};
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -235,6 +235,9 @@ struct ProxyEntry {
     zone: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     provider: Option<String>,
+    /// The name of the pool it is a member of (in its namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pool: Option<String>,
     active_leases: u32,
     max_leases: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -253,9 +256,10 @@ async fn list_proxies(
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let scope = authorize(&state, &headers, Scope::Read)?.scope;
-    let query = parse_query(query, &["selector", "target"])?;
+    let query = parse_query(query, &["selector", "target", "pool"])?;
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let pool = query.get("pool").map(|pool| resolve_pool(&state, pool)).transpose()?.map(|pool| pool.id());
     let now = SystemTime::now();
     // Only the matching records are copied (as `Arc`s), and only their loads are looked up: the answer costs what
     // it returns.
@@ -265,6 +269,7 @@ async fn list_proxies(
         .expect("record lock")
         .values()
         .filter(|record| record.healthy && selector.matches(&record.labels))
+        .filter(|record| pool.is_none() || record.pool == pool)
         .cloned()
         .collect();
     let ids: Vec<String> = matching.iter().map(|record| record.id()).collect();
@@ -283,6 +288,7 @@ async fn list_proxies(
             labels: record.labels.clone(),
             zone: record.zone.clone(),
             provider: record.provider.clone(),
+            pool: record.pool.as_deref().and_then(|pool| pool.split_once('/')).map(|(_, name)| name.to_owned()),
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
             cooling_down_until: load.as_ref().and_then(|load| load.cooling_down_until).map(timestamp),
@@ -301,6 +307,46 @@ struct LeaseBody {
     ttl_seconds: Option<u64>,
     proxy: Option<String>,
     session: Option<String>,
+    pool: Option<String>,
+}
+
+/// The pool a request names: `namespace/name`, or a name that only one namespace has.
+fn resolve_pool(state: &Discovery, pool: &str) -> Result<Arc<PoolRecord>, Problem> {
+    let pools = state.pools.read().expect("pool lock");
+    if pool.contains('/') {
+        return pools.get(pool).cloned().ok_or_else(|| unknown_pool(pool));
+    }
+    let mut named = pools.values().filter(|record| record.name == pool);
+    match (named.next(), named.next()) {
+        (Some(record), None) => Ok(record.clone()),
+        (None, _) => Err(unknown_pool(pool)),
+        (Some(_), Some(_)) => Err(Problem::bad_request(format!(
+            "pool {pool:?} exists in more than one namespace: name it as namespace/name"
+        ))),
+    }
+}
+
+fn unknown_pool(pool: &str) -> Problem {
+    Problem::new(StatusCode::NOT_FOUND, "unknown-pool", "No such pool", format!("no ProxyPool {pool:?} is known"))
+        .with_reason("unknown-pool")
+}
+
+/// The answer for a pool that has no member to lease yet but is getting one.
+fn scaling_up(pool: &PoolRecord) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "scaling-up",
+        "The pool is scaling up",
+        format!(
+            "pool {} has no Ready member yet ({} of {} Ready); a new member takes about {} s",
+            pool.id(),
+            pool.ready,
+            pool.replicas,
+            pool.provisioning.as_secs()
+        ),
+    )
+    .with_reason("scaling-up")
+    .with_retry_after(pool.provisioning.max(Duration::from_secs(1)))
 }
 
 fn ttl(seconds: Option<u64>) -> Result<Option<Duration>, Problem> {
@@ -387,6 +433,28 @@ async fn create_lease(
     }
     let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let pool = body.pool.as_deref().map(|pool| resolve_pool(&state, pool)).transpose()?;
+    let now = SystemTime::now();
+    if let Some(pool) = &pool
+        && pool.replicas == 0
+    {
+        // Nothing to lease: a pool that wakes on demand grows, the crawler comes back when a member is Ready.
+        let problem = if pool.wakes {
+            state.refused_for(&pool.id(), |demand| demand.woken = Some(now));
+            scaling_up(pool)
+        } else {
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no-eligible-proxy",
+                "No proxy can be leased now",
+                format!("pool {} has no members (spec.replicas 0) and does not autoscale", pool.id()),
+            )
+            .with_reason("none-healthy")
+            .with_retry_after(Duration::from_secs(30))
+        };
+        state.metrics.denied(problem.reason.as_deref().unwrap_or("invalid"));
+        return Err(problem);
+    }
     let request = LeaseRequest {
         target: body.target,
         selector,
@@ -394,8 +462,8 @@ async fn create_lease(
         proxy: body.proxy,
         session: body.session,
         owner: caller.owner,
+        pool: pool.as_ref().map(|pool| pool.id()),
     };
-    let now = SystemTime::now();
     match state.store.lease(&request, now) {
         Ok(lease) => {
             state.metrics.granted();
@@ -409,7 +477,20 @@ async fn create_lease(
                 .into_response())
         }
         Err(error) => {
-            let problem = lease_problem(error);
+            let problem = match (&pool, &error) {
+                // A pool still bringing its members up says so, with how long a member takes. Crawlers waiting for
+                // members already on their way are no demand for more.
+                (Some(pool), LeaseError::NoneHealthy) if pool.ready < pool.replicas => scaling_up(pool),
+                (Some(pool), LeaseError::NoneHealthy) => {
+                    state.refused_for(&pool.id(), |demand| demand.none_healthy = Some(now));
+                    lease_problem(error)
+                }
+                (Some(pool), LeaseError::AllAtCapacity { .. }) => {
+                    state.refused_for(&pool.id(), |demand| demand.at_capacity = Some(now));
+                    lease_problem(error)
+                }
+                _ => lease_problem(error),
+            };
             state.metrics.denied(problem.reason.as_deref().unwrap_or("invalid"));
             Err(problem)
         }

@@ -62,6 +62,50 @@ pub struct ProxyRecord {
     /// Cooldowns kept for this proxy (by a [`CooldownJournal`]), taken into the lease store when they are newer
     /// than what it knows.
     pub cooldowns: Vec<Cooldown>,
+    /// The pool it is a member of (`namespace/name`), when it has one.
+    pub pool: Option<String>,
+}
+
+/// One pool of proxies, as the discovery API needs it to answer leases asked for by pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolRecord {
+    /// The pool's namespace.
+    pub namespace: String,
+    /// The pool's name.
+    pub name: String,
+    /// How many members it should have (`spec.replicas`).
+    pub replicas: u32,
+    /// How many members are Ready.
+    pub ready: u32,
+    /// Whether a lease asked for while it has no members makes it grow (it autoscales, up to at least one).
+    pub wakes: bool,
+    /// How long a new member takes to become Ready, from the provider's recent provisioning times: the
+    /// `Retry-After` of a lease asked for while the pool scales up.
+    pub provisioning: Duration,
+}
+
+impl PoolRecord {
+    /// `namespace/name`.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// When leases asked for by pool were last refused, by why.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolDemand {
+    /// Every member was at its lease cap.
+    pub at_capacity: Option<SystemTime>,
+    /// No member was healthy while the pool had members.
+    pub none_healthy: Option<SystemTime>,
+    /// The pool had no members.
+    pub woken: Option<SystemTime>,
+}
+
+/// Who hears that a pool's demand changed (the operator's pool controller, which then looks at the pool at once).
+pub trait PoolWaker: Send + Sync {
+    /// Leases for the pool `namespace/name` were refused for lack of members or capacity.
+    fn wake(&self, pool: &str);
 }
 
 impl ProxyRecord {
@@ -104,6 +148,9 @@ pub struct Discovery {
     records: std::sync::RwLock<BTreeMap<String, Arc<ProxyRecord>>>,
     synced: AtomicBool,
     journal: journal::Persister,
+    pools: std::sync::RwLock<BTreeMap<String, Arc<PoolRecord>>>,
+    demand: std::sync::Mutex<BTreeMap<String, PoolDemand>>,
+    waker: Option<Arc<dyn PoolWaker>>,
 }
 
 impl Discovery {
@@ -117,6 +164,53 @@ impl Discovery {
             records: std::sync::RwLock::default(),
             synced: AtomicBool::new(false),
             journal: journal::Persister::default(),
+            pools: std::sync::RwLock::default(),
+            demand: std::sync::Mutex::default(),
+            waker: None,
+        }
+    }
+
+    /// Tells `waker` of every lease refused for a pool's lack of members or capacity.
+    pub fn with_pool_waker(mut self, waker: Arc<dyn PoolWaker>) -> Self {
+        self.waker = Some(waker);
+        self
+    }
+
+    /// Adds or changes one pool.
+    pub fn upsert_pool(&self, record: PoolRecord) {
+        self.pools.write().expect("pool lock").insert(record.id(), Arc::new(record));
+    }
+
+    /// Removes one pool (by `namespace/name`).
+    pub fn remove_pool(&self, id: &str) {
+        self.pools.write().expect("pool lock").remove(id);
+        self.demand.lock().expect("demand lock").remove(id);
+    }
+
+    /// The identifiers (`namespace/name`) of every pool known.
+    pub fn pool_ids(&self) -> Vec<String> {
+        self.pools.read().expect("pool lock").keys().cloned().collect()
+    }
+
+    /// When leases for the pool `namespace/name` were last refused, by why.
+    pub fn pool_demand(&self, id: &str) -> PoolDemand {
+        self.demand.lock().expect("demand lock").get(id).copied().unwrap_or_default()
+    }
+
+    /// The active leases on the proxy `namespace/name`.
+    pub fn active_leases(&self, id: &str) -> u32 {
+        self.store
+            .loads_of(&[id], None, SystemTime::now())
+            .ok()
+            .and_then(|loads| loads.into_iter().next().flatten())
+            .map_or(0, |load| load.active_leases)
+    }
+
+    /// Records a refusal for a pool and tells the waker.
+    fn refused_for(&self, pool: &str, record: impl FnOnce(&mut PoolDemand)) {
+        record(self.demand.lock().expect("demand lock").entry(pool.to_owned()).or_default());
+        if let Some(waker) = &self.waker {
+            waker.wake(pool);
         }
     }
 
@@ -148,6 +242,7 @@ impl Discovery {
                 || previous.labels != record.labels
                 || previous.endpoint() != endpoint
                 || previous.egress_ip != record.egress_ip
+                || previous.pool != record.pool
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
         if store_changed {
@@ -158,6 +253,7 @@ impl Discovery {
                 labels: record.labels.clone(),
                 endpoint,
                 egress_ip: record.egress_ip.clone(),
+                pool: record.pool.clone(),
             });
         }
         if cooldowns_changed && !record.cooldowns.is_empty() {

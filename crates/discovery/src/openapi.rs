@@ -43,7 +43,8 @@ pub fn document() -> Value {
                 "summary": "List healthy proxies",
                 "parameters": [
                     { "name": "selector", "in": "query", "schema": { "type": "string" }, "description": "label selector: a=b, a!=b, a, !a, comma-separated" },
-                    { "name": "target", "in": "query", "schema": { "type": "string" }, "description": "report each proxy's cooldown for this site" }
+                    { "name": "target", "in": "query", "schema": { "type": "string" }, "description": "report each proxy's cooldown for this site" },
+                    { "name": "pool", "in": "query", "schema": { "type": "string" }, "description": "only members of this ProxyPool: namespace/name, or a name only one namespace has" }
                 ],
                 "responses": auth_errors(serde_json::Map::from_iter([
                     ("200".to_owned(), json_response("the proxies", "ProxyList")),
@@ -56,7 +57,8 @@ pub fn document() -> Value {
                 "responses": auth_errors(serde_json::Map::from_iter([
                     ("201".to_owned(), json_response("the lease", "Lease")),
                     ("400".to_owned(), problem_response("invalid body")),
-                    ("404".to_owned(), problem_response("the named proxy does not exist")),
+                    ("404".to_owned(), problem_response("the named proxy or pool does not exist")),
+                    ("503".to_owned(), problem_response("nothing can be leased now (reason none-healthy, all-at-capacity, all-cooling-down, scaling-up or not-serving), with Retry-After")),
                     ("409".to_owned(), problem_response("the named proxy is cooling down for the target, full, drained or unhealthy")),
                     ("413".to_owned(), problem_response("the body is too large")),
                     ("415".to_owned(), problem_response("the body is not JSON")),
@@ -109,7 +111,7 @@ pub fn document() -> Value {
             "schemas": {
                 "Problem": { "type": "object", "required": ["type", "title", "status", "detail"], "properties": {
                     "type": { "type": "string" }, "title": { "type": "string" }, "status": { "type": "integer" }, "detail": { "type": "string" },
-                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, proxy-cooling-down, proxy-unavailable, not-serving" },
+                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable, unknown-pool, not-serving" },
                     "retryAfterSeconds": { "type": "integer" }
                 }},
                 "ProxyRef": { "type": "object", "required": ["namespace", "name", "host", "port", "url"], "properties": {
@@ -120,6 +122,7 @@ pub fn document() -> Value {
                 "Proxy": { "allOf": [{ "$ref": "#/components/schemas/ProxyRef" }, { "type": "object", "required": ["labels", "activeLeases", "maxLeases"], "properties": {
                     "labels": { "type": "object", "additionalProperties": { "type": "string" } },
                     "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
+                    "pool": { "type": "string", "description": "the name of the ProxyPool it is a member of, in its namespace" },
                     "coolingDownUntil": { "type": "string", "format": "date-time" },
                     "successRate": { "type": "number", "minimum": 0, "maximum": 1, "description": "with target: the share of requests reported through this proxy for that site (in the last hour of reports) that it served" },
                     "reported": { "type": "integer", "description": "with target: how many reported requests successRate is over" }
@@ -129,7 +132,8 @@ pub fn document() -> Value {
                     "target": { "type": "string", "maxLength": 2048, "description": "host name, IP address or URL of the site" },
                     "selector": { "type": "string" }, "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600, "default": 300 },
                     "proxy": { "type": "string", "description": "namespace/name of a specific proxy" },
-                    "session": { "type": "string", "maxLength": 256, "description": "sticky-session key" }
+                    "session": { "type": "string", "maxLength": 256, "description": "sticky-session key" },
+                    "pool": { "type": "string", "description": "only members of this ProxyPool: namespace/name, or a name only one namespace has; a pool with no members that autoscales answers 503 scaling-up and grows" }
                 }},
                 "Lease": { "type": "object", "required": ["id", "proxy", "target", "expiresAt"], "properties": {
                     "id": { "type": "string", "description": "self-verifying: usable only with the token that took the lease, by any replica that shares the operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease" },

@@ -33,6 +33,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         healthy: true,
         credentials: Some(("crawler".into(), "p@ss".into())),
         cooldowns: Vec::new(),
+        pool: None,
     }
 }
 
@@ -808,4 +809,97 @@ async fn a_ban_reaches_every_proxy_behind_the_same_address_and_is_kept_for_each(
     }
     let (_, _, cooldowns) = server.call("GET", "/v1/cooldowns?target=example.com", Some(READ), None).await;
     assert_eq!(cooldowns["cooldowns"].as_array().map(Vec::len), Some(2), "{cooldowns}");
+}
+
+/// Counts the wakes the API sends, by pool.
+#[derive(Default)]
+struct Wakes(std::sync::Mutex<Vec<String>>);
+
+impl egress_discovery::PoolWaker for Wakes {
+    fn wake(&self, pool: &str) {
+        self.0.lock().unwrap().push(pool.to_owned());
+    }
+}
+
+fn pool(namespace: &str, name: &str, replicas: u32, ready: u32, wakes: bool) -> egress_discovery::PoolRecord {
+    egress_discovery::PoolRecord {
+        namespace: namespace.into(),
+        name: name.into(),
+        replicas,
+        ready,
+        wakes,
+        provisioning: Duration::from_secs(42),
+    }
+}
+
+#[tokio::test]
+async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
+    let member = |name: &str, pool: &str, max: u32| ProxyRecord { pool: Some(pool.into()), ..record(name, max) };
+    let records = vec![member("eu-0", "crawl/eu", 1), member("us-0", "crawl/us", 1), record("loose", 5)];
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let wakes = Arc::new(Wakes::default());
+    let state =
+        Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()).with_pool_waker(wakes.clone()));
+    for record in &records {
+        state.upsert(record.clone());
+    }
+    state.upsert_pool(pool("crawl", "eu", 1, 1, true));
+    state.upsert_pool(pool("crawl", "us", 1, 1, false));
+    state.upsert_pool(pool("crawl", "night", 0, 0, true));
+    state.upsert_pool(pool("crawl", "off", 0, 0, false));
+    state.upsert_pool(pool("crawl", "booting", 2, 0, true));
+    state.upsert_pool(pool("crawl", "twice", 1, 1, false));
+    state.upsert_pool(pool("other", "twice", 1, 1, false));
+    state.mark_synced();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
+    let server = Server { address, state: state.clone(), records, tokens: None };
+
+    // Listing: every entry says its pool; `pool` filters.
+    let (status, _, body) = server.call("GET", "/v1/proxies", None, None).await;
+    assert_eq!(status, 200);
+    let pools: Vec<Value> = body["proxies"].as_array().expect("proxies").iter().map(|p| p["pool"].clone()).collect();
+    assert_eq!(pools, [json!("eu"), json!(null), json!("us")], "{body}");
+    let (_, _, body) = server.call("GET", "/v1/proxies?pool=crawl%2Feu", None, None).await;
+    assert_eq!(body["proxies"].as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(body["proxies"][0]["name"], "eu-0");
+
+    // Leasing by pool gives members only; the pool full is refused for its own capacity, and its demand noted.
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "eu" })).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["proxy"]["name"], "eu-0");
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "crawl/eu" })).await;
+    assert_eq!((status, body["reason"].as_str()), (503, Some("all-at-capacity")), "{body}");
+    assert!(state.pool_demand("crawl/eu").at_capacity.is_some());
+    assert_eq!(state.active_leases("crawl/eu-0"), 1);
+
+    // At zero, a pool that autoscales answers scaling-up with how long a member takes, and is woken.
+    let (status, headers, body) = server
+        .call("POST", "/v1/leases", None, Some(&json!({ "target": "example.com", "pool": "night" }).to_string()))
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_problem(&headers, &body, 503);
+    assert_eq!(body["reason"], "scaling-up", "{body}");
+    assert_eq!(headers.get("retry-after").and_then(|v| v.to_str().ok()), Some("42"));
+    assert!(state.pool_demand("crawl/night").woken.is_some());
+    // Members coming up: scaling-up as well.
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "booting" })).await;
+    assert_eq!((status, body["reason"].as_str()), (503, Some("scaling-up")), "{body}");
+    // Its members are on their way: no demand for more.
+    assert_eq!(state.pool_demand("crawl/booting"), egress_discovery::PoolDemand::default());
+    assert_eq!(*wakes.0.lock().unwrap(), ["crawl/eu", "crawl/night"]);
+    // A pool that does not autoscale has nothing to wake.
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "off" })).await;
+    assert_eq!((status, body["reason"].as_str()), (503, Some("none-healthy")), "{body}");
+    assert!(state.pool_demand("crawl/off").woken.is_none());
+
+    // Unknown and ambiguous pools.
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "nope" })).await;
+    assert_eq!((status, body["reason"].as_str()), (404, Some("unknown-pool")), "{body}");
+    let (status, body) = server.lease(json!({ "target": "example.com", "pool": "twice" })).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["detail"].as_str().unwrap_or_default().contains("namespace/name"), "{body}");
+    let (status, _, body) = server.call("GET", "/v1/proxies?pool=nope", None, None).await;
+    assert_eq!(status, 404, "{body}");
 }

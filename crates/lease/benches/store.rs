@@ -19,6 +19,7 @@ fn run(proxies: usize) -> Duration {
             labels: BTreeMap::new(),
             endpoint: format!("10.0.{}.{}:3128", index / 256, index % 256),
             egress_ip: None,
+            pool: None,
         });
     }
     let now = SystemTime::now();

@@ -42,6 +42,8 @@ pub struct ProxyInfo {
     /// The address sites see its requests come from, when known. Proxies that share one share their cooldowns:
     /// a site that banned the address banned all of them.
     pub egress_ip: Option<String>,
+    /// The pool it is a member of (the operator uses `namespace/name`), when it has one.
+    pub pool: Option<String>,
 }
 
 /// What a crawler asks for.
@@ -57,8 +59,18 @@ pub struct LeaseRequest {
     pub proxy: Option<String>,
     /// A sticky-session key: the same (session, target) gets the same proxy while it stays eligible.
     pub session: Option<String>,
+    /// Only members of this pool.
+    pub pool: Option<String>,
     /// Who asks (for example a digest of the caller's token): the lease is usable only with the same owner.
     pub owner: String,
+}
+
+impl LeaseRequest {
+    /// Whether a proxy is one this request may be given: it matches the selector and, when the request names a
+    /// pool, is a member of it.
+    pub fn admits(&self, proxy: &ProxyInfo) -> bool {
+        self.selector.matches(&proxy.labels) && self.pool.as_ref().is_none_or(|pool| proxy.pool.as_ref() == Some(pool))
+    }
 }
 
 /// A granted lease.

@@ -552,6 +552,9 @@ impl LeaseStore for InMemoryLeaseStore {
             if !request.selector.matches(&proxy.info.labels) {
                 return unavailable("it does not match the selector");
             }
+            if !request.admits(&proxy.info) {
+                return unavailable("it is not a member of the pool asked for");
+            }
             if !proxy.info.healthy {
                 return unavailable("it is unhealthy");
             }
@@ -569,7 +572,7 @@ impl LeaseStore for InMemoryLeaseStore {
         }
 
         let usable = |inner: &Inner, id: &str| {
-            inner.proxies.get(id).is_some_and(|proxy| proxy.eligible() && request.selector.matches(&proxy.info.labels))
+            inner.proxies.get(id).is_some_and(|proxy| proxy.eligible() && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
         let session_key = request.session.as_ref().map(|session| (session.clone(), target.clone()));
@@ -835,7 +838,7 @@ fn explain_refusal(inner: &Inner, request: &LeaseRequest, target: &str, now: Sys
     let matching: Vec<&ProxyState> = inner
         .proxies
         .values()
-        .filter(|proxy| proxy.info.healthy && proxy.info.max_leases > 0 && request.selector.matches(&proxy.info.labels))
+        .filter(|proxy| proxy.info.healthy && proxy.info.max_leases > 0 && request.admits(&proxy.info))
         .collect();
     if matching.is_empty() {
         return LeaseError::NoneHealthy;

@@ -5,77 +5,22 @@
 
 mod support;
 
-use std::collections::BTreeSet;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use egress_api::Proxy;
 use egress_api::annotations::ROTATE;
-use egress_provider::instance_name;
 use egress_reconcile::gc::OrphanCollector;
-use kube::ResourceExt;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::{Harness, managed};
+use support::{Harness, Rng, managed};
 
 const PROXIES: usize = 20;
 const OPERATIONS: usize = 200;
 const SETTLE: Duration = Duration::from_secs(180);
 
-/// xorshift64*: small, seedable, and good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// What is wrong with the world now, or nothing.
-async fn violations(harness: &Harness) -> Vec<String> {
-    let mut problems = Vec::new();
-    let proxies: Vec<Proxy> = harness.proxies().list(&ListParams::default()).await.expect("list Proxies").items;
-    let mut wanted = BTreeSet::new();
-    for proxy in &proxies {
-        let name = proxy.name_any();
-        if proxy.metadata.deletion_timestamp.is_some() {
-            problems.push(format!("{name} is still being deleted"));
-            continue;
-        }
-        let desired = instance_name(&proxy.uid().expect("uid"), &proxy.desired_spec_hash());
-        let status = proxy.status.clone().unwrap_or_default();
-        if status.instance.as_ref().map(|instance| &instance.name) != Some(&desired) {
-            problems.push(format!(
-                "{name} records {:?}, not its desired instance {desired}",
-                status.instance.map(|i| i.name)
-            ));
-        }
-        if let Some(previous) = status.previous_instance {
-            problems.push(format!("{name} still has a previous instance {}", previous.name));
-        }
-        wanted.insert(desired);
-    }
-    let live: BTreeSet<String> = harness.provider.live().into_iter().collect();
-    for extra in live.difference(&wanted) {
-        problems.push(format!("instance {extra} belongs to no live Proxy's desired state"));
-    }
-    for missing in wanted.difference(&live) {
-        problems.push(format!("desired instance {missing} does not exist"));
-    }
-    problems
-}
-
 #[tokio::test]
 async fn random_operations_with_crashes_converge() {
-    let seed = std::env::var("EGRESS_CRASH_SEED").ok().and_then(|seed| seed.parse().ok()).unwrap_or_else(|| {
-        SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
-    });
-    eprintln!("crash-safety seed {seed} (replay with EGRESS_CRASH_SEED={seed})");
+    let seed = support::crash_seed();
     let mut rng = Rng(seed);
     let mut harness = Harness::new("rc-crash").await;
     let names: Vec<String> = (0..PROXIES).map(|index| format!("p{index}")).collect();
@@ -131,7 +76,7 @@ async fn random_operations_with_crashes_converge() {
         poll.tick().await;
         harness.report_health().await;
         collector.collect_once().await.expect("orphan collection");
-        let problems = violations(&harness).await;
+        let problems = support::violations(&harness).await;
         if problems.is_empty() {
             break;
         }

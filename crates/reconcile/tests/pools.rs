@@ -1,7 +1,8 @@
 //! The pool controller against the test control plane, beside the Proxy controller and its scriptable provider:
 //! members made on the spread and kept there as the count changes, a template change rolled within `maxSurge` and
 //! `minAvailable`, recycling by age, Proxies the pool does not own left alone, members deleted with their pool by the
-//! cluster's garbage collector, and autoscaling to zero and back.
+//! cluster's garbage collector, autoscaling to zero and back, and random scale, template and delete operations with
+//! both controllers killed at random points, which must settle with exactly the desired members and no orphan.
 
 mod support;
 
@@ -17,7 +18,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::{Harness, managed};
+use support::{Harness, Rng, managed};
 use tokio::task::JoinHandle;
 
 const SETTLE: Duration = Duration::from_secs(90);
@@ -435,5 +436,146 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     }
     for reason in ["Idle", "Wake", "AtCapacity"] {
         assert_eq!(pools_controller.metrics.decisions(reason), 1, "{reason}");
+    }
+}
+
+/// What the crash test asks of one pool.
+#[derive(Clone, Debug)]
+struct Wanted {
+    replicas: usize,
+    machine: String,
+}
+
+fn crash_pool_spec(wanted: &Wanted, spread: bool) -> Value {
+    let mut spec = json!({
+        "replicas": wanted.replicas,
+        "template": { "spec": { "placement": { "machineType": wanted.machine } } },
+        "recycle": { "maxSurge": 2 },
+    });
+    if spread {
+        spec["spread"] = json!([{ "provider": "scripted", "weight": 2 }, { "provider": "scripted-b", "weight": 1 }]);
+    } else {
+        spec["template"]["spec"]["provider"] = json!("scripted");
+    }
+    spec
+}
+
+/// What is wrong with the pools now, or nothing: every wanted pool has exactly its count of owned, settled members
+/// on its template, and no Proxy is left of a pool that is gone.
+async fn pool_violations(harness: &Harness, wanted: &BTreeMap<String, Wanted>) -> Vec<String> {
+    let mut problems = support::violations(harness).await;
+    let pools_now: BTreeMap<String, ProxyPool> = pools(harness)
+        .list(&ListParams::default())
+        .await
+        .expect("list pools")
+        .items
+        .into_iter()
+        .map(|p| (p.name_any(), p))
+        .collect();
+    let proxies = harness.proxies().list(&ListParams::default()).await.expect("list Proxies").items;
+    for (name, want) in wanted {
+        let Some(pool) = pools_now.get(name) else {
+            problems.push(format!("pool {name} is missing"));
+            continue;
+        };
+        let members: Vec<&Proxy> = proxies
+            .iter()
+            .filter(|proxy| proxy.owner_references().iter().any(|owner| Some(&owner.uid) == pool.metadata.uid.as_ref()))
+            .collect();
+        if members.len() != want.replicas {
+            problems.push(format!("pool {name} has {} members, not {}", members.len(), want.replicas));
+        }
+        for member in members {
+            let machine = member.spec.placement.as_ref().and_then(|placement| placement.machine_type.as_deref());
+            if !settled(member) || machine != Some(want.machine.as_str()) {
+                problems.push(format!("{} is not settled on machine {}", member.name_any(), want.machine));
+            }
+        }
+    }
+    for proxy in &proxies {
+        let owner = proxy.owner_references().first().map(|owner| owner.uid.clone());
+        let alive = pools_now.values().any(|pool| pool.metadata.uid == owner);
+        if !alive || !wanted.contains_key(proxy.labels().get(POOL_LABEL).map_or("", String::as_str)) {
+            problems.push(format!("{} belongs to no wanted pool", proxy.name_any()));
+        }
+    }
+    problems
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_pool_operations_with_killed_controllers_settle_with_exactly_the_desired_members() {
+    const OPERATIONS: usize = 60;
+    let seed = support::crash_seed();
+    let mut rng = Rng(seed);
+    let mut harness = Harness::new("pool-crash").await;
+    let mut controller = PoolController::start(&harness, Arc::new(NoSignals));
+    let names = ["a", "b", "c"];
+    let mut wanted: BTreeMap<String, Wanted> = BTreeMap::new();
+    let mut kills = 0;
+    for _ in 0..OPERATIONS {
+        let name = names[rng.below(names.len())];
+        let spread = name == "b";
+        // Each call may race the controllers or meet a missing object; either is part of the test.
+        match rng.below(5) {
+            0 | 1 => {
+                let want = Wanted { replicas: rng.below(6), machine: format!("m{}", rng.below(3)) };
+                let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "metadata": { "name": name }, "spec": crash_pool_spec(&want, spread) });
+                if pools(&harness)
+                    .patch(name, &PatchParams::apply("pool-tests").force(), &Patch::Apply(&body))
+                    .await
+                    .is_ok()
+                {
+                    wanted.insert(name.to_owned(), want);
+                }
+            }
+            2 => {
+                let replicas = rng.below(6);
+                let patch = json!({ "spec": { "replicas": replicas } });
+                if pools(&harness).patch_scale(name, &PatchParams::default(), &Patch::Merge(patch)).await.is_ok()
+                    && let Some(want) = wanted.get_mut(name)
+                {
+                    want.replicas = replicas;
+                }
+            }
+            3 => {
+                let machine = format!("m{}", rng.below(3));
+                let patch = json!({ "spec": { "template": { "spec": { "placement": { "machineType": machine } } } } });
+                if pools(&harness).patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.is_ok()
+                    && let Some(want) = wanted.get_mut(name)
+                {
+                    want.machine = machine;
+                }
+            }
+            _ => {
+                if pools(&harness).delete(name, &DeleteParams::default()).await.is_ok() {
+                    wanted.remove(name);
+                }
+            }
+        }
+        harness.report_health().await;
+        if rng.below(5) == 0 {
+            // Both controllers die at once, as the operator's process would, and come back with nothing in memory.
+            drop(controller);
+            harness.crash().await;
+            kills += 1;
+            harness.start();
+            controller = PoolController::start(&harness, Arc::new(NoSignals));
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(300) as u64)).await;
+    }
+    eprintln!("{OPERATIONS} pool operations with {kills} kills; wanted {wanted:?}; letting it settle");
+    drop(controller);
+    harness.crash().await;
+    harness.start();
+    let _controller = PoolController::start(&harness, Arc::new(NoSignals));
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        harness.report_health().await;
+        let problems = pool_violations(&harness, &wanted).await;
+        if problems.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "seed {seed}: not settled: {problems:#?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -4,16 +4,18 @@
 //! A changed Proxy, a flipped verdict of one of its endpoints, or a changed auth Secret recomputes that Proxy's
 //! [`ProxyRecord`] (or removes it) and hands it to [`Discovery::upsert`]; nothing copies the fleet. A resync (the
 //! first list, a relist, a consumer that fell behind) compares every stored Proxy, yielding as it goes, and removes
-//! records whose Proxy is gone. Discovery reports ready once the Proxies and the auth Secrets have both been listed
-//! and every Proxy was handed over once.
+//! records whose Proxy is gone. Discovery reports ready once the Proxies, the auth Secrets and the ProxyPools have
+//! been listed and every Proxy was handed over once. Each changed ProxyPool becomes a [`PoolRecord`] the same way.
 
 use std::sync::Arc;
 
-use egress_api::Proxy;
-use egress_discovery::{Discovery, ProxyRecord};
+use egress_api::pool::POOL_LABEL;
+use egress_api::{Proxy, ProxyPool};
+use egress_discovery::{Discovery, PoolRecord, ProxyRecord};
+use egress_reconcile::pool::{PoolDemand, PoolSignals, provisioning_estimate};
 use egress_reconcile::{
-    Change, CredentialStore, GuardedProxy, LeaseDrain, ProbeKey, ProxyFeed, ProxyVerdicts, SecretIndex, auth_secret_of,
-    reference_of,
+    Change, CredentialStore, GuardedPool, GuardedProxy, LeaseDrain, PoolFeed, ProbeKey, ProxyFeed, ProxyVerdicts,
+    SecretIndex, auth_secret_of, reference_of,
 };
 use futures::StreamExt;
 use kube::ResourceExt;
@@ -51,9 +53,87 @@ pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &Crede
         port,
         healthy,
         cooldowns: crate::durable::cooldowns_of(proxy),
+        pool: pool_of(proxy).map(|pool| format!("{namespace}/{pool}")),
         namespace,
         name,
     })
+}
+
+/// The pool a Proxy is a member of: the one its label names, when that pool controls it (a Proxy that only
+/// carries the label is not leased as a member).
+fn pool_of(proxy: &Proxy) -> Option<&str> {
+    let pool = proxy.labels().get(POOL_LABEL)?;
+    proxy
+        .owner_references()
+        .iter()
+        .any(|owner| owner.controller == Some(true) && owner.kind == "ProxyPool" && &owner.name == pool)
+        .then_some(pool.as_str())
+}
+
+/// The record discovery keeps for a pool, or `None` for one being deleted.
+pub fn pool_record(pool: &ProxyPool) -> Option<PoolRecord> {
+    if pool.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = pool.status.clone().unwrap_or_default();
+    Some(PoolRecord {
+        namespace: pool.namespace().unwrap_or_default(),
+        name: pool.name_any(),
+        replicas: pool.spec.replicas.max(0).unsigned_abs(),
+        ready: status.ready_replicas.max(0).unsigned_abs(),
+        wakes: pool.spec.autoscale.as_ref().is_some_and(|autoscale| autoscale.max >= 1),
+        provisioning: provisioning_estimate(pool),
+    })
+}
+
+/// The discovery API as the pool controller's [`PoolSignals`]: lease counts and refused leases.
+pub struct DiscoverySignals(pub Arc<Discovery>);
+
+impl PoolSignals for DiscoverySignals {
+    fn leases_of(&self, proxy: &str) -> u32 {
+        self.0.active_leases(proxy)
+    }
+
+    fn demand(&self, pool: &str) -> PoolDemand {
+        let demand = self.0.pool_demand(pool);
+        PoolDemand { at_capacity: demand.at_capacity, none_healthy: demand.none_healthy, woken: demand.woken }
+    }
+}
+
+/// Tells the pool controller (whichever term of leadership is running) of a pool whose leases were refused.
+pub struct PoolWakes(pub tokio::sync::broadcast::Sender<String>);
+
+impl egress_discovery::PoolWaker for PoolWakes {
+    fn wake(&self, pool: &str) {
+        // Nobody listening (a follower, or between terms) is fine: the next term looks at every pool.
+        drop(self.0.send(pool.to_owned()));
+    }
+}
+
+fn update_pool(pools: &PoolFeed, discovery: &Discovery, reference: &ObjectRef<GuardedPool>) {
+    let stored = pools.store().get(reference);
+    let record = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok()).and_then(pool_record);
+    match record {
+        Some(record) => discovery.upsert_pool(record),
+        None => {
+            discovery.remove_pool(&format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name))
+        }
+    }
+}
+
+fn resync_pools(pools: &PoolFeed, discovery: &Discovery) {
+    let stored = pools.store().state();
+    let mut seen = std::collections::BTreeSet::new();
+    for object in &stored {
+        let reference = reference_of(object.as_ref());
+        seen.insert(format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name));
+        update_pool(pools, discovery, &reference);
+    }
+    for id in discovery.pool_ids() {
+        if !seen.contains(&id) {
+            discovery.remove_pool(&id);
+        }
+    }
 }
 
 /// The discovery API as the controller's [`LeaseDrain`]: a replaced instance is kept while leases are on it.
@@ -119,21 +199,25 @@ fn id_of(reference: &ObjectRef<GuardedProxy>) -> String {
 /// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass.
 pub async fn run_discovery_feed(
     feed: ProxyFeed,
+    pools: PoolFeed,
     verdicts: ProxyVerdicts,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
 ) {
     // Subscribed before anything is read, so no change between the first pass and the loop is missed.
     let mut changes = feed.subscribe().boxed();
+    let mut pool_changes = pools.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
     let mut verdict_changes = verdicts.subscribe();
     let mut records =
         Records { feed, verdicts, credentials: credentials.clone(), discovery, secrets: SecretIndex::default() };
     let work = async move {
-        // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass.
-        if !credentials.ready().await {
+        // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass; and for the pools', so
+        // a lease asked for by pool is never refused as unknown by a replica that reports ready.
+        if !credentials.ready().await || !pools.ready().await {
             return;
         }
+        resync_pools(&pools, &records.discovery);
         loop {
             tokio::select! {
                 change = changes.next() => match change {
@@ -143,6 +227,10 @@ pub async fn run_discovery_feed(
                         records.discovery.mark_synced();
                     }
                     None => return,
+                },
+                Some(change) = pool_changes.next() => match change {
+                    Change::Object(reference) => update_pool(&pools, &records.discovery, &reference),
+                    Change::Resync => resync_pools(&pools, &records.discovery),
                 },
                 Some(change) = secret_changes.next() => {
                     let affected = records.secrets.affected(&change);

@@ -1,6 +1,6 @@
 //! Composition: builds every part from the settings, serves metrics, health and discovery on every replica, runs the
-//! leader-only parts (controller, health engine, orphan collector, provider monitor) while this replica leads, and
-//! shuts everything down in order on SIGTERM.
+//! leader-only parts (Proxy controller, pool controller, health engine, orphan collector, provider monitor) while
+//! this replica leads, and shuts everything down in order on SIGTERM.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -18,16 +18,19 @@ use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
+use egress_reconcile::pool::{PoolContext, PoolMetrics, PoolSignals, PoolTrigger, run_pools};
 use egress_reconcile::{
-    Context as ReconcileContext, ControllerConfig, CredentialStore, LeaseDrain, ProxyFeed, ProxyVerdicts,
+    Context as ReconcileContext, ControllerConfig, CredentialStore, LeaseDrain, PoolFeed, ProxyFeed, ProxyVerdicts,
     ReconcileMetrics,
 };
+use futures::StreamExt;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::discovery_feed::run_discovery_feed;
+use crate::discovery_feed::{DiscoverySignals, PoolWakes, run_discovery_feed};
 use crate::flags::Settings;
 
 /// A new target's first probe starts within this window (jittered), not within a whole interval: a new Proxy, or
@@ -55,6 +58,26 @@ impl Gate for LeaderGate {
             None
         }
     }
+}
+
+/// The pools named on `wakes`, as pool controller triggers; a lagging receiver skips what it missed (each pool is
+/// looked at on its own schedule anyway).
+fn pool_triggers(
+    wakes: tokio::sync::broadcast::Receiver<String>,
+) -> impl futures::Stream<Item = PoolTrigger> + Send + 'static {
+    futures::stream::unfold(wakes, |mut wakes| async move {
+        loop {
+            match wakes.recv().await {
+                Ok(pool) => return Some((pool, wakes)),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+    .filter_map(|pool| async move {
+        let (namespace, name) = pool.split_once('/')?;
+        Some(ObjectRef::new(name).within(namespace))
+    })
 }
 
 /// Resolves when `flag` becomes true (or its sender is gone).
@@ -87,6 +110,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let discovery_metrics = DiscoveryMetrics::register(&mut registry);
     let server_metrics = ServerMetrics::register(&mut registry);
     let monitor_metrics = MonitorMetrics::register(&mut registry);
+    let pool_metrics = PoolMetrics::register(&mut registry);
     let registry = Arc::new(registry);
 
     let providers = match ProviderSet::build(&settings.providers, &constructors(), Some(provider_metrics)).await {
@@ -101,6 +125,9 @@ pub async fn run(settings: Settings) -> Result<()> {
     // reads them, and while this replica leads the controller, the health engine and its feed do too.
     let verdicts = ProxyVerdicts::new();
     let (feed, _watch) = ProxyFeed::start(client.clone(), settings.watch_namespace.as_deref());
+    let (pools, _pool_watch) = PoolFeed::start(client.clone(), settings.watch_namespace.as_deref());
+    // Leases refused for a pool's lack of members or capacity wake the pool controller of the current term.
+    let (pool_wakes, _) = tokio::sync::broadcast::channel::<String>(1024);
     let (credentials, _secret_watch) = CredentialStore::start(client.clone(), settings.watch_namespace.as_deref());
 
     let auth = match &settings.discovery_tokens {
@@ -120,9 +147,17 @@ pub async fn run(settings: Settings) -> Result<()> {
     let discovery = Arc::new(
         Discovery::new(lease_store, auth, discovery_metrics)
             .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone())))
-            .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone()))),
+            .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
+            .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone()))),
     );
-    tokio::spawn(run_discovery_feed(feed.clone(), verdicts.clone(), credentials.clone(), discovery.clone()));
+    tokio::spawn(run_discovery_feed(
+        feed.clone(),
+        pools.clone(),
+        verdicts.clone(),
+        credentials.clone(),
+        discovery.clone(),
+    ));
+    let pool_signals: Arc<dyn PoolSignals> = Arc::new(DiscoverySignals(discovery.clone()));
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
 
     let drain: Arc<dyn LeaseDrain> = Arc::new(crate::discovery_feed::DiscoveryDrain(discovery.clone()));
@@ -186,6 +221,10 @@ pub async fn run(settings: Settings) -> Result<()> {
         health_metrics,
         monitor_metrics,
         drain,
+        pools,
+        pool_metrics,
+        pool_signals,
+        pool_wakes,
     };
     let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
     let leading = tokio::spawn(leading_loop);
@@ -361,6 +400,13 @@ struct Leading {
     monitor_metrics: MonitorMetrics,
     /// Where the controller asks whether a replaced instance still has leases on it.
     drain: Arc<dyn LeaseDrain>,
+    /// The ProxyPool store.
+    pools: PoolFeed,
+    pool_metrics: PoolMetrics,
+    /// Where the pool controller reads lease counts and refused leases.
+    pool_signals: Arc<dyn PoolSignals>,
+    /// Pools whose leases were refused, from the discovery API.
+    pool_wakes: tokio::sync::broadcast::Sender<String>,
 }
 
 /// Runs the leader-only parts for each term of leadership, until `stop`.
@@ -380,13 +426,17 @@ async fn lead_while_elected(
         health_metrics,
         monitor_metrics,
         drain,
+        pools,
+        pool_metrics,
+        pool_signals,
+        pool_wakes,
     } = parts;
     loop {
         tokio::select! {
             result = leader.wait_for(|leading| *leading) => if result.is_err() { return },
             () = until_true(stop.clone()) => return,
         }
-        info!("leading: starting the controller, health engine, orphan collector and provider monitor");
+        info!("leading: starting the controllers, health engine, orphan collector and provider monitor");
         let (term_sender, term) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -413,6 +463,11 @@ async fn lead_while_elected(
             trigger_stream,
             until_true(term.clone()),
         )));
+
+        let pool_context =
+            Arc::new(PoolContext::new(client.clone(), &feed, pool_signals.clone(), pool_metrics.clone()));
+        let wakes = pool_triggers(pool_wakes.subscribe());
+        tasks.push(tokio::spawn(run_pools(pool_context, pools.clone(), feed.clone(), wakes, until_true(term.clone()))));
 
         match egress_health::tls_connector(&settings.probe_ca_pem) {
             Ok(tls) => {

@@ -181,9 +181,13 @@ class DiscoveryClient:
         ttl: Optional[float] = None,
         proxy: Optional[str] = None,
         session: Optional[str] = None,
+        pool: Optional[str] = None,
     ) -> Lease:
-        """Leases a proxy for `target` (a host, an IP address or a URL). Use the result with `with` to release it."""
-        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session)
+        """Leases a proxy for `target` (a host, an IP address or a URL). Use the result with `with` to release it.
+
+        With `pool` (a ProxyPool's name, or namespace/name) only its members are leased; a pool getting its first
+        members raises `Unavailable` with reason `scaling-up` and `retry_after`."""
+        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool)
         return Lease(self, LeaseState.from_json(self._call("POST", "/v1/leases", body)))
 
     def resume(self, lease_id: str, ttl: Optional[float] = None) -> Lease:
@@ -192,9 +196,12 @@ class DiscoveryClient:
         answer = self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
         return Lease(self, LeaseState.from_json(answer))
 
-    def proxies(self, selector: Optional[str] = None, target: Optional[str] = None) -> List[ProxyInfo]:
-        """Healthy proxies matching `selector`; with `target`, each one's cooldown and success rate for it."""
-        answer = self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target))
+    def proxies(
+        self, selector: Optional[str] = None, target: Optional[str] = None, pool: Optional[str] = None
+    ) -> List[ProxyInfo]:
+        """Healthy proxies matching `selector` (members of `pool`, when given); with `target`, each one's cooldown and
+        success rate for it."""
+        answer = self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target, pool=pool))
         return [ProxyInfo.from_json(entry) for entry in _list(answer, "proxies")]
 
     def cooldowns(self, target: Optional[str] = None) -> List[CooldownInfo]:
@@ -339,9 +346,12 @@ class AsyncDiscoveryClient:
         ttl: Optional[float] = None,
         proxy: Optional[str] = None,
         session: Optional[str] = None,
+        pool: Optional[str] = None,
     ) -> _PendingLease:
-        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit."""
-        return _PendingLease(self, lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session))
+        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit. `pool` as for the sync
+        client."""
+        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool)
+        return _PendingLease(self, body)
 
     async def resume(self, lease_id: str, ttl: Optional[float] = None) -> AsyncLease:
         """Picks a lease up by its ID: renews it and returns it."""
@@ -349,9 +359,11 @@ class AsyncDiscoveryClient:
         answer = await self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
         return AsyncLease(self, LeaseState.from_json(answer))
 
-    async def proxies(self, selector: Optional[str] = None, target: Optional[str] = None) -> List[ProxyInfo]:
+    async def proxies(
+        self, selector: Optional[str] = None, target: Optional[str] = None, pool: Optional[str] = None
+    ) -> List[ProxyInfo]:
         """As `DiscoveryClient.proxies`."""
-        answer = await self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target))
+        answer = await self._call("GET", "/v1/proxies", None, _query(selector=selector, target=target, pool=pool))
         return [ProxyInfo.from_json(entry) for entry in _list(answer, "proxies")]
 
     async def cooldowns(self, target: Optional[str] = None) -> List[CooldownInfo]:

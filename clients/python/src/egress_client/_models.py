@@ -87,6 +87,8 @@ class ProxyInfo:
     egress_ip: Optional[str] = None
     zone: Optional[str] = None
     provider: Optional[str] = None
+    #: The ProxyPool it is a member of, in its namespace.
+    pool: Optional[str] = None
     cooling_down_until: Optional[datetime.datetime] = None
     #: For the asked target: the share of reported requests the proxy served, and over how many.
     success_rate: Optional[float] = None
@@ -108,6 +110,7 @@ class ProxyInfo:
                 egress_ip=body.get("egressIP"),
                 zone=body.get("zone"),
                 provider=body.get("provider"),
+                pool=body.get("pool"),
                 cooling_down_until=parse_time(cooling) if cooling is not None else None,
                 success_rate=body.get("successRate"),
                 reported=body.get("reported"),
@@ -145,6 +148,7 @@ def lease_body(
     ttl: Optional[float],
     proxy: Optional[str],
     session: Optional[str],
+    pool: Optional[str] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"target": target}
     if selector:
@@ -155,6 +159,10 @@ def lease_body(
         body["proxy"] = proxy
     if session:
         body["session"] = session
+    if pool is not None:
+        if not pool or pool.count("/") > 1 or any(character.isspace() for character in pool):
+            raise ValueError(f"pool {pool!r} must be a ProxyPool's name or namespace/name")
+        body["pool"] = pool
     return body
 
 

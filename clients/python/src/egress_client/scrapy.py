@@ -6,6 +6,7 @@ Settings (only `EGRESS_URL` is required)::
     EGRESS_URL = "http://egress-discovery.egress-system:8090"
     EGRESS_TOKEN = "..."
     EGRESS_SELECTOR = "region=eu"          # optional label selector
+    EGRESS_POOL = "eu"                     # optional: only members of this ProxyPool (name or namespace/name)
     EGRESS_BAN_CODES = [403]               # reported `banned`: the proxy cools down for the site, a new one is leased
     EGRESS_THROTTLE_CODES = [429]          # reported `throttled` with the answer's Retry-After
     EGRESS_SESSION_META = "egress_session" # request.meta key: one lease per (site, session)
@@ -62,6 +63,7 @@ class EgressProxyMiddleware:
         self.stats = crawler.stats
         self.client = AsyncDiscoveryClient(url, settings.get("EGRESS_TOKEN"))
         self.selector: Optional[str] = settings.get("EGRESS_SELECTOR")
+        self.pool: Optional[str] = settings.get("EGRESS_POOL") or None
         self.ban_codes = {int(code) for code in settings.getlist("EGRESS_BAN_CODES", [403])}
         self.throttle_codes = {int(code) for code in settings.getlist("EGRESS_THROTTLE_CODES", [429])}
         self.session_meta: str = settings.get("EGRESS_SESSION_META", "egress_session")
@@ -101,7 +103,9 @@ class EgressProxyMiddleware:
             waited = 0.0
             while True:
                 try:
-                    lease = await self.client.lease(url, selector=self.selector, ttl=self.ttl, session=key[1])
+                    lease = await self.client.lease(
+                        url, selector=self.selector, ttl=self.ttl, session=key[1], pool=self.pool
+                    )
                     break
                 except Unavailable as refused:
                     wait = refused.retry_after if refused.retry_after is not None else 5.0

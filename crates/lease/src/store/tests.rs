@@ -19,6 +19,7 @@ fn proxy(id: &str, max: u32) -> ProxyInfo {
         labels: BTreeMap::new(),
         endpoint: format!("{id}:3128"),
         egress_ip: None,
+        pool: None,
     }
 }
 
@@ -64,6 +65,22 @@ fn caps_and_drained_proxies_are_respected() {
         store.lease(&named, t(1)),
         Err(LeaseError::ProxyUnavailable { why: "it is drained (maxLeases 0)", .. })
     ));
+}
+
+#[test]
+fn a_pool_request_is_given_members_only_and_refused_for_the_pool_alone() {
+    let member = |id: &str, pool: &str| ProxyInfo { pool: Some(pool.into()), ..proxy(id, 1) };
+    let store = store_with(&[member("ns/eu-0", "ns/eu"), member("ns/us-0", "ns/us"), proxy("ns/loose", 5)]);
+    let eu = LeaseRequest { pool: Some("ns/eu".into()), ..request("example.com") };
+    assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, "ns/eu-0");
+    // The only member is at its cap: refused for the pool's capacity, though other proxies are free.
+    assert!(matches!(store.lease(&eu, t(0)), Err(LeaseError::AllAtCapacity { .. })), "{:?}", store.lease(&eu, t(0)));
+    let elsewhere = LeaseRequest { proxy: Some("ns/us-0".into()), ..eu.clone() };
+    assert!(matches!(store.lease(&elsewhere, t(0)), Err(LeaseError::ProxyUnavailable { .. })));
+    let empty = LeaseRequest { pool: Some("ns/none".into()), ..request("example.com") };
+    assert_eq!(store.lease(&empty, t(0)), Err(LeaseError::NoneHealthy));
+    // Without a pool, members are proxies like any other.
+    assert_eq!(store.lease(&request("example.com"), t(0)).expect("lease").proxy, "ns/loose");
 }
 
 #[test]

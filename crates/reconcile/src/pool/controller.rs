@@ -598,7 +598,9 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
         updated: live.iter().filter(|member| member.current && !member.replacing).count() as u32,
     };
     context.metrics.counts(key, counts);
-    let new_status = pool_status(pool, &status, &decision, &member_facts, counts, &facts, last_scale, now);
+    let provisioning = provisioning_seconds(&owned, &slots);
+    let new_status =
+        pool_status(pool, &status, &decision, &member_facts, counts, &facts, last_scale, &provisioning, now);
     if new_status != status {
         let written = new_status.last_scale.clone().filter(|last| Some(last) != status.last_scale.as_ref());
         let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "status": new_status });
@@ -847,6 +849,31 @@ async fn patch_member(
     Ok(())
 }
 
+/// Per spread entry, the median time its Ready members took from creation to Ready, in seconds.
+fn provisioning_seconds(owned: &[Arc<Proxy>], slots: &[SlotSpec]) -> Vec<Option<i32>> {
+    slots
+        .iter()
+        .map(|slot| {
+            let mut took: Vec<u64> = owned
+                .iter()
+                .filter(|proxy| slot.holds(&proxy.spec) && proxy.metadata.deletion_timestamp.is_none())
+                .filter_map(|proxy| {
+                    let created = system_time(proxy.metadata.creation_timestamp.as_ref()?);
+                    let ready = proxy
+                        .status
+                        .as_ref()?
+                        .conditions
+                        .iter()
+                        .find(|condition| condition.type_ == CONDITION_READY && condition.status == "True")?;
+                    system_time(&ready.last_transition_time).duration_since(created).ok().map(|took| took.as_secs())
+                })
+                .collect();
+            took.sort_unstable();
+            took.get(took.len() / 2).map(|median| i32::try_from((*median).max(1)).unwrap_or(i32::MAX))
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn pool_status(
     pool: &ProxyPool,
@@ -856,6 +883,7 @@ fn pool_status(
     counts: PoolCounts,
     facts: &PoolFacts,
     last_scale: Option<ScalingDecision>,
+    provisioning: &[Option<i32>],
     now: SystemTime,
 ) -> ProxyPoolStatus {
     let spread = pool
@@ -865,12 +893,19 @@ fn pool_status(
         .enumerate()
         .map(|(index, entry)| {
             let on = members.iter().filter(|member| !member.deleting && member.slot == Some(index));
+            // A measurement from members that have gone (a pool scaled to zero) stays until a new one replaces it.
+            let kept = status
+                .spread
+                .iter()
+                .find(|before| before.provider == entry.provider && before.zone == entry.zone)
+                .and_then(|before| before.provisioning_seconds);
             SpreadStatus {
                 provider: entry.provider.clone(),
                 zone: entry.zone.clone(),
                 desired: decision.desired_per_slot.get(index).copied().unwrap_or(0) as i32,
                 current: on.clone().count() as i32,
                 ready: on.filter(|member| member.ready).count() as i32,
+                provisioning_seconds: provisioning.get(index).copied().flatten().or(kept),
             }
         })
         .collect();

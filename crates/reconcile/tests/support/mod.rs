@@ -7,7 +7,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -15,7 +15,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use egress_api::{Proxy, ProxyMode, ProxySpec};
 use egress_health::CurrentVerdict;
-use egress_provider::{CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags};
+use egress_provider::{
+    CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, instance_name,
+};
 use egress_reconcile::{
     Context, ControllerConfig, CredentialStore, ProbeKey, ProxyFeed, ProxyVerdicts, ReconcileMetrics, StaticProviders,
     Trigger,
@@ -23,6 +25,7 @@ use egress_reconcile::{
 use egress_testenv::TestNamespace;
 use futures::StreamExt;
 use k8s_openapi::api::events::v1::Event;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -342,7 +345,7 @@ impl Harness {
             else {
                 continue;
             };
-            let name = kube::ResourceExt::name_any(&proxy);
+            let name = proxy.name_any();
             let address = format!("{ip}:{}", proxy.spec.port);
             if self.health.get(&self.probe_key(&name, &address)).is_none() {
                 self.feed_health(&name, &address, true);
@@ -387,4 +390,62 @@ pub fn managed(zone: &str) -> ProxySpec {
         placement: Some(egress_api::Placement { zone: Some(zone.into()), machine_type: None, image: None }),
         ..ProxySpec::new(ProxyMode::Managed)
     }
+}
+
+/// The seed of a crash test: `EGRESS_CRASH_SEED`, else the clock; printed so a failure can be replayed.
+pub fn crash_seed() -> u64 {
+    let seed = std::env::var("EGRESS_CRASH_SEED").ok().and_then(|seed| seed.parse().ok()).unwrap_or_else(|| {
+        SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
+    });
+    eprintln!("crash-safety seed {seed} (replay with EGRESS_CRASH_SEED={seed})");
+    seed
+}
+
+/// xorshift64*: small, seedable, and good enough to pick operations.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// What is wrong with the world now, or nothing.
+pub async fn violations(harness: &Harness) -> Vec<String> {
+    let mut problems = Vec::new();
+    let proxies: Vec<Proxy> = harness.proxies().list(&ListParams::default()).await.expect("list Proxies").items;
+    let mut wanted = BTreeSet::new();
+    for proxy in &proxies {
+        let name = proxy.name_any();
+        if proxy.metadata.deletion_timestamp.is_some() {
+            problems.push(format!("{name} is still being deleted"));
+            continue;
+        }
+        let desired = instance_name(&proxy.uid().expect("uid"), &proxy.desired_spec_hash());
+        let status = proxy.status.clone().unwrap_or_default();
+        if status.instance.as_ref().map(|instance| &instance.name) != Some(&desired) {
+            problems.push(format!(
+                "{name} records {:?}, not its desired instance {desired}",
+                status.instance.map(|i| i.name)
+            ));
+        }
+        if let Some(previous) = status.previous_instance {
+            problems.push(format!("{name} still has a previous instance {}", previous.name));
+        }
+        wanted.insert(desired);
+    }
+    let live: BTreeSet<String> = harness.provider.live().into_iter().collect();
+    for extra in live.difference(&wanted) {
+        problems.push(format!("instance {extra} belongs to no live Proxy's desired state"));
+    }
+    for missing in wanted.difference(&live) {
+        problems.push(format!("desired instance {missing} does not exist"));
+    }
+    problems
 }
