@@ -402,7 +402,8 @@ pub struct ScalingDecision {
     /// The count after.
     pub to: i32,
     /// A stable, machine-readable reason: `Wake`, `AtCapacity`, `NoneHealthy`, `LeasedShare`, `Idle`,
-    /// `LowerLeasedShare`, `Bounds` (the operator's) or `Manual` (somebody else set `spec.replicas`).
+    /// `LowerLeasedShare`, `Bounds` (the operator's), `Manual` (somebody else set `spec.replicas`) or `Created`
+    /// (the count the pool was created with).
     pub reason: String,
     /// What led to it, for a human.
     pub message: String,
