@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use egress_api::{HealthCheck, ProviderHealth, Proxy, ProxyMode, ProxyPhase, ProxyPool, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::install::{InstallOptions, Installation, SHIPPED_LEASE_TOKEN, SYSTEM_NAMESPACE};
-use egress_testenv::{LocalOrigin, eventually, http_get};
+use egress_testenv::{LocalOrigin, eventually, eventually_every, http_get};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -914,29 +914,24 @@ async fn wait_members(
     namespace: &str,
     pool: &str,
     what: &str,
-    mut observe: impl FnMut(&[Proxy]),
+    observe: impl FnMut(&[Proxy]),
     done: impl Fn(&[Proxy]) -> bool,
 ) -> Vec<Proxy> {
     let api: Api<Proxy> = Api::namespaced(client.clone(), namespace);
-    let deadline = Instant::now() + 2 * WAIT;
-    loop {
+    let observe = std::cell::RefCell::new(observe);
+    eventually_every(what, 2 * WAIT, Duration::from_millis(500), || async {
         let members = api
             .list(&ListParams::default().labels(&format!("{}={pool}", egress_api::pool::POOL_LABEL)))
             .await
             .expect("list members")
             .items;
-        observe(&members);
+        (observe.borrow_mut())(&members);
         if done(&members) {
-            return members;
+            return Ok(members);
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not reached in {:?}; members {:?}",
-            2 * WAIT,
-            members.iter().map(|proxy| (proxy.name_any(), settled(proxy))).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+        Err(format!("members {:?}", members.iter().map(|proxy| (proxy.name_any(), settled(proxy))).collect::<Vec<_>>()))
+    })
+    .await
 }
 
 #[tokio::test]
@@ -981,11 +976,15 @@ async fn a_pool_spreads_over_two_providers_scales_with_kubectl_and_rolls_within_
     )
     .await;
     assert_eq!(by_provider(&members), expected(6, 3));
-    let table = eventually("kubectl get pxp to show 9 desired and 9 Ready", WAIT, || async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    let what = "kubectl get pxp to show 9 desired and 9 Ready";
+    let table = eventually_every(what, WAIT, Duration::from_millis(500), || async {
         let table = kubectl(&["get", "pxp", "-n", namespace]).await;
         let row: Vec<String> = table.lines().nth(1).unwrap_or_default().split_whitespace().map(str::to_owned).collect();
-        (row.get(..3) == Some(&["fleet".to_owned(), "9".to_owned(), "9".to_owned()][..])).then_some(table)
+        if row.get(..3) == Some(&["fleet".to_owned(), "9".to_owned(), "9".to_owned()][..]) {
+            Ok(table)
+        } else {
+            Err(table)
+        }
     })
     .await;
     let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
@@ -1076,6 +1075,9 @@ async fn recycling_under_crawler_load_refuses_no_lease_for_capacity() {
             let (stop, refusals, granted, discovery) = (stop.clone(), refusals.clone(), granted.clone(), discovery());
             tokio::spawn(async move {
                 use std::sync::atomic::Ordering;
+                // Each lease is held for two paces (renewed in between); a refusal waits one.
+                let mut pace = tokio::time::interval(Duration::from_millis(700));
+                pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 while !stop.load(Ordering::SeqCst) {
                     let options = LeaseOptions::for_target(format!("site-{index}.example"))
                         .pool("e2e-pool-b/churn")
@@ -1083,9 +1085,9 @@ async fn recycling_under_crawler_load_refuses_no_lease_for_capacity() {
                     match discovery.lease(options).await {
                         Ok(mut lease) => {
                             granted.fetch_add(1, Ordering::SeqCst);
-                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            pace.tick().await;
                             let _ = lease.renew(Some(Duration::from_secs(30))).await;
-                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            pace.tick().await;
                             let _ = lease.release().await;
                         }
                         Err(error) => {
@@ -1096,7 +1098,7 @@ async fn recycling_under_crawler_load_refuses_no_lease_for_capacity() {
                                 other => other.to_string().chars().take(60).collect(),
                             };
                             *refusals.lock().expect("refusals").entry(kind).or_default() += 1;
-                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            pace.tick().await;
                         }
                     }
                 }
@@ -1171,8 +1173,13 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
     spec["autoscale"] =
         json!({ "min": 0, "max": 2, "idleSeconds": 20, "targetLeasedPercent": 100, "stabilizationSeconds": 30 });
     apply_pool(&client, namespace, "night", spec).await;
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    assert_eq!(pool_status(&client, namespace, "night").await.replicas, 1, "a leased pool is not idle");
+    let status = eventually("the pool controller to count the lease", WAIT, || async {
+        Some(pool_status(&client, namespace, "night").await).filter(|status| status.leased_replicas == 1)
+    })
+    .await;
+    assert_eq!(status.replicas, 1, "a leased pool is not idle");
+    // Had idleness counted from before the lease (the pool's creation), the pool would go sooner than 20 s after
+    // the release below.
 
     lease.release().await.expect("release");
     let released = Instant::now();
@@ -1199,9 +1206,13 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
         other => panic!("expected 503 scaling-up, got {:?}", other.map(|lease| lease.proxy())),
     };
     assert!(retry_after >= Duration::from_secs(1) && retry_after <= Duration::from_secs(60), "{retry_after:?}");
-    let lease = eventually("a lease once a member is Ready", Duration::from_secs(90), || async {
-        tokio::time::sleep(retry_after.min(Duration::from_secs(3))).await;
-        discovery.lease(LeaseOptions::for_target("night.example").pool("e2e-pool/night")).await.ok()
+    // Asking again every Retry-After (at most 3 s), as a crawler would.
+    let every = retry_after.min(Duration::from_secs(3));
+    let lease = eventually_every("a lease once a member is Ready", Duration::from_secs(90), every, || async {
+        discovery
+            .lease(LeaseOptions::for_target("night.example").pool("e2e-pool/night"))
+            .await
+            .map_err(|error| error.to_string())
     })
     .await;
     eprintln!("pool: woken; a lease {:.1?} after the first 503 (Retry-After was {retry_after:?})", asked.elapsed());

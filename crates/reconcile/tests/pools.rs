@@ -14,6 +14,7 @@ use egress_api::pool::POOL_LABEL;
 use egress_api::{Proxy, ProxyPool};
 use egress_reconcile::pool::{NoSignals, PoolContext, PoolDemand, PoolMetrics, PoolSignals, run_pools};
 use egress_reconcile::{PoolFeed, ProxyFeed};
+use egress_testenv::eventually_every;
 use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -22,6 +23,8 @@ use support::{Harness, Rng, managed};
 use tokio::task::JoinHandle;
 
 const SETTLE: Duration = Duration::from_secs(90);
+/// How often a wait looks again (each look lists the Proxies and reports health).
+const LOOK: Duration = Duration::from_millis(200);
 
 /// Lease counts and demand the test sets, standing for the discovery API.
 #[derive(Default)]
@@ -116,26 +119,22 @@ async fn settle(
     harness: &Harness,
     pool: &str,
     what: &str,
-    mut observe: impl FnMut(&BTreeMap<String, Proxy>),
+    observe: impl FnMut(&BTreeMap<String, Proxy>),
     done: impl Fn(&BTreeMap<String, Proxy>) -> bool,
 ) -> BTreeMap<String, Proxy> {
-    let deadline = Instant::now() + SETTLE;
-    loop {
+    let observe = std::cell::RefCell::new(observe);
+    eventually_every(what, SETTLE, LOOK, || async {
         harness.report_health().await;
         let now = members(harness, pool).await;
-        observe(&now);
+        (observe.borrow_mut())(&now);
         if done(&now) {
-            return now;
+            return Ok(now);
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not reached within {SETTLE:?}; members: {:?}",
-            now.values()
-                .map(|proxy| (proxy.name_any(), proxy.spec.provider.clone(), settled(proxy)))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        let states: Vec<_> =
+            now.values().map(|proxy| (proxy.name_any(), proxy.spec.provider.clone(), settled(proxy))).collect();
+        Err(format!("members {states:?}"))
+    })
+    .await
 }
 
 async fn pool_events(harness: &Harness, pool: &str) -> Vec<(String, String)> {
@@ -268,16 +267,12 @@ async fn wait_for_status(
     pool: &str,
     done: impl Fn(&egress_api::ProxyPoolStatus) -> bool,
 ) -> egress_api::ProxyPoolStatus {
-    let deadline = Instant::now() + SETTLE;
-    loop {
+    eventually_every("the pool's status", SETTLE, LOOK, || async {
         harness.report_health().await;
         let status = pools(harness).get(pool).await.expect("get pool").status.unwrap_or_default();
-        if done(&status) {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "the pool status never got there: {status:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if done(&status) { Ok(status) } else { Err(format!("{status:?}")) }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,21 +288,16 @@ async fn a_pool_leaves_proxies_it_does_not_own_and_goes_with_its_members() {
         vec![harness.proxies().get("eu-0").await.expect("eu-0"), harness.proxies().get("eu-1").await.expect("eu-1")];
 
     apply_pool(&harness, "eu", json!({ "replicas": 2, "template": { "spec": { "provider": "scripted" } } })).await;
-    let deadline = Instant::now() + SETTLE;
-    let owned = loop {
+    let owned = eventually_every("2 owned, settled members", SETTLE, LOOK, || async {
         harness.report_health().await;
         let all = harness.proxies().list(&ListParams::default()).await.expect("list").items;
         let owned: Vec<Proxy> = all.into_iter().filter(|proxy| !proxy.owner_references().is_empty()).collect();
         if owned.len() == 2 && owned.iter().all(settled) {
-            break owned;
+            return Ok(owned);
         }
-        assert!(
-            Instant::now() < deadline,
-            "2 owned members: {:?}",
-            owned.iter().map(|p| p.name_any()).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        Err(format!("owned {:?}", owned.iter().map(|p| p.name_any()).collect::<Vec<_>>()))
+    })
+    .await;
     let mut names: Vec<String> = owned.iter().map(|proxy| proxy.name_any()).collect();
     names.sort();
     assert_eq!(names, ["eu-2", "eu-3"], "the names others hold are skipped");
@@ -323,16 +313,12 @@ async fn a_pool_leaves_proxies_it_does_not_own_and_goes_with_its_members() {
     // Deleting the pool deletes its members (the garbage collector follows the owner references), and their
     // instances with them; the foreign Proxies stay.
     pools(&harness).delete("eu", &DeleteParams::default()).await.expect("delete the pool");
-    let deadline = Instant::now() + SETTLE;
-    loop {
+    eventually_every("the members to go with the pool", SETTLE, LOOK, || async {
         let all = harness.proxies().list(&ListParams::default()).await.expect("list").items;
         let names: Vec<String> = all.iter().map(|proxy| proxy.name_any()).collect();
-        if names == ["eu-0", "eu-1"] {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the members go with the pool: {names:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if names == ["eu-0", "eu-1"] { Ok(()) } else { Err(format!("Proxies {names:?}")) }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,6 +372,9 @@ async fn recycling_gives_each_member_a_new_instance_one_at_a_time() {
 async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     let harness = Harness::new("pool-autoscale").await;
     let signals = Arc::new(TestSignals::default());
+    // A lease on eu-0 from the start keeps the pool busy: idleness must not begin while its members come up.
+    let namespace = harness.ns.name().to_owned();
+    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 1);
     let pools_controller = PoolController::start(&harness, signals.clone());
     let spec = json!({
         "replicas": 2,
@@ -395,13 +384,11 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     apply_pool(&harness, "eu", spec).await;
     settle(&harness, "eu", "2 Ready members", |_| {}, |members| members.len() == 2 && members.values().all(settled))
         .await;
-    // A lease on eu-0 keeps the pool busy.
-    let namespace = harness.ns.name().to_owned();
-    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 1);
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(pools(&harness).get("eu").await.expect("get").spec.replicas, 2, "a leased pool is not idle");
+    let status = wait_for_status(&harness, "eu", |status| status.leased_replicas == 1).await;
+    assert_eq!(status.replicas, 2, "a leased pool is not idle");
 
-    // Released: 4 s later the pool goes to zero.
+    // Released: 4 s later the pool goes to zero. Had idleness counted from before the lease (the pool's creation,
+    // or its first pass), it would go sooner than 4 s after the release.
     let released = Instant::now();
     signals.leases.lock().unwrap().clear();
     settle(&harness, "eu", "no members", |_| {}, BTreeMap::is_empty).await;
@@ -568,14 +555,11 @@ async fn random_pool_operations_with_killed_controllers_settle_with_exactly_the_
     harness.crash().await;
     harness.start();
     let _controller = PoolController::start(&harness, Arc::new(NoSignals));
-    let deadline = Instant::now() + Duration::from_secs(180);
-    loop {
+    let what = format!("seed {seed} to settle");
+    eventually_every(&what, Duration::from_secs(180), Duration::from_millis(500), || async {
         harness.report_health().await;
         let problems = pool_violations(&harness, &wanted).await;
-        if problems.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "seed {seed}: not settled: {problems:#?}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+        if problems.is_empty() { Ok(()) } else { Err(format!("{problems:#?}")) }
+    })
+    .await;
 }

@@ -172,13 +172,36 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
+    eventually_every(what, timeout, Duration::from_millis(50), || {
+        let pending = check();
+        async move { pending.await.ok_or_else(String::new) }
+    })
+    .await
+}
+
+/// Polls `check` every `interval` until it returns `Ok`, or fails after `timeout` with `what` and the last `Err`
+/// (what was still not so) in the message. For checks too heavy to run every 50 ms (a `kubectl`, a list and a
+/// report) and for waits whose failure should show the state they ended in.
+///
+/// # Panics
+/// When the deadline passes.
+pub async fn eventually_every<T, F, Fut>(what: &str, timeout: Duration, interval: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
     let deadline = Instant::now() + timeout;
-    let mut poll = tokio::time::interval(Duration::from_millis(50));
+    let mut poll = tokio::time::interval(interval);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         poll.tick().await;
-        if let Some(value) = check().await {
-            return value;
+        match check().await {
+            Ok(value) => return value,
+            Err(last) if Instant::now() >= deadline => {
+                let last = if last.is_empty() { String::new() } else { format!("; last: {last}") };
+                panic!("timed out after {timeout:?} waiting for {what}{last}");
+            }
+            Err(_) => {}
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
     }
 }
