@@ -36,7 +36,7 @@ pub fn routes(state: Arc<Discovery>) -> Router {
         .route("/v1/leases/{id}", axum::routing::delete(release_lease))
         .route("/v1/leases/{id}/renew", post(renew_lease))
         .route("/v1/leases/{id}/report", post(report_lease))
-        .route("/v1/cooldowns", get(list_cooldowns))
+        .route("/v1/cooldowns", get(list_cooldowns).delete(clear_cooldowns))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(|| async { Json(crate::openapi::document()) }))
@@ -54,13 +54,33 @@ pub fn routes(state: Arc<Discovery>) -> Router {
         .with_state(state)
 }
 
-/// Records each request's route, status and latency.
+/// Records each request's route, status and latency, and marks the response to a request with a valid token
+/// [`Authenticated`](crate::Authenticated), so its connection leaves its address's unauthenticated count.
 async fn observe(State(state): Shared, request: Request, next: Next) -> Response {
     let route = request.extensions().get::<MatchedPath>().cloned();
+    let authenticated = scope_of(&state.auth, request.headers()).is_some();
     let started = Instant::now();
-    let response = next.run(request).await;
+    let mut response = next.run(request).await;
     state.metrics.request(route.as_ref().map(MatchedPath::as_str), response.status().as_u16(), started.elapsed());
+    if authenticated {
+        response.extensions_mut().insert(crate::Authenticated);
+    }
     response
+}
+
+/// The bearer token a request carries, if any. The scheme is case-insensitive (RFC 9110, section 11.1).
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok())?;
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// The scope a request's token has; `None` without a valid one.
+fn scope_of(auth: &Auth, headers: &HeaderMap) -> Option<Scope> {
+    match auth {
+        Auth::Disabled => Some(Scope::Admin),
+        Auth::Tokens(tokens) => tokens.scope_of(bearer(headers)?),
+    }
 }
 
 async fn readyz(State(state): Shared) -> Response {
@@ -92,24 +112,18 @@ struct Caller {
 /// Checks the bearer token and the gate; returns the caller.
 fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Caller, Problem> {
     let (scope, owner) = match &state.auth {
-        Auth::Disabled => (Scope::Lease, String::new()),
+        Auth::Disabled => (Scope::Admin, String::new()),
         Auth::Tokens(tokens) => {
-            let value = headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok());
-            // The scheme is case-insensitive (RFC 9110, section 11.1).
-            let token = value
-                .and_then(|value| value.trim_start().split_once(' '))
-                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-                .map(|(_, token)| token);
-            let Some(token) = token else {
+            let Some(token) = bearer(headers) else {
                 return Err(Problem::unauthorized("send `Authorization: Bearer <token>`"));
             };
-            let token = token.trim();
             let scope = tokens.scope_of(token).ok_or_else(|| Problem::unauthorized("the token is not known"))?;
             (scope, token.to_owned())
         }
     };
     if scope < needed {
-        return Err(Problem::forbidden("this route needs a token with the lease scope"));
+        let needed = needed.name();
+        return Err(Problem::forbidden(format!("this route needs a token with the {needed} scope (or above)")));
     }
     if let Some(reason) = state.gate.refusal() {
         state.metrics.not_serving();
@@ -213,7 +227,7 @@ fn userinfo(text: &str) -> String {
 /// The proxy URL; with credentials only for the lease scope.
 fn proxy_url(record: &ProxyRecord, scope: Scope) -> String {
     match (&record.credentials, scope) {
-        (Some((user, password)), Scope::Lease) => {
+        (Some((user, password)), scope) if scope >= Scope::Lease => {
             format!("http://{}:{}@{}", userinfo(user), userinfo(password), record.endpoint())
         }
         _ => format!("http://{}", record.endpoint()),
@@ -645,7 +659,8 @@ async fn report_lease(
     let reported = state.store.report(&id, &caller.owner, &report, SystemTime::now()).map_err(lease_problem)?;
     state.metrics.reported(&report);
     let until = reported.cooldown_until;
-    if until.is_some() {
+    // A report that changed no cooldown (its owner had counted in the running one already) needs no write.
+    if !reported.cooled.is_empty() {
         if report.outcome == Some(Outcome::Banned) {
             state.metrics.cooldown_started();
         }
@@ -662,6 +677,47 @@ async fn report_lease(
     .into_response())
 }
 
+/// `DELETE /v1/cooldowns?target=…[&proxy=namespace/name]`: ends the cooldowns for a site now (of one proxy and
+/// those sharing its egress IP, or of every proxy) and forgets their streaks; answered once the change is kept.
+async fn clear_cooldowns(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Admin)?;
+    let query = parse_query(query, &["target", "proxy"])?;
+    let Some(target) = query.get("target") else {
+        return Err(Problem::bad_request("give the site whose cooldowns to clear: ?target=<host or URL>"));
+    };
+    let proxy = query.get("proxy");
+    if let Some(proxy) = proxy {
+        if proxy.split('/').filter(|part| !part.is_empty()).count() != 2 {
+            return Err(Problem::bad_request(format!("proxy {proxy:?} must be namespace/name")));
+        }
+        if !state.records.read().expect("record lock").contains_key(proxy) {
+            return Err(Problem::not_found(format!("no proxy {proxy:?}")));
+        }
+    }
+    let cleared =
+        state.store.clear_cooldowns(target, proxy.map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
+    let mut proxies: Vec<&str> = cleared.iter().map(|cooldown| cooldown.proxy.as_str()).collect();
+    proxies.dedup();
+    let writes = proxies.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
+    futures::future::join_all(writes).await;
+    state.metrics.cooldowns_cleared(cleared.len());
+    tracing::info!(target = %target, proxy = ?proxy, cleared = cleared.len(), "cooldowns cleared by an administrator");
+    Ok(Json(json!({ "cleared": cleared.into_iter().map(cooldown_json).collect::<Vec<_>>() })).into_response())
+}
+
+fn cooldown_json(cooldown: egress_lease::Cooldown) -> serde_json::Value {
+    json!({
+        "proxy": cooldown.proxy,
+        "target": cooldown.target,
+        "until": timestamp(cooldown.until),
+        "streak": cooldown.streak,
+    })
+}
+
 async fn list_cooldowns(
     State(state): Shared,
     headers: HeaderMap,
@@ -671,10 +727,7 @@ async fn list_cooldowns(
     let query = parse_query(query, &["target"])?;
     let cooldowns =
         state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
-    let entries: Vec<serde_json::Value> = cooldowns
-        .into_iter()
-        .map(|cooldown| json!({ "proxy": cooldown.proxy, "target": cooldown.target, "until": timestamp(cooldown.until), "streak": cooldown.streak }))
-        .collect();
+    let entries: Vec<serde_json::Value> = cooldowns.into_iter().map(cooldown_json).collect();
     Ok(Json(json!({ "cooldowns": entries })).into_response())
 }
 

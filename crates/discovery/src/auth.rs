@@ -1,7 +1,8 @@
 //! Bearer-token authentication with `read` and `lease` scopes, from a file that is re-read when it changes.
 //!
-//! The file has one token per line: `<scope> <token>`, where scope is `read` (list proxies and cooldowns) or
-//! `lease` (everything, and proxy credentials in URLs); blank lines and `#` comments are ignored. Tokens are
+//! The file has one token per line: `<scope> <token>`, where scope is `read` (list proxies and cooldowns),
+//! `lease` (leases too, and proxy credentials in URLs) or `admin` (everything `lease` may, and clearing
+//! cooldowns); blank lines and `#` comments are ignored. Tokens are
 //! compared in constant time against every entry, so timing does not reveal how much of a guess was right.
 
 use std::path::{Path, PathBuf};
@@ -17,12 +18,25 @@ pub enum Scope {
     Read,
     /// Everything `read` may, plus leases, and proxy credentials in URLs.
     Lease,
+    /// Everything `lease` may, plus clearing cooldowns.
+    Admin,
+}
+
+impl Scope {
+    /// The word for it in the token file and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Lease => "lease",
+            Self::Admin => "admin",
+        }
+    }
 }
 
 /// How requests are authenticated.
 #[derive(Debug)]
 pub enum Auth {
-    /// Every request has the `lease` scope (`--discovery-auth=none`).
+    /// Every request may do everything (`--discovery-auth=none`).
     Disabled,
     /// Tokens from a file.
     Tokens(TokenFile),
@@ -53,7 +67,8 @@ pub fn parse_tokens(text: &str, path: &str) -> Result<Vec<(Scope, String)>, Toke
         let scope = match parts.next() {
             Some("read") => Scope::Read,
             Some("lease") => Scope::Lease,
-            _ => return Err(fail("a line must be `read <token>` or `lease <token>`")),
+            Some("admin") => Scope::Admin,
+            _ => return Err(fail("a line must be `read <token>`, `lease <token>` or `admin <token>`")),
         };
         let token = parts.next().ok_or_else(|| fail("the token is missing"))?;
         if parts.next().is_some() {
@@ -167,10 +182,15 @@ mod tests {
 
     #[test]
     fn token_lines_parse_with_their_errors() {
-        let tokens = parse_tokens("# comment\n\nread aaaaaaaaaaaaaaaa\nlease bbbbbbbbbbbbbbbb\n", "t").expect("valid");
-        assert_eq!(tokens, [(Scope::Read, "a".repeat(16)), (Scope::Lease, "b".repeat(16))]);
+        let tokens =
+            parse_tokens("# comment\n\nread aaaaaaaaaaaaaaaa\nlease bbbbbbbbbbbbbbbb\nadmin cccccccccccccccc\n", "t")
+                .expect("valid");
+        assert_eq!(
+            tokens,
+            [(Scope::Read, "a".repeat(16)), (Scope::Lease, "b".repeat(16)), (Scope::Admin, "c".repeat(16))]
+        );
         let cases = [
-            ("admin xxxxxxxxxxxxxxxx", 1, "a line must be"),
+            ("write xxxxxxxxxxxxxxxx", 1, "a line must be"),
             ("read", 1, "missing"),
             ("\nread short", 2, "at least 16"),
             ("read a b", 1, "spaces"),

@@ -32,7 +32,9 @@ pub use auth::{Auth, Scope, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
-pub use server::{LISTEN_BACKLOG, ServerLimits, ServerMetrics, bind, serve, serve_with};
+pub use server::{
+    Authenticated, DEFAULT_MAX_HEADER_BYTES, LISTEN_BACKLOG, ServerLimits, ServerMetrics, bind, serve, serve_with,
+};
 
 /// One proxy as the discovery API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

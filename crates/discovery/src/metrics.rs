@@ -59,6 +59,7 @@ pub struct DiscoveryMetrics {
     active: Gauge,
     expired: Counter,
     cooldowns: Counter,
+    cleared: Counter,
     cooldown_writes: Family<ResultLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
     adopted: Counter,
@@ -75,6 +76,7 @@ impl Default for DiscoveryMetrics {
             active: Gauge::default(),
             expired: Counter::default(),
             cooldowns: Counter::default(),
+            cleared: Counter::default(),
             cooldown_writes: Family::default(),
             outcomes: Family::default(),
             adopted: Counter::default(),
@@ -94,7 +96,17 @@ impl DiscoveryMetrics {
         registry.register("leases_denied", "Lease requests refused, by reason", metrics.denied.clone());
         registry.register("leases_active", "Leases currently held", metrics.active.clone());
         registry.register("leases_expired", "Leases released because they expired", metrics.expired.clone());
-        registry.register("cooldowns_started", "Ban reports that started a cooldown", metrics.cooldowns.clone());
+        registry.register(
+            "cooldowns_started",
+            "Ban reports that started or lengthened a cooldown (a ban from an owner already counted in the running one \
+             changes nothing)",
+            metrics.cooldowns.clone(),
+        );
+        registry.register(
+            "cooldowns_cleared",
+            "Running cooldowns an administrator ended (DELETE /v1/cooldowns)",
+            metrics.cleared.clone(),
+        );
         registry.register(
             "cooldown_writes",
             "Writes of a proxy's cooldowns to the apiserver (each covers every ban reported while the one before was \
@@ -151,6 +163,10 @@ impl DiscoveryMetrics {
 
     pub(crate) fn cooldown_started(&self) {
         self.cooldowns.inc();
+    }
+
+    pub(crate) fn cooldowns_cleared(&self, count: usize) {
+        self.cleared.inc_by(u64::try_from(count).unwrap_or(u64::MAX));
     }
 
     pub(crate) fn reported(&self, report: &egress_lease::Report) {

@@ -100,6 +100,18 @@ pub fn document() -> Value {
                     ("200".to_owned(), json_response("the cooldowns", "CooldownList")),
                     ("400".to_owned(), problem_response("invalid target or query parameter")),
                 ]))
+            }, "delete": {
+                "summary": "Clear cooldowns (admin scope): end them now and forget their ban streaks",
+                "description": "Ends the cooldowns for target of one proxy (and of the proxies sharing its egress IP, which shared the cooldown) or of every proxy; answered once the change is kept, so a restart or a new leader does not bring them back.",
+                "parameters": [
+                    { "name": "target", "in": "query", "required": true, "schema": { "type": "string" } },
+                    { "name": "proxy", "in": "query", "schema": { "type": "string" }, "description": "namespace/name; every proxy when absent" }
+                ],
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("the cooldowns that were running and ended", "ClearedCooldowns")),
+                    ("400".to_owned(), problem_response("invalid or missing target, or an invalid query parameter")),
+                    ("404".to_owned(), problem_response("no such proxy")),
+                ]))
             }},
             "/healthz": { "get": { "summary": "Liveness", "security": [], "responses": { "200": { "description": "alive" } } } },
             "/readyz": { "get": { "summary": "Readiness: the proxy store has synced and this replica serves", "security": [], "responses": {
@@ -145,17 +157,19 @@ pub fn document() -> Value {
                     "replaced": { "type": "boolean", "description": "true when the proxy's instance was replaced since the holder was last told its URL: use proxy.url from now on (the old instance is kept only until its holders renew, or the drain timeout)" }
                 }}]},
                 "Report": { "type": "object", "additionalProperties": false, "description": "an outcome, counts, or both", "properties": {
-                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone" },
+                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone. While a cooldown runs, a further ban or throttle from the same token changes nothing (the answer gives the running cooldown's end); another token's ban counts once" },
                     "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
                     "retryAfterSeconds": { "type": "integer", "minimum": 1, "maximum": 86400, "description": "with outcome throttled: the site's own Retry-After" },
-                    "ok": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests the site served through this lease since the last report" },
+                    "ok": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests the site served through this lease since the last report; one lease's reports count at most 100 requests plus 100 per second of its age, the rest is dropped" },
                     "failed": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests that failed otherwise" },
                     "release": { "type": "boolean", "default": false }
                 }},
                 "ReportResult": { "type": "object", "properties": { "cooldownUntil": { "type": "string", "format": "date-time" } } },
-                "CooldownList": { "type": "object", "required": ["cooldowns"], "properties": { "cooldowns": { "type": "array", "items": { "type": "object", "properties": {
+                "Cooldown": { "type": "object", "required": ["proxy", "target", "until", "streak"], "properties": {
                     "proxy": { "type": "string" }, "target": { "type": "string" }, "until": { "type": "string", "format": "date-time" }, "streak": { "type": "integer" }
-                }}}}}
+                }},
+                "CooldownList": { "type": "object", "required": ["cooldowns"], "properties": { "cooldowns": { "type": "array", "items": { "$ref": "#/components/schemas/Cooldown" } } } },
+                "ClearedCooldowns": { "type": "object", "required": ["cleared"], "properties": { "cleared": { "type": "array", "items": { "$ref": "#/components/schemas/Cooldown" } } } }
             }
         }
     })

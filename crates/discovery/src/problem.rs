@@ -54,7 +54,7 @@ impl Problem {
         Self::new(StatusCode::NOT_FOUND, "not-found", "Not found", detail)
     }
 
-    /// 401, with `WWW-Authenticate: Bearer`.
+    /// 401, with `WWW-Authenticate: Bearer`; the connection is closed after it.
     pub fn unauthorized(detail: impl Into<String>) -> Self {
         Self {
             authenticate: true,
@@ -94,6 +94,9 @@ impl IntoResponse for Problem {
         }
         if authenticate {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"egress-discovery\""));
+            // A client without a valid token gets no connection to keep: holding many open costs it a reconnect
+            // (and a place in its address's unauthenticated-connection cap) each time.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

@@ -3,12 +3,21 @@
 //! concurrent streams, and a cap on open connections (excess connections are closed as soon as they are accepted,
 //! and counted). The operator serves discovery, metrics and health this way.
 //!
+//! Connections that have not yet sent an authenticated request (every connection, on a server without
+//! authentication) are capped per source address, so one client cannot take the whole connection cap: a kubelet's
+//! probes and other clients' connections still get through. A response the router marks [`Authenticated`] lifts
+//! its connection out of that count. Request heads are limited to `max_header_bytes`: hyper answers a larger one
+//! itself, with 431 and no body (HTTP/1), or refuses the stream (HTTP/2). A body announced larger than the API takes
+//! is answered 413 at once, without waiting for it; both close the connection.
+//!
 //! HTTP/1: hyper's header-read timer starts whenever the connection waits for a request head, so a connection that
 //! sends nothing, a request line only, or headers byte by byte is closed after `header_timeout`; so is a keep-alive
 //! connection idle between requests for that long. HTTP/2: a connection with no request in flight for
 //! `idle_timeout` is closed, and one whose peer stops answering pings after `http2_keepalive_timeout`.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,6 +46,9 @@ use tracing::{debug, warn};
 use crate::api::MAX_BODY_BYTES;
 use crate::problem::Problem;
 
+/// The default limit of a request head: far above any real client's, far below what fills memory.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+
 /// The limits of one server. The defaults suit the discovery API on a busy cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServerLimits {
@@ -54,7 +66,17 @@ pub struct ServerLimits {
     pub http2_max_streams: u32,
     /// Open connections; one more is closed as soon as it is accepted.
     pub max_connections: usize,
+    /// Open connections from one source address that have not sent an authenticated request yet; one more from
+    /// that address is closed as soon as it is accepted.
+    pub max_unauthenticated_per_source: usize,
+    /// The most bytes a request head (request line and headers) may have.
+    pub max_header_bytes: usize,
 }
+
+/// Marks a response to an authenticated request: its connection no longer counts against
+/// [`ServerLimits::max_unauthenticated_per_source`].
+#[derive(Clone, Copy, Debug)]
+pub struct Authenticated;
 
 impl Default for ServerLimits {
     fn default() -> Self {
@@ -66,6 +88,8 @@ impl Default for ServerLimits {
             http2_keepalive_timeout: Duration::from_secs(10),
             http2_max_streams: 100,
             max_connections: 1024,
+            max_unauthenticated_per_source: 64,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         }
     }
 }
@@ -82,7 +106,8 @@ struct ClosedLabels {
 }
 
 /// Connection metrics of every server that shares them: open connections, connections refused at the cap, and
-/// connections closed by a limit (`header-timeout`, `body-timeout`, `idle-timeout`). Cloning shares them.
+/// connections closed by a limit (`header-timeout`, `body-timeout`, `idle-timeout`, `per-source` for one refused
+/// at its source address's cap). Cloning shares them.
 #[derive(Clone, Debug, Default)]
 pub struct ServerMetrics {
     open: Family<ServerLabels, Gauge>,
@@ -103,7 +128,7 @@ impl ServerMetrics {
         );
         registry.register(
             "connections_closed_by_limit",
-            "Connections closed by a timeout, by server and reason",
+            "Connections closed by a limit, by server and reason",
             metrics.closed.clone(),
         );
         metrics
@@ -159,6 +184,52 @@ impl Activity {
     }
 }
 
+/// Connections per source address that have not sent an authenticated request yet.
+#[derive(Default)]
+struct Unauthenticated {
+    by_source: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Unauthenticated {
+    /// Counts one more connection from `source`, unless it has `cap` already.
+    fn admit(self: &Arc<Self>, source: IpAddr, cap: usize) -> Option<SourceSlot> {
+        let mut counts = self.by_source.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = counts.entry(source).or_default();
+        if *count >= cap {
+            return None;
+        }
+        *count += 1;
+        Some(SourceSlot { counts: self.clone(), source, held: AtomicBool::new(true) })
+    }
+}
+
+/// One connection's place in its source address's count, given back when it authenticates or closes.
+struct SourceSlot {
+    counts: Arc<Unauthenticated>,
+    source: IpAddr,
+    held: AtomicBool,
+}
+
+impl SourceSlot {
+    fn release(&self) {
+        if self.held.swap(false, Ordering::AcqRel) {
+            let mut counts = self.counts.by_source.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(count) = counts.get_mut(&self.source) {
+                *count -= 1;
+                if *count == 0 {
+                    counts.remove(&self.source);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// Ends a request on its connection's [`Activity`] when dropped (its response sent, or the request abandoned).
 struct InFlight(Arc<Activity>);
 
@@ -205,21 +276,28 @@ pub async fn serve_with(
     let body_limit = BodyLimit { timeout: limits.body_timeout, metrics: metrics.clone(), server: name };
     let router = router.layer(middleware::from_fn_with_state(body_limit, read_body_in_time));
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        // hyper's smallest read buffer is 8 KiB.
+        .max_buf_size(limits.max_header_bytes.max(8192));
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(limits.http2_keepalive_interval))
         .keep_alive_timeout(limits.http2_keepalive_timeout)
-        .max_concurrent_streams(limits.http2_max_streams);
+        .max_concurrent_streams(limits.http2_max_streams)
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let unauthenticated = Arc::new(Unauthenticated::default());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, source) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, peer)) => (stream, peer.ip()),
                 Err(error) => {
                     // Out of file descriptors, or a connection reset before it was accepted: keep serving.
                     debug!(%error, server = name, "accept failed");
@@ -234,6 +312,12 @@ pub async fn serve_with(
             drop(stream);
             continue;
         };
+        let Some(source_slot) = unauthenticated.admit(source, limits.max_unauthenticated_per_source) else {
+            metrics.close(name, "per-source");
+            drop(stream);
+            continue;
+        };
+        let source_slot = Arc::new(source_slot);
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity {
             in_flight: AtomicUsize::new(0),
@@ -242,14 +326,21 @@ pub async fn serve_with(
         });
         let tracked = activity.clone();
         let router = router.clone();
+        let held = source_slot.clone();
         let service = tower::service_fn(move |request: Request<hyper::body::Incoming>| {
             tracked.in_flight.fetch_add(1, Ordering::AcqRel);
             tracked.any.store(true, Ordering::Release);
             tracked.touch();
             let guard = InFlight(tracked.clone());
             let router = router.clone();
+            let held = held.clone();
             async move {
                 let response = router.oneshot(request.map(Body::new)).await;
+                if let Ok(response) = &response
+                    && response.extensions().get::<Authenticated>().is_some()
+                {
+                    held.release();
+                }
                 drop(guard);
                 response
             }
@@ -261,7 +352,7 @@ pub async fn serve_with(
         );
         let metrics = metrics.clone();
         tokio::spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, source_slot);
             let open = metrics.open.get_or_create(&ServerLabels { server: name }).clone();
             open.inc();
             tokio::select! {
@@ -299,19 +390,33 @@ struct BodyLimit {
 async fn read_body_in_time(State(limit): State<BodyLimit>, request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let timeout = limit.timeout;
+    let too_large = || {
+        let mut response = Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too-large",
+            "The request body is too large",
+            format!("at most {MAX_BODY_BYTES} bytes"),
+        )
+        .into_response();
+        // The rest of the body may still be on its way: the connection cannot carry another request.
+        response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        response
+    };
+    // A body announced larger than the limit is refused before any of it is read.
+    let announced = parts.headers.get(header::CONTENT_LENGTH).and_then(|value| value.to_str().ok());
+    if announced
+        .and_then(|length| length.trim().parse::<u64>().ok())
+        .is_some_and(|length| length > MAX_BODY_BYTES as u64)
+    {
+        return too_large();
+    }
     match tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
         Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
         Ok(Err(error))
             if std::error::Error::source(&error)
                 .is_some_and(|source| source.is::<http_body_util::LengthLimitError>()) =>
         {
-            Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too-large",
-                "The request body is too large",
-                format!("at most {MAX_BODY_BYTES} bytes"),
-            )
-            .into_response()
+            too_large()
         }
         Ok(Err(error)) => Problem::bad_request(format!("the request body could not be read: {error}")).into_response(),
         Err(_) => {

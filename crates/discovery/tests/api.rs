@@ -17,6 +17,8 @@ const READ: &str = "read-token-0123456789";
 const LEASE: &str = "lease-token-0123456789";
 /// A second lease-scope token: it must not see the first one's leases.
 const OTHER_LEASE: &str = "other-lease-token-0123456789";
+/// An admin-scope token: it may clear cooldowns.
+const ADMIN: &str = "admin-token-0123456789";
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
@@ -58,7 +60,7 @@ impl Server {
     ) -> Self {
         let (auth, tokens) = if auth {
             let file = tempfile::NamedTempFile::new().expect("token file");
-            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\nlease {OTHER_LEASE}\n"))
+            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\nlease {OTHER_LEASE}\nadmin {ADMIN}\n"))
                 .expect("write tokens");
             (Auth::Tokens(TokenFile::load(file.path()).expect("tokens")), Some(file))
         } else {
@@ -902,4 +904,105 @@ async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
     assert!(body["detail"].as_str().unwrap_or_default().contains("namespace/name"), "{body}");
     let (status, _, body) = server.call("GET", "/v1/proxies?pool=nope", None, None).await;
     assert_eq!(status, 404, "{body}");
+}
+
+/// One client's repeated bans cannot lengthen a cooldown; another token's ban counts once; an administrator clears
+/// a cooldown (kept so in the journal, so it does not come back), and the site leases again at once.
+#[tokio::test]
+async fn one_token_cannot_escalate_a_ban_and_an_admin_clears_it() {
+    let journal =
+        Arc::new(SlowJournal { delay: Duration::ZERO, fail: false.into(), writes: std::sync::Mutex::default() });
+    let server = Server::start_with(
+        vec![record("a", 5), record("b", 5)],
+        true,
+        LeaseKey::ephemeral(),
+        Some(journal.clone() as Arc<dyn CooldownJournal>),
+    )
+    .await;
+    let (_, lease) = server.lease(json!({ "target": "shop.example.com", "proxy": "crawl/a" })).await;
+    let id = lease["id"].as_str().expect("id").to_owned();
+    let ban = |token: &'static str, id: String| {
+        let server = &server;
+        async move {
+            let (status, _, body) = server
+                .call("POST", &format!("/v1/leases/{id}/report"), Some(token), Some(r#"{"outcome":"banned"}"#))
+                .await;
+            assert_eq!(status, 200, "{body}");
+            body["cooldownUntil"].as_str().expect("the running cooldown's end").to_owned()
+        }
+    };
+    let first = ban(LEASE, id.clone()).await;
+    let writes = journal.writes.lock().expect("writes").len();
+    for _ in 0..20 {
+        assert_eq!(ban(LEASE, id.clone()).await, first, "twenty more bans from one token change nothing");
+    }
+    assert_eq!(journal.writes.lock().expect("writes").len(), writes, "and need no journal write");
+    let (_, _, cooldowns) = server.call("GET", "/v1/cooldowns?target=example.com", Some(READ), None).await;
+    assert_eq!(
+        (cooldowns["cooldowns"][0]["streak"].as_u64(), cooldowns["cooldowns"].as_array().map(Vec::len)),
+        (Some(1), Some(1))
+    );
+
+    // Another token's ban on its own lease of the same proxy counts once.
+    let (status, _, theirs) = server
+        .call("POST", "/v1/leases", Some(OTHER_LEASE), Some(r#"{"target":"example.com","proxy":"crawl/b"}"#))
+        .await;
+    assert_eq!(status, 201, "{theirs}");
+    // b is not cooling down: a's cooldown is a's (different egress IPs).
+    let (_, _, cooldowns) = server.call("GET", "/v1/cooldowns?target=example.com", Some(READ), None).await;
+    assert_eq!(cooldowns["cooldowns"].as_array().map(Vec::len), Some(1));
+
+    // Only an admin may clear; a missing target or an unknown proxy is a clear error.
+    for token in [READ, LEASE] {
+        let (status, headers, body) =
+            server.call("DELETE", "/v1/cooldowns?target=example.com", Some(token), None).await;
+        assert_eq!(status, 403, "{body}");
+        assert_problem(&headers, &body, 403);
+        assert!(body["detail"].as_str().is_some_and(|detail| detail.contains("admin scope")), "{body}");
+    }
+    let (status, _, body) = server.call("DELETE", "/v1/cooldowns", Some(ADMIN), None).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) =
+        server.call("DELETE", "/v1/cooldowns?target=example.com&proxy=crawl/nope", Some(ADMIN), None).await;
+    assert_eq!(status, 404, "{body}");
+    let (status, _, body) = server.call("DELETE", "/v1/cooldowns?target=-a.com..", Some(ADMIN), None).await;
+    assert_eq!(status, 400, "{body}");
+
+    let (status, _, cleared) =
+        server.call("DELETE", "/v1/cooldowns?target=www.example.com&proxy=crawl/a", Some(ADMIN), None).await;
+    assert_eq!(status, 200, "{cleared}");
+    assert_eq!(cleared["cleared"][0]["proxy"], "crawl/a");
+    assert_eq!(cleared["cleared"].as_array().map(Vec::len), Some(1));
+    let kept = journal.writes.lock().expect("writes").last().cloned().expect("a write");
+    assert_eq!(kept.0, "crawl/a");
+    assert!(
+        kept.1.iter().all(|cooldown| cooldown.until <= std::time::SystemTime::now()),
+        "kept as ended: {:?}",
+        kept.1
+    );
+    let (status, leased) = server.lease(json!({ "target": "example.com", "proxy": "crawl/a" })).await;
+    assert_eq!(status, 201, "the site leases a at once: {leased}");
+    let (_, _, cooldowns) = server.call("GET", "/v1/cooldowns", Some(READ), None).await;
+    assert_eq!(cooldowns["cooldowns"].as_array().map(Vec::len), Some(0));
+}
+
+/// Released means gone: 15 leases taken and released never renew (404), and the cap holds.
+#[tokio::test]
+async fn released_leases_answer_404_on_renew_and_never_pass_the_cap() {
+    let server = Server::start(vec![record("a", 5)], true).await;
+    let mut ids = Vec::new();
+    for _ in 0..15 {
+        let (status, lease) = server.lease(json!({ "target": "example.com" })).await;
+        assert_eq!(status, 201, "{lease}");
+        let id = lease["id"].as_str().expect("id").to_owned();
+        assert_eq!(server.call("DELETE", &format!("/v1/leases/{id}"), Some(LEASE), None).await.0, 204);
+        ids.push(id);
+    }
+    for id in &ids {
+        let (status, headers, body) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
+        assert_eq!(status, 404, "{body}");
+        assert_problem(&headers, &body, 404);
+    }
+    let (_, _, listed) = server.call("GET", "/v1/proxies", Some(READ), None).await;
+    assert_eq!(listed["proxies"][0]["activeLeases"], 0);
 }

@@ -24,6 +24,8 @@ const LIMITS: ServerLimits = ServerLimits {
     http2_keepalive_timeout: Duration::from_secs(1),
     http2_max_streams: 8,
     max_connections: 400,
+    max_unauthenticated_per_source: 400,
+    max_header_bytes: egress_discovery::DEFAULT_MAX_HEADER_BYTES,
 };
 
 /// Slack on top of a limit for the server to act on it, on a loaded two-core machine.
@@ -260,4 +262,120 @@ async fn get(address: SocketAddr) -> (u16, String) {
     stream.read_to_string(&mut response).await.expect("read");
     let status = response.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
     (status, response)
+}
+
+/// A connection to `address` from the loopback address `source` (so one test plays clients on several hosts).
+async fn connect_from(source: &str, address: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind(format!("{source}:0").parse().expect("an address")).expect("bind the source address");
+    socket.connect(address).await.expect("connect")
+}
+
+/// Reads until the server closes the connection (or `within` passes, which fails the test); returns what it sent.
+async fn read_to_close(stream: &mut TcpStream, within: Duration) -> String {
+    let mut received = Vec::new();
+    let read = tokio::time::timeout(within, stream.read_to_end(&mut received)).await;
+    assert!(read.is_ok(), "the connection was still open after {within:?}");
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+const TOKEN: &str = "lease-token-0123456789abcdef";
+
+async fn start_with_tokens(limits: ServerLimits) -> (SocketAddr, ServerMetrics, tempfile::NamedTempFile) {
+    let tokens = tempfile::NamedTempFile::new().expect("token file");
+    std::fs::write(tokens.path(), format!("lease {TOKEN}\n")).expect("write tokens");
+    let auth = Auth::Tokens(egress_discovery::TokenFile::load(tokens.path()).expect("tokens"));
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
+    state.mark_synced();
+    let listener = egress_discovery::bind("127.0.0.1:0".parse().expect("an address")).expect("bind");
+    let address = listener.local_addr().expect("address");
+    let metrics = ServerMetrics::default();
+    tokio::spawn(serve_with(listener, router(state), limits, "discovery", metrics.clone(), std::future::pending()));
+    (address, metrics, tokens)
+}
+
+/// A client without a valid token cannot hold the server: each 401 closes its connection, and connections from one
+/// address that have not authenticated are capped, while clients with a token (and other addresses) are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_without_a_token_cannot_starve_clients_with_one() {
+    let limits = ServerLimits { max_unauthenticated_per_source: 32, header_timeout: Duration::from_secs(10), ..LIMITS };
+    let (address, metrics, _tokens) = start_with_tokens(limits).await;
+
+    // A 401 ends the connection: of two pipelined token-less requests, one is answered.
+    let mut stream = connect_from("127.0.0.2", address).await;
+    let request = "GET /v1/proxies HTTP/1.1\r\nHost: d\r\n\r\n";
+    stream.write_all(format!("{request}{request}").as_bytes()).await.expect("write");
+    let answered = read_to_close(&mut stream, Duration::from_secs(2)).await;
+    assert_eq!(answered.matches("HTTP/1.1 401").count(), 1, "{answered}");
+    assert!(answered.to_ascii_lowercase().contains("connection: close"), "{answered}");
+
+    // 200 silent connections from one address: 32 are held, the rest closed as soon as they are accepted.
+    let mut silent = Vec::new();
+    for _ in 0..200 {
+        silent.push(connect_from("127.0.0.2", address).await);
+    }
+    eventually("the excess to be closed", Duration::from_secs(10), || {
+        let closed = metrics.closed_by_limit("discovery", "per-source");
+        async move { (closed >= 168).then_some(()) }
+    })
+    .await;
+    assert_eq!(metrics.open("discovery"), 32, "only the address's cap is held");
+    // Clients with a token, from another address and from the flooding one, are served meanwhile.
+    for source in ["127.0.0.1", "127.0.0.3"] {
+        for _ in 0..20 {
+            let mut stream = connect_from(source, address).await;
+            let request = format!(
+                "GET /v1/proxies HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let answer = read_to_close(&mut stream, Duration::from_secs(2)).await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{source}: {answer}");
+        }
+    }
+    drop(silent);
+
+    // A connection that authenticated leaves its address's count: 32 keep-alive clients with a token, then 32
+    // silent ones from the same address are all held.
+    let mut kept = Vec::new();
+    for _ in 0..32 {
+        let mut stream = connect_from("127.0.0.4", address).await;
+        let request = format!("GET /v1/proxies HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await.expect("an answer");
+        assert_eq!(&head, b"HTTP/1.1 200");
+        kept.push(stream);
+    }
+    let refused_before = metrics.closed_by_limit("discovery", "per-source");
+    for _ in 0..32 {
+        kept.push(connect_from("127.0.0.4", address).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(metrics.closed_by_limit("discovery", "per-source"), refused_before, "none refused");
+}
+
+/// Oversized heads and bodies are refused at once: 431 for a head over the limit (hyper's own answer, without a
+/// body), 413 for a body announced over the limit, before any of it is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_heads_and_announced_bodies_are_refused_at_once() {
+    let (address, _metrics, _tokens) = start_with_tokens(LIMITS).await;
+    let mut stream = connect_from("127.0.0.1", address).await;
+    let huge = "a".repeat(100 * 1024);
+    let request = format!("GET /v1/proxies HTTP/1.1\r\nHost: d\r\nX-Filler: {huge}\r\n\r\n");
+    // The server may close while the head is still being written.
+    let _ = stream.write_all(request.as_bytes()).await;
+    let answer = read_to_close(&mut stream, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+
+    let started = Instant::now();
+    let mut stream = connect_from("127.0.0.1", address).await;
+    let request = format!(
+        "POST /v1/leases HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let answer = read_to_close(&mut stream, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("application/problem+json") && answer.contains("too-large"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(2), "answered after {:?}", started.elapsed());
 }

@@ -114,7 +114,8 @@ pub struct Reported {
 pub enum Outcome {
     /// The target served the request: the ban streak for (proxy, target) resets.
     Ok,
-    /// The target blocked the proxy: (proxy, target) cools down, for longer with each ban in a row.
+    /// The target blocked the proxy: (proxy, target) cools down, for longer with each ban in a row. A ban while
+    /// that cooldown runs changes it only when it comes from an owner whose ban has not counted in it yet.
     Banned,
     /// The target asked to slow down (429 or the like): (proxy, target) cools down briefly, for the site's own
     /// `Retry-After` when given, without touching the ban streak.
@@ -245,7 +246,7 @@ pub enum LeaseError {
     /// No proxy has that identifier.
     #[error("no proxy {0:?}")]
     UnknownProxy(String),
-    /// No live lease has that identifier (never existed, released or expired).
+    /// No live lease has that identifier (never existed, released or expired): a released lease never comes back.
     #[error("no lease {0:?} (it may have expired or been released)")]
     UnknownLease(String),
     /// The lease was revoked because its proxy turned unhealthy or disappeared.
@@ -274,6 +275,10 @@ pub struct LeaseConfig {
     pub throttle_cap: Duration,
     /// The most (proxy, target) outcome counters kept; the least recently reported go first beyond it.
     pub max_outcomes: usize,
+    /// How many requests one lease's reports may count at once, before its age allows more.
+    pub reported_burst: u64,
+    /// How many more requests per second of a lease's age its reports may count: what one lease could have sent.
+    pub reported_per_second: u64,
 }
 
 impl Default for LeaseConfig {
@@ -288,6 +293,8 @@ impl Default for LeaseConfig {
             throttle_default: Duration::from_secs(60),
             throttle_cap: Duration::from_secs(3600),
             max_outcomes: 1_000_000,
+            reported_burst: 100,
+            reported_per_second: 100,
         }
     }
 }
@@ -310,9 +317,13 @@ pub trait LeaseStore: Send + Sync {
     fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError>;
     /// The cooldowns (live, or ended but with their streak still remembered) of one proxy, latest end first.
     fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown>;
-    /// Takes in cooldowns kept elsewhere (after a restart); one this store already knows to end later is kept.
-    /// Returns how many were taken.
+    /// Takes in cooldowns kept elsewhere (after a restart); one this store already knows to end later is kept,
+    /// and so is the clearing of one (an older record of a cleared cooldown is not taken). Returns how many were
+    /// taken.
     fn restore_cooldowns(&self, cooldowns: &[Cooldown], now: SystemTime) -> usize;
+    /// Ends the cooldowns for `target` (normalised here) now and forgets their streaks: of `proxy` and the
+    /// proxies leaving through its egress IP, or of every proxy. Returns the ones that were running.
+    fn clear_cooldowns(&self, target: &str, proxy: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;
     /// How many live leases on `proxy` were last told `endpoint`.
     fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize;
     /// Releases every lease that has expired; returns how many.

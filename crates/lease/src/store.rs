@@ -45,6 +45,21 @@ struct LeaseState {
     /// Taken over from an ID another store issued (after a restart or a change of leader): it may have been
     /// granted before a cooldown this store knows, and it may take its proxy above the cap.
     adopted: bool,
+    /// Requests its reports have counted so far (bounded by what the lease could have made).
+    reported: u64,
+}
+
+/// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
+/// to refuse them (a released lease never comes back) and to still count a late report against its proxy.
+struct EndedLease {
+    proxy: String,
+    target: String,
+    /// Its latest expiry; remembered until then.
+    until: SystemTime,
+    /// Released by its holder (404 from now on) rather than revoked by the store (410).
+    released: bool,
+    granted_at: SystemTime,
+    reported: u64,
 }
 
 struct CooldownState {
@@ -53,6 +68,11 @@ struct CooldownState {
     forget_at: SystemTime,
     /// The store sequence when the ban was reported, to tell a cooldown that predates a lease from a later one.
     started: u64,
+    /// Who made the running cooldown (lease owners), and whether with a ban: one owner's further reports while
+    /// it runs change nothing (a ban after only a throttle still counts), another owner's ban counts once.
+    reporters: Vec<(String, bool)>,
+    /// The end of a cooldown an administrator cleared: an older record of it (in the journal) is not restored.
+    cleared_until: Option<SystemTime>,
 }
 
 #[derive(Default)]
@@ -63,9 +83,9 @@ struct Inner {
     /// Live leases by serial.
     leases: HashMap<u64, LeaseState>,
     lease_expiries: BTreeSet<(SystemTime, u64)>,
-    /// Revoked leases: proxy and target (so a late ban report still counts), kept until they would have expired.
-    revoked: HashMap<u64, (String, String, SystemTime)>,
-    revoked_expiries: BTreeSet<(SystemTime, u64)>,
+    /// Leases revoked or released before their expiry, kept until then.
+    ended: HashMap<u64, EndedLease>,
+    ended_expiries: BTreeSet<(SystemTime, u64)>,
     cooldowns: HashMap<(String, String), CooldownState>,
     cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
     sessions: HashMap<(String, String), (String, SystemTime)>,
@@ -137,8 +157,10 @@ impl InMemoryLeaseStore {
         if inner.leases.contains_key(&claims.serial) {
             return Ok(claims.serial);
         }
-        if inner.revoked.contains_key(&claims.serial) {
-            return Err(LeaseError::Revoked(id.to_owned()));
+        match inner.ended.get(&claims.serial) {
+            Some(ended) if ended.released => return Err(unknown()),
+            Some(_) => return Err(LeaseError::Revoked(id.to_owned())),
+            None => {}
         }
         if claims.expires_at <= now {
             return Err(unknown());
@@ -166,6 +188,7 @@ impl InMemoryLeaseStore {
                 granted_at: now,
                 endpoint,
                 adopted: true,
+                reported: 0,
             },
         );
         Ok(serial)
@@ -243,7 +266,7 @@ impl InMemoryLeaseStore {
     /// Counts of live entries, for memory-bound tests: (leases, cooldowns, sessions, revoked, outcome counters).
     pub fn sizes(&self) -> (usize, usize, usize, usize, usize) {
         let inner = self.lock();
-        (inner.leases.len(), inner.cooldowns.len(), inner.sessions.len(), inner.revoked.len(), inner.outcomes.len())
+        (inner.leases.len(), inner.cooldowns.len(), inner.sessions.len(), inner.ended.len(), inner.outcomes.len())
     }
 }
 
@@ -326,15 +349,30 @@ impl Inner {
         Some(lease)
     }
 
-    /// Forgets a revoked lease; whether it was one.
-    fn forget_revoked(&mut self, serial: u64) -> bool {
-        match self.revoked.remove(&serial) {
-            Some((_, _, at)) => {
-                self.revoked_expiries.remove(&(at, serial));
-                true
-            }
-            None => false,
+    /// Remembers a lease that ended before `until` (its latest expiry), so its IDs are refused until then.
+    fn end(&mut self, serial: u64, ended: EndedLease) {
+        let until = ended.until;
+        if let Some(previous) = self.ended.insert(serial, ended) {
+            self.ended_expiries.remove(&(previous.until, serial));
         }
+        self.ended_expiries.insert((until, serial));
+    }
+
+    /// Ends a live lease for good: its slot is freed and its IDs are refused from now on. Whether it was live.
+    fn release_live(&mut self, serial: u64) -> bool {
+        let Some(lease) = self.free(serial) else { return false };
+        self.end(
+            serial,
+            EndedLease {
+                proxy: lease.proxy,
+                target: lease.target,
+                until: lease.expires_at,
+                released: true,
+                granted_at: lease.granted_at,
+                reported: lease.reported,
+            },
+        );
+        true
     }
 
     fn revoke_all(&mut self, proxy: &str) {
@@ -354,8 +392,31 @@ impl Inner {
         let excess = serials.len().saturating_sub(keep as usize);
         for (_, serial) in serials.into_iter().rev().take(excess) {
             if let Some(lease) = self.free(serial) {
-                self.revoked_expiries.insert((lease.expires_at, serial));
-                self.revoked.insert(serial, (lease.proxy, lease.target, lease.expires_at));
+                self.end(
+                    serial,
+                    EndedLease {
+                        proxy: lease.proxy,
+                        target: lease.target,
+                        until: lease.expires_at,
+                        released: false,
+                        granted_at: lease.granted_at,
+                        reported: lease.reported,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Notes that `owner`'s report (a ban or a throttle) made the cooldown of `key`: added to who counted in it
+    /// when it was running already, else the first.
+    fn reported_by(&mut self, key: &(String, String), owner: &str, ban: bool, running: bool) {
+        if let Some(cooldown) = self.cooldowns.get_mut(key) {
+            if !running {
+                cooldown.reporters.clear();
+            }
+            match cooldown.reporters.iter_mut().find(|(who, _)| who == owner) {
+                Some((_, banned)) => *banned |= ban,
+                None => cooldown.reporters.push((owner.to_owned(), ban)),
             }
         }
     }
@@ -389,6 +450,7 @@ impl Inner {
             granted_at: now,
             endpoint,
             adopted: false,
+            reported: 0,
         };
         let granted = store.sign(serial, &lease, owner);
         self.leases.insert(serial, lease);
@@ -431,8 +493,13 @@ impl Inner {
         self.sequence += 1;
         let started = self.sequence;
         let key = (proxy, target);
-        if let Some(previous) = self.cooldowns.insert(key.clone(), CooldownState { until, streak, forget_at, started })
-        {
+        let (reporters, cleared_until) = self
+            .cooldowns
+            .get(&key)
+            .map(|previous| (previous.reporters.clone(), previous.cleared_until))
+            .unwrap_or_default();
+        let state = CooldownState { until, streak, forget_at, started, reporters, cleared_until };
+        if let Some(previous) = self.cooldowns.insert(key.clone(), state) {
             self.cooldown_expiries.remove(&(previous.forget_at, key.0.clone(), key.1.clone()));
         }
         self.cooldown_expiries.insert((forget_at, key.0, key.1));
@@ -455,12 +522,12 @@ impl Inner {
                 expired += 1;
             }
         }
-        while let Some((at, serial)) = self.revoked_expiries.first().copied() {
+        while let Some((at, serial)) = self.ended_expiries.first().copied() {
             if at > now {
                 break;
             }
-            self.revoked_expiries.pop_first();
-            self.revoked.remove(&serial);
+            self.ended_expiries.pop_first();
+            self.ended.remove(&serial);
         }
         while let Some((at, proxy, target)) = self.cooldown_expiries.first().cloned() {
             if at > now {
@@ -621,9 +688,28 @@ impl LeaseStore for InMemoryLeaseStore {
         let mut inner = self.lock();
         inner.expire(now);
         let Some(claims) = self.key.verify(id, owner) else { return Err(LeaseError::UnknownLease(id.to_owned())) };
-        // A revoked lease's slot was freed when it was revoked; releasing it is accepted and forgets it. So is
-        // releasing a valid lease this store never saw (granted before a takeover): there is nothing to free.
-        if inner.free(claims.serial).is_some() || inner.forget_revoked(claims.serial) || claims.expires_at > now {
+        if inner.release_live(claims.serial) {
+            return Ok(());
+        }
+        // A lease that already ended (revoked, or released before) is accepted again and stays refused.
+        if let Some(ended) = inner.ended.get_mut(&claims.serial) {
+            ended.released = true;
+            return Ok(());
+        }
+        // A valid lease this store never saw (granted before a takeover): nothing to free, but none of its IDs
+        // may be adopted from now on. Another ID of it may carry a later expiry, at most the longest TTL away.
+        if claims.expires_at > now {
+            inner.end(
+                claims.serial,
+                EndedLease {
+                    proxy: claims.proxy,
+                    target: claims.target,
+                    until: now + self.config.max_ttl,
+                    released: true,
+                    granted_at: now,
+                    reported: 0,
+                },
+            );
             return Ok(());
         }
         Err(LeaseError::UnknownLease(id.to_owned()))
@@ -632,24 +718,56 @@ impl LeaseStore for InMemoryLeaseStore {
     fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError> {
         let mut inner = self.lock();
         inner.expire(now);
-        let serial = match self.resolve(&mut inner, id, owner, now) {
-            Ok(serial) => serial,
-            // A report on a revoked lease still counts (the ban happened), against the proxy it was on.
-            Err(LeaseError::Revoked(_)) => self.key.verify(id, owner).map(|claims| claims.serial).expect("verified"),
-            Err(error) => return Err(error),
-        };
-        let (proxy, target) = match (inner.leases.get(&serial), inner.revoked.get(&serial)) {
-            (Some(lease), _) => (lease.proxy.clone(), lease.target.clone()),
-            (None, Some((proxy, target, _))) => (proxy.clone(), target.clone()),
-            (None, None) => {
-                // Revoked before this store knew it (its proxy is gone or unhealthy): the ban still counts.
-                let claims = self.key.verify(id, owner).expect("verified");
-                (claims.proxy, claims.target)
+        let unknown = || LeaseError::UnknownLease(id.to_owned());
+        let claims = self.key.verify(id, owner).ok_or_else(unknown)?;
+        let serial = claims.serial;
+        // A report on a lease that ended (released, or revoked) still counts, against the proxy it was on: the
+        // answer it reports was on its way when the lease ended. It never brings the lease back.
+        if !inner.ended.contains_key(&serial) {
+            match self.resolve(&mut inner, id, owner, now) {
+                Ok(_) => {}
+                Err(LeaseError::Revoked(_)) => {
+                    // Revoked before this store knew it (its proxy is gone or unhealthy): remembered as such.
+                    inner.end(
+                        serial,
+                        EndedLease {
+                            proxy: claims.proxy.clone(),
+                            target: claims.target.clone(),
+                            until: claims.expires_at,
+                            released: false,
+                            granted_at: now,
+                            reported: 0,
+                        },
+                    );
+                }
+                Err(error) => return Err(error),
             }
+        }
+        let (proxy, target, granted_at, reported) = match (inner.leases.get(&serial), inner.ended.get(&serial)) {
+            (Some(lease), _) => (lease.proxy.clone(), lease.target.clone(), lease.granted_at, lease.reported),
+            (None, Some(ended)) => (ended.proxy.clone(), ended.target.clone(), ended.granted_at, ended.reported),
+            (None, None) => return Err(unknown()),
+        };
+        // What one lease's reports may count is bounded by what it could have sent: a burst, then a rate over its
+        // age. The outcome itself always counts; counts beyond the bound are dropped.
+        let age = now.duration_since(granted_at).unwrap_or_default().as_secs();
+        let mut budget = self
+            .config
+            .reported_burst
+            .saturating_add(self.config.reported_per_second.saturating_mul(age))
+            .saturating_sub(reported);
+        let mut take = |asked: u32| {
+            let taken = u64::from(asked).min(budget);
+            budget -= taken;
+            taken
         };
         let key = (proxy.clone(), target.clone());
-        let mut counted =
-            Outcomes { ok: u64::from(report.ok), failed: u64::from(report.failed), ..Outcomes::default() };
+        let mut counted = Outcomes::default();
+        if report.outcome.is_some() {
+            take(1);
+        }
+        counted.ok = take(report.ok);
+        counted.failed = take(report.failed);
         // A served request means the site does not block this proxy now: the ban streak starts over (before a ban
         // in the same report, which then counts as the first in a row).
         if (report.ok > 0 || report.outcome == Some(Outcome::Ok))
@@ -657,6 +775,16 @@ impl LeaseStore for InMemoryLeaseStore {
         {
             cooldown.streak = 0;
         }
+        // A cooldown already running is changed only by an owner whose report has not counted in it yet: one
+        // client reporting again and again never lengthens it nor raises the streak.
+        let running = inner.cooldowns.get(&key).filter(|cooldown| cooldown.until > now);
+        let reported_before = |ban: bool| {
+            running
+                .is_some_and(|cooldown| cooldown.reporters.iter().any(|(who, banned)| who == owner && *banned >= ban))
+        };
+        let (banned_already, throttled_already) = (reported_before(true), reported_before(false));
+        let running_until = running.map(|cooldown| cooldown.until);
+        let mut changed = false;
         let cooldown_until = match report.outcome {
             None => None,
             Some(Outcome::Ok) => {
@@ -667,12 +795,22 @@ impl LeaseStore for InMemoryLeaseStore {
                 counted.failed += 1;
                 None
             }
+            Some(Outcome::Banned) if banned_already => {
+                counted.banned += 1;
+                running_until
+            }
             Some(Outcome::Banned) => {
                 counted.banned += 1;
                 let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak).saturating_add(1);
-                let until = now + self.cooldown_for(streak);
+                let until = (now + self.cooldown_for(streak)).max(running_until.unwrap_or(now));
                 inner.set_cooldown(self, proxy.clone(), target.clone(), until, streak);
+                inner.reported_by(&key, owner, true, running_until.is_some());
+                changed = true;
                 Some(until)
+            }
+            Some(Outcome::Throttled { .. }) if throttled_already => {
+                counted.throttled += 1;
+                running_until
             }
             Some(Outcome::Throttled { retry_after }) => {
                 counted.throttled += 1;
@@ -680,22 +818,35 @@ impl LeaseStore for InMemoryLeaseStore {
                     .unwrap_or(self.config.throttle_default)
                     .clamp(Duration::from_secs(1), self.config.throttle_cap);
                 // A throttle never shortens a cooldown already running, and leaves the ban streak as it is.
-                let (running, streak) =
-                    inner.cooldowns.get(&key).map_or((now, 0), |cooldown| (cooldown.until, cooldown.streak));
-                let until = running.max(now + wait);
+                let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak);
+                let until = running_until.unwrap_or(now).max(now + wait);
                 inner.set_cooldown(self, proxy.clone(), target.clone(), until, streak);
+                inner.reported_by(&key, owner, false, running_until.is_some());
+                changed = true;
                 Some(until)
             }
         };
         let mut cooled = Vec::new();
-        if let Some(until) = cooldown_until {
+        if changed && let Some(until) = cooldown_until {
             let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak);
             cooled.push(proxy.clone());
             cooled.extend(inner.share_cooldown(self, &proxy, &target, until, streak));
         }
+        let used = counted.total();
+        match inner.leases.get_mut(&serial) {
+            Some(lease) => lease.reported += used,
+            None => {
+                if let Some(ended) = inner.ended.get_mut(&serial) {
+                    ended.reported += used;
+                }
+            }
+        }
         inner.count(self, key, counted, now);
-        if report.release && inner.free(serial).is_none() {
-            inner.forget_revoked(serial);
+        if report.release
+            && !inner.release_live(serial)
+            && let Some(ended) = inner.ended.get_mut(&serial)
+        {
+            ended.released = true;
         }
         Ok(Reported { proxy, cooldown_until, cooled })
     }
@@ -725,8 +876,11 @@ impl LeaseStore for InMemoryLeaseStore {
         for cooldown in cooldowns {
             let Ok(target) = normalize(&cooldown.target, self.config.target_mode) else { continue };
             let known = inner.cooldowns.get(&(cooldown.proxy.clone(), target.clone()));
-            // The newest word wins: what this store saw itself is never rolled back by an older record of it.
-            if known.is_some_and(|known| known.until >= cooldown.until) {
+            // The newest word wins: what this store saw itself is never rolled back by an older record of it, and a
+            // cooldown an administrator cleared does not come back from a record written before.
+            if known.is_some_and(|known| {
+                known.until >= cooldown.until || known.cleared_until.is_some_and(|cleared| cleared >= cooldown.until)
+            }) {
                 continue;
             }
             let forget_at = cooldown.until + self.cooldown_for(cooldown.streak.saturating_add(1));
@@ -737,6 +891,37 @@ impl LeaseStore for InMemoryLeaseStore {
             restored += 1;
         }
         restored
+    }
+
+    fn clear_cooldowns(&self, target: &str, proxy: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError> {
+        let target = normalize(target, self.config.target_mode)?;
+        let mut inner = self.lock();
+        inner.expire(now);
+        let proxies: Vec<String> = match proxy {
+            // The proxy's cooldown was shared with every proxy leaving through its address: so is the clearing.
+            Some(proxy) => std::iter::once(proxy.to_owned()).chain(inner.siblings(proxy)).collect(),
+            None => inner.cooldowns.keys().filter(|(_, cooled)| *cooled == target).map(|(id, _)| id.clone()).collect(),
+        };
+        let mut cleared = Vec::new();
+        for id in proxies {
+            let key = (id, target.clone());
+            let Some(cooldown) = inner.cooldowns.get_mut(&key) else { continue };
+            if cooldown.until > now {
+                cleared.push(Cooldown {
+                    proxy: key.0.clone(),
+                    target: key.1.clone(),
+                    until: cooldown.until,
+                    streak: cooldown.streak,
+                });
+            }
+            // Ended now, the streak forgotten; remembered as cleared until it would have been forgotten.
+            cooldown.cleared_until = cooldown.cleared_until.max(Some(cooldown.until));
+            cooldown.until = cooldown.until.min(now);
+            cooldown.streak = 0;
+            cooldown.reporters.clear();
+        }
+        cleared.sort_by(|a, b| a.proxy.cmp(&b.proxy));
+        Ok(cleared)
     }
 
     fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize {

@@ -5,8 +5,15 @@
 //! `www.shop.example.co.uk` also covers `img.shop.example.co.uk`. Exact-host mode keeps the full host name.
 //!
 //! A target is a host, an IP address, or an `http`/`https` URL; any other scheme (`javascript:`, `mailto:`,
-//! `ftp://`) is refused. Internationalised names are normalised to their ASCII (punycode) form first, so
-//! `bücher.example.de` and `xn--bcher-kva.example.de` are one site.
+//! `ftp://`) is refused. It is parsed as a browser parses it (the WHATWG URL standard, through the `url` crate), so
+//! the host the cooldown names is the host a browser or crawler would connect to: `http://good.com\@evil.com/` is
+//! `good.com`, `01.02.03.04` is `1.2.3.4`, internationalised names become their ASCII (punycode) form. On top of
+//! the URL standard a name must be a DNS name (labels of letters, digits, `-` and `_`, none starting or ending with
+//! `-`, punycode that decodes), and a public suffix alone (`com`, `co.uk`) is no site.
+
+use std::net::Ipv6Addr;
+
+use url::{Host, Url};
 
 /// How targets are compared.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,43 +35,47 @@ pub struct InvalidTarget {
     pub why: &'static str,
 }
 
+/// The longest target accepted, in bytes, before parsing.
+const MAX_TARGET_BYTES: usize = 2048;
+
+/// Whether `text` starts with a URL scheme (`javascript:`, `mailto:`, `ftp://`) rather than `host:port`. A
+/// scheme with a dot is read as a host (`example.com:-1` is a bad port, not a scheme), unless `//` follows.
+fn has_scheme(text: &str) -> bool {
+    let Some((scheme, rest)) = text.split_once(':') else { return false };
+    let scheme_like = scheme.bytes().next().is_some_and(|first| first.is_ascii_alphabetic())
+        && scheme.bytes().all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'+' | b'-' | b'.'))
+        && (!scheme.contains('.') || rest.starts_with("//"));
+    let port = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    scheme_like && (rest.starts_with("//") || port.is_empty() || !port.bytes().all(|byte| byte.is_ascii_digit()))
+}
+
 /// Normalises a target: a host name, an IP address, or a URL.
 pub fn normalize(target: &str, mode: TargetMode) -> Result<String, InvalidTarget> {
     let invalid = |why| InvalidTarget { target: target.to_owned(), why };
-    let mut rest = target.trim();
-    if let Some((scheme, after)) = rest.split_once("://") {
-        if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+    let text = target.trim();
+    if text.is_empty() {
+        return Err(invalid("it has no host"));
+    }
+    if text.len() > MAX_TARGET_BYTES {
+        return Err(invalid("it is longer than 2048 characters"));
+    }
+    let url = if has_scheme(text) {
+        let url = Url::parse(text).map_err(|_| invalid("it is not a valid URL"))?;
+        if url.scheme() != "http" && url.scheme() != "https" {
             return Err(invalid("only http and https URLs are targets"));
         }
-        rest = after;
-    } else if let Some((before, after)) = rest.split_once(':')
-        && !before.contains(['/', '[', '@'])
-        && before.matches(':').count() == 0
-        && !after.contains(':')
-        && !after
-            .split(['/', '?', '#'])
-            .next()
-            .is_some_and(|port| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
-    {
-        // `javascript:alert(1)`, `mailto:a@b.com`: a scheme without `//`, not `host:port`.
-        return Err(invalid("only http and https URLs are targets"));
-    }
-    rest = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if let Some((_, host)) = rest.rsplit_once('@') {
-        rest = host;
-    }
-    let host = if let Some(bracketed) = rest.strip_prefix('[') {
-        bracketed.split(']').next().unwrap_or_default()
-    } else if rest.matches(':').count() == 1 {
-        rest.split(':').next().unwrap_or_default()
+        url
+    } else if let Ok(address) = text.parse::<Ipv6Addr>() {
+        // A bare IPv6 address, which a URL would need in brackets.
+        return Ok(address.to_string());
     } else {
-        rest
+        Url::parse(&format!("http://{text}")).map_err(|_| invalid("it is not a valid host, host:port or URL"))?
     };
-    let host = host.trim_end_matches('.');
-    let host = if host.is_ascii() {
-        host.to_ascii_lowercase()
-    } else {
-        idna::domain_to_ascii(host).map_err(|_| invalid("it is not a valid internationalised domain name"))?
+    let host = match url.host() {
+        Some(Host::Ipv4(address)) => return Ok(address.to_string()),
+        Some(Host::Ipv6(address)) => return Ok(address.to_string()),
+        Some(Host::Domain(domain)) => domain.trim_end_matches('.'),
+        None => return Err(invalid("it has no host")),
     };
     if host.is_empty() {
         return Err(invalid("it has no host"));
@@ -72,20 +83,27 @@ pub fn normalize(target: &str, mode: TargetMode) -> Result<String, InvalidTarget
     if host.len() > 253 {
         return Err(invalid("it is longer than 253 characters"));
     }
-    if host.parse::<std::net::IpAddr>().is_ok() {
-        return Ok(host);
-    }
     let label_ok = |label: &str| {
         !label.is_empty()
             && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
             && label.bytes().all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
     };
     if !host.split('.').all(label_ok) {
-        return Err(invalid("a host name is dot-separated labels of letters, digits, '-' and '_'"));
+        return Err(invalid(
+            "a host name is dot-separated labels of letters, digits, '-' and '_', none starting or ending with '-'",
+        ));
+    }
+    if host.split('.').any(|label| label.starts_with("xn--")) && idna::domain_to_unicode(host).1.is_err() {
+        return Err(invalid("it is not a valid internationalised domain name"));
+    }
+    if psl::suffix(host.as_bytes()).is_some_and(|suffix| suffix.is_known() && suffix.as_bytes() == host.as_bytes()) {
+        return Err(invalid("it is a public suffix (like com or co.uk), not a site"));
     }
     Ok(match mode {
-        TargetMode::ExactHost => host,
-        TargetMode::RegistrableDomain => psl::domain_str(&host).map_or(host.clone(), str::to_owned),
+        TargetMode::ExactHost => host.to_owned(),
+        TargetMode::RegistrableDomain => psl::domain_str(host).unwrap_or(host).to_owned(),
     })
 }
 
@@ -120,7 +138,7 @@ mod tests {
 
     #[test]
     fn junk_is_rejected() {
-        for bad in ["", "   ", "http:///path", "exa mple.com", "a..b", &"a".repeat(300)] {
+        for bad in ["", "   ", "http://", "exa mple.com", "a..b", &"a".repeat(300)] {
             assert!(normalize(bad, TargetMode::RegistrableDomain).is_err(), "{bad:?}");
         }
     }
@@ -138,6 +156,67 @@ mod tests {
         {
             assert!(normalize(good, TargetMode::RegistrableDomain).is_ok(), "{good}");
         }
+    }
+
+    /// Targets as a browser would parse them, and what each names (or why it names nothing).
+    #[test]
+    fn targets_parse_as_browsers_parse_them() {
+        let named = [
+            ("example.com", "example.com"),
+            ("EXAMPLE.com.", "example.com"),
+            ("http://example.com", "example.com"),
+            ("https://www.example.com:8443/a?b#c", "example.com"),
+            ("//example.com/path", "example.com"),
+            ("http://user:pw@example.com/", "example.com"),
+            // The URL standard reads `\` as `/` in http URLs: the host is good.com, not evil.com.
+            ("http://good.com\\@evil.com/", "good.com"),
+            ("http://evil.com@good.com/", "good.com"),
+            // IPv4 in the forms browsers accept, as the address they connect to.
+            ("01.02.03.04", "1.2.3.4"),
+            ("http://0x7f.1/", "127.0.0.1"),
+            ("http://2130706433/", "127.0.0.1"),
+            ("203.0.113.7:80", "203.0.113.7"),
+            ("http://[::ffff:127.0.0.1]/", "::ffff:127.0.0.1"),
+            ("[2001:DB8::1]", "2001:db8::1"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("bücher.example.de", "example.de"),
+            ("xn--bcher-kva.example.de", "example.de"),
+            ("http://EXAMPLE.co.uk:443", "example.co.uk"),
+            ("a_b.example.com", "example.com"),
+            ("localhost:8080", "localhost"),
+            // As in a browser's address bar: the empty authority is skipped, `path` is the host.
+            ("http:///path", "path"),
+        ];
+        for (input, expected) in named {
+            assert_eq!(normalize(input, TargetMode::RegistrableDomain).as_deref(), Ok(expected), "{input}");
+        }
+        let refused = [
+            ("", "no host"),
+            ("http://example.com:99999/", "not a valid URL"),
+            ("example.com:-1", "not a valid host"),
+            ("example.com:99999", "not a valid host"),
+            ("-a.com", "starting or ending with '-'"),
+            ("a-.com", "starting or ending with '-'"),
+            // Punycode that does not decode: the URL parser refuses it already.
+            ("xn--zz", "not a valid host"),
+            ("xn--zz.example.com", "not a valid host"),
+            ("com", "public suffix"),
+            ("co.uk", "public suffix"),
+            ("https://co.uk/", "public suffix"),
+            ("github.io", "public suffix"),
+            ("a..b.com", "labels"),
+            ("exa mple.com", "not a valid host"),
+            ("http://", "not a valid URL"),
+            ("javascript:alert(1)", "only http and https"),
+            ("ftp://example.com/", "only http and https"),
+            ("http://[::1/", "not a valid URL"),
+            ("http://a%00b.com/", "not a valid URL"),
+        ];
+        for (input, why) in refused {
+            let error = normalize(input, TargetMode::RegistrableDomain).expect_err(input);
+            assert!(error.why.contains(why), "{input:?}: {}", error.why);
+        }
+        assert!(named.len() + refused.len() >= 30);
     }
 
     #[test]

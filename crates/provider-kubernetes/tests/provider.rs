@@ -318,6 +318,28 @@ async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed
         ("link-local", "GET", "http://[fe80::1]/".to_owned()),
         ("port", "CONNECT", "192.0.2.1:22".to_owned()),
         ("port", "GET", "http://192.0.2.1:8080/".to_owned()),
+        // IPv6 forms that carry a private IPv4 address (loopback, the metadata server) are denied whole.
+        ("ipv4-embedded", "GET", "http://[::127.0.0.1]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[64:ff9b::a9fe:a9fe]/".to_owned()),
+        ("ipv4-embedded", "CONNECT", "[64:ff9b:1::a9fe:a9fe]:443".to_owned()),
+        ("ipv4-embedded", "GET", "http://[2002:a9fe:a9fe::1]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[::ffff:0:a9fe:a9fe]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/".to_owned()),
+        // An IPv4-mapped address is checked as the IPv4 address it is.
+        ("link-local", "GET", "http://[::ffff:169.254.169.254]/".to_owned()),
+        // Squid's cache manager answers from Squid itself, whatever address the URL names: refused to everyone.
+        ("manager", "GET", "cache_object://198.51.100.7:443/active_requests".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/ipcache".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/info".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/client_list".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/fqdncache".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/filedescriptors".to_owned()),
+        ("manager", "GET", format!("http://{}:3128/squid-internal-mgr/active_requests", running.ip.expect("address"))),
+        ("manager", "GET", "http://198.51.100.7:443/squid-internal-mgr/info".to_owned()),
+        // Schemes other than http and https make Squid a client of its own.
+        ("protocol", "GET", "ftp://198.51.100.7:80/".to_owned()),
+        ("protocol", "GET", "urn:isbn:0451450523".to_owned()),
+        ("protocol", "GET", "whois://198.51.100.7:80/".to_owned()),
     ];
     for (class, method, target) in &cases {
         let answer = egress_testenv::through_proxy(proxy, method, target, None).await.expect("an answer");
@@ -350,7 +372,9 @@ async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed
         async move { (log.matches("TCP_DENIED/403").count() >= denials).then_some(log) }
     })
     .await;
-    for class in ["loopback", "link-local", "private", "shared", "unique-local", "port"] {
+    for class in
+        ["loopback", "link-local", "private", "shared", "unique-local", "port", "ipv4-embedded", "manager", "protocol"]
+    {
         assert!(
             log.lines().any(|line| line.contains("TCP_DENIED/403") && line.ends_with(&format!(" {class}"))),
             "{class}:\n{log}"

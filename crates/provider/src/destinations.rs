@@ -30,7 +30,7 @@ pub struct DeniedClass {
 }
 
 /// The destination classes every rendered proxy denies unless an `allow` rule makes an exception.
-pub const DEFAULT_DENIED: [DeniedClass; 6] = [
+pub const DEFAULT_DENIED: [DeniedClass; 7] = [
     DeniedClass {
         name: "loopback",
         description: "loopback and this-host addresses",
@@ -56,6 +56,17 @@ pub const DEFAULT_DENIED: [DeniedClass; 6] = [
         name: "reserved",
         description: "reserved, benchmarking, multicast and broadcast addresses",
         networks: &["192.0.0.0/24", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4", "ff00::/8"],
+    },
+    // IPv6 forms that carry an IPv4 address a gateway or the host's stack may turn back into IPv4
+    // (`[64:ff9b::a9fe:a9fe]` is 169.254.169.254 through NAT64). They are denied whole: which IPv4 address is inside
+    // is not something a `dst` ACL can test, and no public site needs to be reached through them. IPv4-mapped
+    // addresses (`::ffff:0:0/96`) are not here: Squid and `check` compare them as the IPv4 address they are, so the
+    // IPv4 classes decide.
+    DeniedClass {
+        name: "ipv4-embedded",
+        description: "IPv6 addresses embedding IPv4 (IPv4-compatible ::/96, IPv4-translated ::ffff:0:0:0/96, NAT64 \
+                      64:ff9b::/96 and 64:ff9b:1::/48, 6to4 2002::/16, Teredo 2001::/32)",
+        networks: &["::/96", "::ffff:0:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "2001::/32"],
     },
 ];
 
@@ -263,6 +274,14 @@ pub(crate) fn squid_rules(policy: &DestinationPolicy, extra_denied: &[IpNet]) ->
         acls.push_str(&format!("acl {name} annotate_transaction egress-policy={class}\n"));
         name
     };
+    // Squid's own cache manager (`cache_object://`, `/squid-internal-mgr/`) answers from Squid itself whatever the
+    // destination, and shows other clients' requests; every scheme but http and https (ftp, urn, whois, ...) is
+    // Squid's own client too. Both are refused before any rule can allow them.
+    let marker = mark(&mut acls, "manager");
+    access.push_str(&format!("http_access deny manager {marker}\n"));
+    acls.push_str("acl egress_web_protocols proto HTTP HTTPS\n");
+    let marker = mark(&mut acls, "protocol");
+    access.push_str(&format!("http_access deny !CONNECT !egress_web_protocols {marker}\n"));
     for (index, rule) in policy.deny.iter().enumerate() {
         let matchers = rule_acls(&mut acls, &format!("egress_deny_{index}"), rule);
         let marker = mark(&mut acls, &format!("rule-{index}"));
@@ -304,7 +323,8 @@ pub(crate) fn squid_rules(policy: &DestinationPolicy, extra_denied: &[IpNet]) ->
     format!(
         "# Destination policy: a proxy reaches the public internet on the web's ports only. Every check runs on the\n\
          # resolved address; a denial answers 403 with X-Egress-Policy naming the rule or class, and is logged so.\n\
-         {acls}{access}reply_header_add X-Egress-Policy \"denied %{{egress-policy}}note\" egress_policy_denied\n"
+         {acls}{access}reply_header_add X-Egress-Policy \"denied %{{egress-policy}}note\" egress_policy_denied\n\
+         cachemgr_passwd disable all\n"
     )
 }
 

@@ -102,6 +102,14 @@ pub struct Cli {
     /// `egress_http_connections_refused_total`).
     #[arg(long, env = "EGRESS_HTTP_MAX_CONNECTIONS", default_value_t = 1024)]
     pub http_max_connections: usize,
+    /// Open connections per server from one source address that have not sent a request with a valid token yet
+    /// (on the metrics and health servers, every connection); more from that address are closed as soon as they
+    /// are accepted (`egress_http_connections_closed_by_limit_total{reason="per-source"}`).
+    #[arg(long, env = "EGRESS_HTTP_MAX_UNAUTHENTICATED_PER_SOURCE", default_value_t = 64)]
+    pub http_max_unauthenticated_per_source: usize,
+    /// The most bytes of a request head (request line and headers); a larger one is answered 431.
+    #[arg(long, env = "EGRESS_HTTP_MAX_HEADER_BYTES", default_value_t = egress_discovery::DEFAULT_MAX_HEADER_BYTES)]
+    pub http_max_header_bytes: usize,
 }
 
 /// How the discovery API authenticates.
@@ -302,6 +310,12 @@ impl Cli {
         if !(1..=1_000_000).contains(&self.http_max_connections) {
             problems.push("--http-max-connections must be from 1 to 1000000".into());
         }
+        if !(1..=1_000_000).contains(&self.http_max_unauthenticated_per_source) {
+            problems.push("--http-max-unauthenticated-per-source must be from 1 to 1000000".into());
+        }
+        if !(8192..=1_048_576).contains(&self.http_max_header_bytes) {
+            problems.push("--http-max-header-bytes must be from 8192 to 1048576".into());
+        }
         if self.probe_concurrency == 0 || self.probe_concurrency > 10_000 {
             problems.push("--probe-concurrency must be from 1 to 10000".into());
         }
@@ -407,6 +421,8 @@ impl Cli {
                 http2_keepalive_timeout: keepalive.expect("checked above") / 2,
                 http2_max_streams: self.http2_max_streams,
                 max_connections: self.http_max_connections,
+                max_unauthenticated_per_source: self.http_max_unauthenticated_per_source,
+                max_header_bytes: self.http_max_header_bytes,
             },
         })
     }

@@ -434,6 +434,139 @@ fn proxies_leaving_through_one_address_share_their_cooldowns() {
     store.check_invariants().expect("invariants");
 }
 
+#[test]
+fn one_owner_reporting_again_and_again_never_lengthens_a_cooldown() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let on_a = LeaseRequest { proxy: Some("a".into()), owner: "tenant-a".into(), ..request("example.com") };
+    let lease = store.lease(&on_a, t(0)).expect("lease");
+    let first = store.report(&lease.id, "tenant-a", &Report::of(Outcome::Banned), t(0)).expect("ban");
+    assert_eq!((first.cooldown_until, first.cooled.len()), (Some(t(600)), 1));
+    // Twenty more bans from the same owner, on this lease and on others, while it runs: nothing changes, nothing
+    // needs writing.
+    for second in 1..=20 {
+        let again = store.report(&lease.id, "tenant-a", &Report::of(Outcome::Banned), t(second)).expect("ban");
+        assert_eq!((again.cooldown_until, again.cooled.len()), (Some(t(600)), 0), "ban {second}");
+        let throttled = Report::of(Outcome::Throttled { retry_after: Some(Duration::from_secs(3600)) });
+        let again = store.report(&lease.id, "tenant-a", &throttled, t(second)).expect("throttle");
+        assert_eq!(again.cooldown_until, Some(t(600)), "a throttle from the same owner does not lengthen it");
+    }
+    store
+        .lease(&LeaseRequest { proxy: Some("a".into()), owner: "tenant-a".into(), ..request("other.org") }, t(30))
+        .expect("another site leases a");
+    assert_eq!(store.proxy_cooldowns("a", t(30))[0].streak, 1);
+    assert_eq!(store.cooldowns(Some("example.com"), t(30)).expect("cooldowns")[0].until, t(600));
+    // Another owner's ban on another site is its own.
+    let theirs = LeaseRequest { owner: "tenant-b".into(), ..on_a.clone() };
+    let lease_b =
+        store.lease(&LeaseRequest { proxy: None, ..theirs.clone() }, t(40)).expect("b leases the other proxy");
+    assert_eq!(lease_b.proxy, "b");
+    let b_on_a = store.lease(&LeaseRequest { target: "example.net".into(), ..theirs }, t(40)).expect("b on a");
+    let banned_by_b = store.report(&b_on_a.id, "tenant-b", &Report::of(Outcome::Banned), t(40)).expect("ban");
+    assert_eq!(banned_by_b.cooldown_until, Some(t(640)), "example.net is a site of its own");
+    // Once the cooldown ended, the next ban is the next in a row.
+    let after = store.lease(&on_a, t(600)).expect("after the cooldown");
+    let next = store.report(&after.id, "tenant-a", &Report::of(Outcome::Banned), t(600)).expect("ban");
+    assert_eq!(next.cooldown_until, Some(t(600 + 1200)));
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_second_owners_ban_counts_once_while_the_first_cooldown_runs() {
+    let store = store_with(&[proxy("a", 5)]);
+    let lease_for = |owner: &str| {
+        store.lease(&LeaseRequest { owner: owner.into(), ..request("example.com") }, t(0)).expect("lease").id
+    };
+    let (a, b) = (lease_for("tenant-a"), lease_for("tenant-b"));
+    store.report(&a, "tenant-a", &Report::of(Outcome::Banned), t(0)).expect("ban");
+    let by_b = store.report(&b, "tenant-b", &Report::of(Outcome::Banned), t(100)).expect("ban");
+    assert_eq!((by_b.cooldown_until, by_b.cooled.len()), (Some(t(100 + 1200)), 1));
+    for _ in 0..5 {
+        let again = store.report(&b, "tenant-b", &Report::of(Outcome::Banned), t(200)).expect("ban");
+        assert_eq!((again.cooldown_until, again.cooled.len()), (Some(t(1300)), 0));
+    }
+    assert_eq!(store.proxy_cooldowns("a", t(200))[0].streak, 2);
+}
+
+#[test]
+fn one_lease_counts_at_most_what_it_could_have_sent() {
+    let store = store_with(&[proxy("a", 5)]);
+    let lease = store.lease(&request("example.com"), t(0)).expect("lease");
+    store.report(&lease.id, "", &Report { ok: 1_000_000, ..Report::default() }, t(0)).expect("counts");
+    store.report(&lease.id, "", &Report::of(Outcome::Banned), t(0)).expect("a ban always counts");
+    let counted = store.loads(Some("example.com"), t(0)).expect("loads")[0].outcomes.expect("counted");
+    assert_eq!(counted, Outcomes { ok: 100, banned: 1, ..Outcomes::default() }, "the burst, then the ban");
+    // Ten seconds later, ten seconds' worth more (at 100 a second), less what the ban used.
+    store.report(&lease.id, "", &Report { ok: 1_000_000, failed: 5, ..Report::default() }, t(10)).expect("counts");
+    let counted = store.loads(Some("example.com"), t(10)).expect("loads")[0].outcomes.expect("counted");
+    assert_eq!((counted.ok, counted.failed), (100 + 999, 0));
+    assert!(counted.success_rate().expect("a rate") < 0.9991, "one lease cannot drown a ban in successes");
+}
+
+#[test]
+fn released_leases_never_come_back_and_never_pass_the_cap() {
+    let key = LeaseKey::from_bytes(&[5; 32]).expect("key");
+    let store = keyed(&key, &[proxy("a", 5)]);
+    let ids: Vec<String> = (0..15)
+        .map(|index| {
+            let lease = store.lease(&request("example.com"), t(index / 5)).expect("lease");
+            store.release(&lease.id, "", t(index / 5)).expect("release");
+            lease.id
+        })
+        .collect();
+    for id in &ids {
+        assert_eq!(store.renew(id, "", None, t(10)), Err(LeaseError::UnknownLease(id.clone())));
+        store.release(id, "", t(10)).expect("a second release is accepted");
+        // A late report still counts against the proxy it was on, and does not bring the lease back.
+        let reported = store.report(id, "", &Report { ok: 1, ..Report::default() }, t(10)).expect("late report");
+        assert_eq!(reported.proxy, "a");
+    }
+    assert_eq!(store.active_leases(), 0);
+    assert_eq!(store.adopted(), 0);
+    // A lease the store never saw, released here, is not adopted afterwards either.
+    let other = keyed(&key, &[proxy("a", 5)]);
+    let unseen = other.lease(&request("example.org"), t(0)).expect("lease");
+    store.release(&unseen.id, "", t(11)).expect("release of an unseen lease");
+    assert_eq!(store.renew(&unseen.id, "", None, t(12)), Err(LeaseError::UnknownLease(unseen.id.clone())));
+    // A revoked lease that its holder released stays gone when its proxy comes back.
+    let revoked = store.lease(&request("example.net"), t(13)).expect("lease");
+    store.upsert_proxy(ProxyInfo { healthy: false, ..proxy("a", 5) });
+    store.release(&revoked.id, "", t(14)).expect("release");
+    store.upsert_proxy(proxy("a", 5));
+    assert_eq!(store.renew(&revoked.id, "", None, t(15)), Err(LeaseError::UnknownLease(revoked.id.clone())));
+    assert_eq!(store.active_leases(), 0);
+    // Remembered only until the lease would have expired.
+    store.expire(t(15 + 3600 + 1));
+    assert_eq!(store.sizes().3, 0);
+    store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn an_administrator_clears_a_cooldown_and_an_older_record_does_not_bring_it_back() {
+    let via = |id: &str, ip: &str| ProxyInfo { egress_ip: Some(ip.into()), ..proxy(id, 5) };
+    let store = store_with(&[via("a", "198.51.100.7"), via("b", "198.51.100.7"), via("c", "198.51.100.8")]);
+    for (proxy, target) in [("a", "example.com"), ("c", "example.com"), ("c", "example.org")] {
+        let lease = store.lease(&LeaseRequest { proxy: Some(proxy.into()), ..request(target) }, t(0)).expect("lease");
+        store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
+    }
+    let kept = store.proxy_cooldowns("a", t(1));
+    // Clearing a's cooldown clears the proxy sharing its address too, and nothing else.
+    let cleared = store.clear_cooldowns("www.example.com", Some("a"), t(1)).expect("clear");
+    assert_eq!(cleared.iter().map(|c| c.proxy.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+    store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(1)).expect("a leases at once");
+    assert_eq!(store.cooldowns(None, t(1)).expect("cooldowns").len(), 2, "c's two remain");
+    assert_eq!(store.restore_cooldowns(&kept, t(2)), 0, "the journal's older record is not restored");
+    // The streak is forgotten: the next ban is a first one.
+    let lease = store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(3)).expect("lease");
+    let again = store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(3)).expect("ban");
+    assert_eq!(again.cooldown_until, Some(t(603)));
+    // Without a proxy: every proxy's cooldown for the site.
+    let cleared = store.clear_cooldowns("example.com", None, t(4)).expect("clear");
+    assert_eq!(cleared.iter().map(|c| c.proxy.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(store.cooldowns(None, t(4)).expect("cooldowns").len(), 1, "example.org stays");
+    assert!(store.clear_cooldowns("javascript:alert(1)", None, t(4)).is_err());
+    store.check_invariants().expect("invariants");
+}
+
 /// xorshift64*, for reproducible random operation sequences.
 struct Rng(u64);
 
@@ -487,6 +620,11 @@ fn random_step(
         2 if !leases.is_empty() => {
             let id = leases.swap_remove(rng.below(leases.len() as u64) as usize);
             let _ = store.release(&id, "", now);
+            // Released means gone: no ID of it renews or is adopted again. (Only alone: threads run on clocks of
+            // their own, and one far ahead forgets a tombstone another's lease would still need.)
+            if alone {
+                assert!(store.renew(&id, "", None, now).is_err(), "seed {seed}: a released lease renewed");
+            }
         }
         3 if !leases.is_empty() => {
             let id = &leases[rng.below(leases.len() as u64) as usize];
@@ -506,6 +644,10 @@ fn random_step(
             store.upsert_proxy(ProxyInfo { healthy: rng.below(3) != 0, ..proxy(&proxy_id, 1 + rng.below(4) as u32) });
         }
         6 if rng.below(4) == 0 => store.remove_proxy(&proxy_id),
+        6 if rng.below(3) == 0 => {
+            let proxy = (rng.below(2) == 0).then_some(proxy_id.as_str());
+            store.clear_cooldowns(targets[rng.below(3) as usize], proxy, now).expect("a valid target");
+        }
         _ => {
             store.expire(now);
         }

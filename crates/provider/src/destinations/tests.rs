@@ -68,6 +68,15 @@ fn every_default_class_is_denied_and_the_public_web_is_not() {
         ("fd00:ec2::254", "unique-local"),
         ("224.0.0.1", "reserved"),
         ("255.255.255.255", "reserved"),
+        // IPv6 forms that carry an IPv4 address (here loopback and the metadata server's).
+        ("::127.0.0.1", "ipv4-embedded"),
+        ("::ffff:0:a9fe:a9fe", "ipv4-embedded"),
+        ("64:ff9b::a9fe:a9fe", "ipv4-embedded"),
+        ("64:ff9b:1::a9fe:a9fe", "ipv4-embedded"),
+        ("2002:a9fe:a9fe::1", "ipv4-embedded"),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "ipv4-embedded"),
+        // An IPv4-mapped address is the IPv4 address it maps.
+        ("::ffff:169.254.169.254", "link-local"),
     ] {
         match policy.check(ip(address), 443, true, &[]) {
             Some(Denial::Class(found)) => assert_eq!(found.name, class, "{address}"),
@@ -124,14 +133,19 @@ fn squid_rules_deny_first_then_allow_then_the_classes_then_the_ports() {
     let cluster: IpNet = "34.118.224.0/20".parse().expect("a network");
     let rules = squid_rules(&policy, &[cluster]);
     let access: Vec<&str> = rules.lines().filter(|line| line.starts_with("http_access")).collect();
-    assert_eq!(access[0], "http_access deny egress_deny_0_port egress_denied_rule_0");
-    assert_eq!(access[1], "http_access allow egress_allow_0_dst egress_allow_0_port");
-    assert_eq!(access[2], "http_access deny egress_loopback egress_denied_loopback");
+    // The cache manager and other schemes first: no allow rule can open them.
+    assert_eq!(access[0], "http_access deny manager egress_denied_manager");
+    assert_eq!(access[1], "http_access deny !CONNECT !egress_web_protocols egress_denied_protocol");
+    assert_eq!(access[2], "http_access deny egress_deny_0_port egress_denied_rule_0");
+    assert_eq!(access[3], "http_access allow egress_allow_0_dst egress_allow_0_port");
+    assert_eq!(access[4], "http_access deny egress_loopback egress_denied_loopback");
     let classes = DEFAULT_DENIED.len();
-    assert_eq!(access[2 + classes], "http_access deny egress_provider_network egress_denied_provider_network");
-    assert_eq!(access[3 + classes], "http_access deny CONNECT !egress_tls_ports egress_denied_port");
-    assert_eq!(access[4 + classes], "http_access deny !egress_web_ports egress_denied_port");
-    assert_eq!(access.len(), 5 + classes);
+    assert_eq!(access[4 + classes], "http_access deny egress_provider_network egress_denied_provider_network");
+    assert_eq!(access[5 + classes], "http_access deny CONNECT !egress_tls_ports egress_denied_port");
+    assert_eq!(access[6 + classes], "http_access deny !egress_web_ports egress_denied_port");
+    assert_eq!(access.len(), 7 + classes);
+    assert!(rules.contains("\nacl egress_web_protocols proto HTTP HTTPS\n"));
+    assert!(rules.ends_with("\ncachemgr_passwd disable all\n"), "{rules}");
     assert!(rules.contains("\nacl egress_allow_0_dst dst 127.0.0.1/32\nacl egress_allow_0_port port 41234\n"));
     assert!(rules.contains("\nacl egress_provider_network dst 34.118.224.0/20\n"));
     assert!(rules.contains("\nacl egress_tls_ports port 443 8443\n"), "{rules}");
