@@ -218,7 +218,8 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         ),
         proxy_namespaces: vec![PROXY_NAMESPACE.into()],
         default_probe_url: origin.ip_url(),
-        discovery_tokens: Some(format!("lease {token}\nread {read_token}\n")),
+        // One tenant, so the read token sees the cooldowns the lease token's reports make.
+        discovery_tokens: Some(format!("lease {token} tenant=demo\nread {read_token} tenant=demo\n")),
     };
     println!("[quickstart] kubectl apply -k deploy/default (the operator's image runs as {})", binary.display());
     let installation = Installation::apply(&plane, &options).await?;

@@ -48,6 +48,12 @@ export class Unavailable extends RefusedError {}
 /** 409: the named proxy is cooling down for the target (`proxy-cooling-down`), or full, drained or unhealthy. */
 export class Conflict extends RefusedError {}
 
+/**
+ * 429: the tenant's quota is used up (`quota-max-leases`: it holds as many leases as it may, release one;
+ * `quota-reports-per-minute`). `retryAfter` says when to try again.
+ */
+export class QuotaExceeded extends RefusedError {}
+
 /** 404: no such lease for this token (expired, released, never granted to it), or no such proxy. */
 export class NotFound extends DiscoveryError {}
 
@@ -94,6 +100,8 @@ export function errorFor(status: number, problem: Problem, retryAfterHeader: str
       return new Unavailable(message, { status, problem, reason, retryAfter });
     case 409:
       return new Conflict(message, { status, problem, reason, retryAfter });
+    case 429:
+      return new QuotaExceeded(message, { status, problem, reason, retryAfter });
     case 404:
       return new NotFound(message, { status, problem });
     case 410:

@@ -25,6 +25,7 @@ export {
   Forbidden,
   Gone,
   NotFound,
+  QuotaExceeded,
   RefusedError,
   TransportError,
   Unauthorized,

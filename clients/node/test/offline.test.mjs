@@ -33,6 +33,7 @@ for (const [status, kind] of [
   [410, egress.Gone],
   [409, egress.Conflict],
   [503, egress.Unavailable],
+  [429, egress.QuotaExceeded],
   [500, egress.DiscoveryError],
 ]) {
   test(`${status} is a ${kind.name}`, async () => {
@@ -45,7 +46,7 @@ for (const [status, kind] of [
     assert.equal(error.message, 'what went wrong');
     assert.equal(error.status, status);
     assert.equal(error.name, kind.name);
-    if (status === 409 || status === 503) {
+    if (status === 409 || status === 429 || status === 503) {
       assert.deepEqual([error.reason, error.retryAfter], ['r', 7]);
     }
   });

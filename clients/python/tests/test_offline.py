@@ -47,6 +47,7 @@ def client_answering(status: int, body: object, headers: dict = {}) -> tuple:
         (410, egress_client.Gone),
         (409, egress_client.Conflict),
         (503, egress_client.Unavailable),
+        (429, egress_client.QuotaExceeded),
         (500, egress_client.DiscoveryError),
     ],
 )
@@ -56,7 +57,7 @@ def test_each_status_is_its_own_error(status: int, kind: type) -> None:
     with pytest.raises(kind) as raised:
         client.lease("example.com").renew()
     assert raised.value.detail == "what went wrong" and raised.value.status == status
-    if status in (409, 503):
+    if status in (409, 429, 503):
         assert (raised.value.reason, raised.value.retry_after) == ("r", 7.0)
 
 

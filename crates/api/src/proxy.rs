@@ -485,6 +485,11 @@ pub struct CooldownStatus {
     pub until: Time,
     /// How many bans in a row led to this cooldown; the next one in a row doubles it.
     pub streak: u32,
+    /// The tenants whose reports made it: their further reports change nothing while it runs, and only they (and
+    /// admins) see it in the discovery API.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(max = 63)))]
+    pub tenants: Vec<String>,
 }
 
 /// The life-cycle phase of a proxy.

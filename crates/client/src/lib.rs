@@ -55,6 +55,16 @@ pub enum ClientError {
         /// When to try again, for a cooldown.
         retry_after: Option<Duration>,
     },
+    /// 429: the tenant's quota is used up.
+    #[error("the tenant's quota is used up ({reason}): {detail}")]
+    QuotaExceeded {
+        /// `quota-max-leases` (release a lease first) or `quota-reports-per-minute`.
+        reason: String,
+        /// The server's explanation.
+        detail: String,
+        /// When to try again.
+        retry_after: Option<Duration>,
+    },
     /// 404: no such lease or proxy.
     #[error("not found: {0}")]
     NotFound(String),
@@ -297,6 +307,7 @@ impl DiscoveryClient {
         Err(match status {
             StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
             StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },
+            StatusCode::TOO_MANY_REQUESTS => ClientError::QuotaExceeded { reason, detail, retry_after },
             StatusCode::NOT_FOUND => ClientError::NotFound(detail),
             StatusCode::GONE => ClientError::Gone(detail),
             StatusCode::UNAUTHORIZED => ClientError::Unauthorized(detail),

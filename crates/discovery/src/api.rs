@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::auth::{Auth, Scope};
+use crate::auth::{Auth, Identity, Scope};
 use crate::problem::Problem;
 use crate::{Discovery, PoolRecord, ProxyRecord};
 
@@ -26,6 +26,8 @@ pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// The longest lease a request may ask for, in seconds.
 const MAX_TTL_SECONDS: u64 = 3600;
+/// The TTL of a lease that asks for none (the lease store's default), in seconds.
+const DEFAULT_TTL_SECONDS: u64 = 300;
 
 type Shared = State<Arc<Discovery>>;
 
@@ -58,7 +60,7 @@ pub fn routes(state: Arc<Discovery>) -> Router {
 /// [`Authenticated`](crate::Authenticated), so its connection leaves its address's unauthenticated count.
 async fn observe(State(state): Shared, request: Request, next: Next) -> Response {
     let route = request.extensions().get::<MatchedPath>().cloned();
-    let authenticated = scope_of(&state.auth, request.headers()).is_some();
+    let authenticated = identify(&state.auth, request.headers()).is_some();
     let started = Instant::now();
     let mut response = next.run(request).await;
     state.metrics.request(route.as_ref().map(MatchedPath::as_str), response.status().as_u16(), started.elapsed());
@@ -75,11 +77,11 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-/// The scope a request's token has; `None` without a valid one.
-fn scope_of(auth: &Auth, headers: &HeaderMap) -> Option<Scope> {
+/// Who a request's token speaks for; `None` without a valid one.
+fn identify(auth: &Auth, headers: &HeaderMap) -> Option<Identity> {
     match auth {
-        Auth::Disabled => Some(Scope::Admin),
-        Auth::Tokens(tokens) => tokens.scope_of(bearer(headers)?),
+        Auth::Disabled => Some(Identity::anonymous()),
+        Auth::Tokens(tokens) => tokens.identify(bearer(headers)?),
     }
 }
 
@@ -105,22 +107,30 @@ async fn readyz(State(state): Shared) -> Response {
 /// Who is calling.
 struct Caller {
     scope: Scope,
-    /// What the caller's leases are bound to: its token (never stored; it only enters lease IDs' MACs).
-    owner: String,
+    /// What the caller's leases, sessions and cooldowns are bound to: its tenant.
+    tenant: Arc<str>,
+    quota: crate::Quota,
+}
+
+impl Caller {
+    /// The owner the lease store binds leases to.
+    fn owner(&self) -> &str {
+        &self.tenant
+    }
 }
 
 /// Checks the bearer token and the gate; returns the caller.
 fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Caller, Problem> {
-    let (scope, owner) = match &state.auth {
-        Auth::Disabled => (Scope::Admin, String::new()),
+    let identity = match &state.auth {
+        Auth::Disabled => Identity::anonymous(),
         Auth::Tokens(tokens) => {
             let Some(token) = bearer(headers) else {
                 return Err(Problem::unauthorized("send `Authorization: Bearer <token>`"));
             };
-            let scope = tokens.scope_of(token).ok_or_else(|| Problem::unauthorized("the token is not known"))?;
-            (scope, token.to_owned())
+            tokens.identify(token).ok_or_else(|| Problem::unauthorized("the token is not known"))?
         }
     };
+    let scope = identity.scope;
     if scope < needed {
         let needed = needed.name();
         return Err(Problem::forbidden(format!("this route needs a token with the {needed} scope (or above)")));
@@ -131,7 +141,18 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Ca
             .with_reason("not-serving")
             .with_retry_after(Duration::from_secs(5)));
     }
-    Ok(Caller { scope, owner })
+    Ok(Caller { scope, tenant: identity.tenant, quota: identity.quota })
+}
+
+/// 429 for a tenant over its quota: `which` is the quota's name in the token file.
+fn over_quota(which: &str, detail: String, retry_after: Duration) -> Problem {
+    let reason = match which {
+        "maxLeases" => "quota-max-leases",
+        _ => "quota-reports-per-minute",
+    };
+    Problem::new(StatusCode::TOO_MANY_REQUESTS, "quota-exceeded", "The tenant's quota is used up", detail)
+        .with_reason(reason)
+        .with_retry_after(retry_after)
 }
 
 /// Parses a JSON body strictly; an empty body reads as `{}` when `empty_ok`.
@@ -224,10 +245,10 @@ fn userinfo(text: &str) -> String {
     out
 }
 
-/// The proxy URL; with credentials only for the lease scope.
-fn proxy_url(record: &ProxyRecord, scope: Scope) -> String {
-    match (&record.credentials, scope) {
-        (Some((user, password)), scope) if scope >= Scope::Lease => {
+/// The proxy URL; with credentials only when `credentials` (the caller holds a lease on it, or is an admin).
+fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
+    match &record.credentials {
+        Some((user, password)) if credentials => {
             format!("http://{}:{}@{}", userinfo(user), userinfo(password), record.endpoint())
         }
         _ => format!("http://{}", record.endpoint()),
@@ -269,7 +290,7 @@ async fn list_proxies(
     headers: HeaderMap,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let scope = authorize(&state, &headers, Scope::Read)?.scope;
+    let caller = authorize(&state, &headers, Scope::Read)?;
     let query = parse_query(query, &["selector", "target", "pool"])?;
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
@@ -289,6 +310,10 @@ async fn list_proxies(
     let ids: Vec<String> = matching.iter().map(|record| record.id()).collect();
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     let loads = state.store.loads_of(&id_refs, query.get("target").map(String::as_str), now).map_err(lease_problem)?;
+    // Credentials only on the caller's own leases (an admin sees them all): a lease token never learns the password
+    // of a proxy it was not leased.
+    let held = if caller.scope == Scope::Lease { state.store.held_by(caller.owner(), now) } else { Default::default() };
+    let credentials = |record: &ProxyRecord| caller.scope == Scope::Admin || held.contains(&record.id());
     let entries: Vec<ProxyEntry> = matching
         .iter()
         .zip(loads)
@@ -297,7 +322,7 @@ async fn list_proxies(
             name: record.name.clone(),
             host: record.host.clone(),
             port: record.port,
-            url: proxy_url(record, scope),
+            url: proxy_url(record, credentials(record)),
             egress_ip: record.egress_ip.clone(),
             labels: record.labels.clone(),
             zone: record.zone.clone(),
@@ -363,13 +388,20 @@ fn scaling_up(pool: &PoolRecord) -> Problem {
     .with_retry_after(pool.provisioning.max(Duration::from_secs(1)))
 }
 
-fn ttl(seconds: Option<u64>) -> Result<Option<Duration>, Problem> {
+/// The TTL a request asks for, within the API's range and the tenant's `maxLeaseSeconds` (which also caps the
+/// default when it is shorter).
+fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Duration>, Problem> {
+    let tenant_max = caller.quota.max_lease_seconds;
     match seconds {
-        None => Ok(None),
-        Some(seconds) if (1..=MAX_TTL_SECONDS).contains(&seconds) => Ok(Some(Duration::from_secs(seconds))),
-        Some(seconds) => {
+        None => Ok(tenant_max.map(|max| Duration::from_secs(max.min(DEFAULT_TTL_SECONDS)))),
+        Some(seconds) if !(1..=MAX_TTL_SECONDS).contains(&seconds) => {
             Err(Problem::bad_request(format!("ttlSeconds {seconds} is out of range (1 to {MAX_TTL_SECONDS})")))
         }
+        Some(seconds) if tenant_max.is_some_and(|max| seconds > max) => Err(Problem::bad_request(format!(
+            "ttlSeconds {seconds} is above this tenant's maxLeaseSeconds ({})",
+            tenant_max.unwrap_or_default()
+        ))),
+        Some(seconds) => Ok(Some(Duration::from_secs(seconds))),
     }
 }
 
@@ -400,8 +432,8 @@ struct LeaseResponse<'a> {
 }
 
 /// The lease as JSON bytes, serialised straight from the record under the read lock (no copies on the hot path).
-/// `replaced` is given on renew.
-fn lease_json(state: &Discovery, lease: &Lease, scope: Scope, replaced: Option<bool>) -> Result<Vec<u8>, Problem> {
+/// `replaced` is given on renew. The holder of a lease is told the proxy's credentials.
+fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool>) -> Result<Vec<u8>, Problem> {
     let records = state.records.read().expect("record lock");
     let record = records.get(&lease.proxy).ok_or_else(|| {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "proxy-gone", "The proxy just went away", "retry the request")
@@ -415,7 +447,7 @@ fn lease_json(state: &Discovery, lease: &Lease, scope: Scope, replaced: Option<b
             name: &record.name,
             host: &record.host,
             port: record.port,
-            url: proxy_url(record, scope),
+            url: proxy_url(record, true),
             egress_ip: record.egress_ip.as_deref(),
         },
         target: &lease.target,
@@ -472,16 +504,18 @@ async fn create_lease(
     let request = LeaseRequest {
         target: body.target,
         selector,
-        ttl: ttl(body.ttl_seconds)?,
+        ttl: ttl(body.ttl_seconds, &caller)?,
         proxy: body.proxy,
         session: body.session,
-        owner: caller.owner,
+        owner: caller.owner().to_owned(),
+        owner_quota: caller.quota.max_leases,
         pool: pool.as_ref().map(|pool| pool.id()),
     };
     match state.store.lease(&request, now) {
         Ok(lease) => {
             state.metrics.granted();
-            let body = lease_json(&state, &lease, caller.scope, None)?;
+            state.metrics.tenant_granted(caller.owner());
+            let body = lease_json(&state, &lease, None)?;
             let location = format!("/v1/leases/{}", lease.id);
             Ok((
                 StatusCode::CREATED,
@@ -505,7 +539,9 @@ async fn create_lease(
                 }
                 _ => lease_problem(error),
             };
-            state.metrics.denied(problem.reason.as_deref().unwrap_or("invalid"));
+            let reason = problem.reason.as_deref().unwrap_or("invalid");
+            state.metrics.denied(reason);
+            state.metrics.tenant_refused(caller.owner(), reason);
             Err(problem)
         }
     }
@@ -546,6 +582,11 @@ fn lease_problem(error: LeaseError) -> Problem {
         }
         LeaseError::UnknownProxy(_) | LeaseError::UnknownLease(_) => Problem::not_found(detail),
         LeaseError::Revoked(_) => Problem::new(StatusCode::GONE, "revoked", "The lease was revoked", detail),
+        LeaseError::QuotaExceeded { retry_at, .. } => over_quota(
+            "maxLeases",
+            format!("{detail}: release one first"),
+            retry_at.map_or(Duration::from_secs(5), until),
+        ),
     }
 }
 
@@ -564,9 +605,11 @@ async fn renew_lease(
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let body: RenewBody = parse_body(&headers, body, true)?;
-    let renewed =
-        state.store.renew(&id, &caller.owner, ttl(body.ttl_seconds)?, SystemTime::now()).map_err(lease_problem)?;
-    let body = lease_json(&state, &renewed.lease, caller.scope, Some(renewed.moved_from.is_some()))?;
+    let renewed = state
+        .store
+        .renew(&id, caller.owner(), ttl(body.ttl_seconds, &caller)?, SystemTime::now())
+        .map_err(lease_problem)?;
+    let body = lease_json(&state, &renewed.lease, Some(renewed.moved_from.is_some()))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
@@ -577,7 +620,7 @@ async fn release_lease(
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
-    state.store.release(&id, &caller.owner, SystemTime::now()).map_err(lease_problem)?;
+    state.store.release(&id, caller.owner(), SystemTime::now()).map_err(lease_problem)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -656,8 +699,19 @@ async fn report_lease(
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let report = report_of(parse_body(&headers, body, false)?)?;
-    let reported = state.store.report(&id, &caller.owner, &report, SystemTime::now()).map_err(lease_problem)?;
+    if let Some(per_minute) = caller.quota.reports_per_minute
+        && let Err(wait) = state.count_report(&caller.tenant, per_minute)
+    {
+        state.metrics.tenant_refused(caller.owner(), "quota-reports-per-minute");
+        return Err(over_quota(
+            "reportsPerMinute",
+            format!("the tenant made its {per_minute} reports this minute (its reportsPerMinute quota)"),
+            wait,
+        ));
+    }
+    let reported = state.store.report(&id, caller.owner(), &report, SystemTime::now()).map_err(lease_problem)?;
     state.metrics.reported(&report);
+    state.metrics.tenant_reported(caller.owner());
     let until = reported.cooldown_until;
     // A report that changed no cooldown (its owner had counted in the running one already) needs no write.
     if !reported.cooled.is_empty() {
@@ -723,11 +777,18 @@ async fn list_cooldowns(
     headers: HeaderMap,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    authorize(&state, &headers, Scope::Read)?;
+    let caller = authorize(&state, &headers, Scope::Read)?;
     let query = parse_query(query, &["target"])?;
     let cooldowns =
         state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
-    let entries: Vec<serde_json::Value> = cooldowns.into_iter().map(cooldown_json).collect();
+    // A tenant sees the cooldowns its own reports made; an admin sees every one.
+    let entries: Vec<serde_json::Value> = cooldowns
+        .into_iter()
+        .filter(|cooldown| {
+            caller.scope == Scope::Admin || cooldown.reporters.iter().any(|reporter| reporter == caller.owner())
+        })
+        .map(cooldown_json)
+        .collect();
     Ok(Json(json!({ "cooldowns": entries })).into_response())
 }
 

@@ -28,7 +28,7 @@ use axum::Router;
 use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
 pub use api::MAX_BODY_BYTES;
-pub use auth::{Auth, Scope, TokenFile, TokenFileError};
+pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
@@ -153,6 +153,8 @@ pub struct Discovery {
     pools: std::sync::RwLock<BTreeMap<String, Arc<PoolRecord>>>,
     demand: std::sync::Mutex<BTreeMap<String, PoolDemand>>,
     waker: Option<Arc<dyn PoolWaker>>,
+    /// Reports per tenant in the current minute (for `reportsPerMinute`): when the minute started, how many.
+    report_windows: std::sync::Mutex<std::collections::HashMap<Arc<str>, (std::time::Instant, u32)>>,
 }
 
 impl Discovery {
@@ -169,6 +171,7 @@ impl Discovery {
             pools: std::sync::RwLock::default(),
             demand: std::sync::Mutex::default(),
             waker: None,
+            report_windows: std::sync::Mutex::default(),
         }
     }
 
@@ -306,11 +309,33 @@ impl Discovery {
         self.metrics.expired(expired);
         self.metrics.set_active(u64::try_from(self.store.active_leases()).unwrap_or(u64::MAX));
         self.metrics.set_adopted(self.store.adopted());
+        let tenants = match &self.auth {
+            Auth::Tokens(tokens) => tokens.tenants().into_keys().collect(),
+            Auth::Disabled => vec!["anonymous".to_owned()],
+        };
+        self.metrics.set_tenant_active(tenants.iter().map(String::as_str), &self.store.leases_by_owner());
     }
 
     /// Writes again the cooldowns of proxies whose last journal write failed.
     pub async fn retry_journal(&self) {
         self.journal.retry(self.store.as_ref(), &self.metrics).await;
+    }
+
+    /// Counts one report of `tenant` against its `per_minute` quota; `Err` with how long until the next minute
+    /// when the quota is used up.
+    fn count_report(&self, tenant: &Arc<str>, per_minute: u32) -> Result<(), Duration> {
+        let mut windows = self.report_windows.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        let window = windows.entry(tenant.clone()).or_insert((now, 0));
+        let elapsed = now.duration_since(window.0);
+        if elapsed >= Duration::from_secs(60) {
+            *window = (now, 0);
+        }
+        if window.1 >= per_minute {
+            return Err(Duration::from_secs(60).saturating_sub(now.duration_since(window.0)));
+        }
+        window.1 += 1;
+        Ok(())
     }
 
     /// Whether every proxy has been given at least once.

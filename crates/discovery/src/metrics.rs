@@ -1,5 +1,6 @@
 //! Discovery metrics: requests by route and status with latency, leases granted and denied by reason, active
-//! leases, expired leases, cooldowns started and written, leases adopted.
+//! leases, expired leases, cooldowns started and written, leases adopted, and per tenant (a bounded set: the
+//! tenants the token file names) leases held, granted and refused, and reports.
 
 use std::time::Duration;
 
@@ -49,6 +50,17 @@ struct ReasonLabels {
     reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantReasonLabels {
+    tenant: String,
+    reason: String,
+}
+
 /// The discovery server's metrics. Cloning shares them.
 #[derive(Clone)]
 pub struct DiscoveryMetrics {
@@ -64,6 +76,10 @@ pub struct DiscoveryMetrics {
     outcomes: Family<OutcomeLabels, Counter>,
     adopted: Counter,
     not_serving: Counter,
+    tenant_active: Family<TenantLabels, Gauge>,
+    tenant_granted: Family<TenantLabels, Counter>,
+    tenant_refused: Family<TenantReasonLabels, Counter>,
+    tenant_reports: Family<TenantLabels, Counter>,
 }
 
 impl Default for DiscoveryMetrics {
@@ -81,6 +97,10 @@ impl Default for DiscoveryMetrics {
             outcomes: Family::default(),
             adopted: Counter::default(),
             not_serving: Counter::default(),
+            tenant_active: Family::default(),
+            tenant_granted: Family::default(),
+            tenant_refused: Family::default(),
+            tenant_reports: Family::default(),
         }
     }
 }
@@ -130,7 +150,45 @@ impl DiscoveryMetrics {
              egress-discovery Service, which routes to the leader only, this stays 0 outside a failover)",
             metrics.not_serving.clone(),
         );
+        registry.register("tenant_leases_active", "Leases held, by tenant", metrics.tenant_active.clone());
+        registry.register("tenant_leases_granted", "Leases granted, by tenant", metrics.tenant_granted.clone());
+        registry.register(
+            "tenant_refusals",
+            "Lease, renew and report requests refused, by tenant and reason (quota-max-leases and \
+             quota-reports-per-minute for a quota, else the lease refusal's reason)",
+            metrics.tenant_refused.clone(),
+        );
+        registry.register("tenant_reports", "Reports accepted, by tenant", metrics.tenant_reports.clone());
         metrics
+    }
+
+    pub(crate) fn tenant_granted(&self, tenant: &str) {
+        self.tenant_granted.get_or_create(&TenantLabels { tenant: tenant.to_owned() }).inc();
+    }
+
+    pub(crate) fn tenant_refused(&self, tenant: &str, reason: &str) {
+        self.tenant_refused
+            .get_or_create(&TenantReasonLabels { tenant: tenant.to_owned(), reason: reason.to_owned() })
+            .inc();
+    }
+
+    pub(crate) fn tenant_reported(&self, tenant: &str) {
+        self.tenant_reports.get_or_create(&TenantLabels { tenant: tenant.to_owned() }).inc();
+    }
+
+    /// Sets each tenant's held leases: every tenant in `tenants` (0 when it holds none), and every holder.
+    pub(crate) fn set_tenant_active<'a>(
+        &self,
+        tenants: impl Iterator<Item = &'a str>,
+        held: &std::collections::BTreeMap<String, usize>,
+    ) {
+        for tenant in tenants {
+            let count = held.get(tenant).copied().unwrap_or(0);
+            self.tenant_active.get_or_create(&TenantLabels { tenant: tenant.to_owned() }).set(count as i64);
+        }
+        for (tenant, count) in held {
+            self.tenant_active.get_or_create(&TenantLabels { tenant: tenant.clone() }).set(*count as i64);
+        }
     }
 
     pub(crate) fn request(&self, route: Option<&str>, status: u16, latency: Duration) {
@@ -196,6 +254,33 @@ impl DiscoveryMetrics {
         let counted = self.adopted.get();
         if total > counted {
             self.adopted.inc_by(total - counted);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_series_are_labelled_by_tenant_and_idle_tenants_read_zero() {
+        let mut registry = Registry::default();
+        let metrics = DiscoveryMetrics::register(&mut registry);
+        metrics.tenant_granted("team-a");
+        metrics.tenant_refused("team-a", "quota-max-leases");
+        metrics.tenant_reported("team-b");
+        let held = std::collections::BTreeMap::from([("team-a".to_owned(), 3)]);
+        metrics.set_tenant_active(["team-a", "team-b"].into_iter(), &held);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        for line in [
+            "discovery_tenant_leases_granted_total{tenant=\"team-a\"} 1",
+            "discovery_tenant_refusals_total{tenant=\"team-a\",reason=\"quota-max-leases\"} 1",
+            "discovery_tenant_reports_total{tenant=\"team-b\"} 1",
+            "discovery_tenant_leases_active{tenant=\"team-a\"} 3",
+            "discovery_tenant_leases_active{tenant=\"team-b\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
         }
     }
 }

@@ -62,6 +62,7 @@ pub fn document() -> Value {
                     ("409".to_owned(), problem_response("the named proxy is cooling down for the target, full, drained or unhealthy")),
                     ("413".to_owned(), problem_response("the body is too large")),
                     ("415".to_owned(), problem_response("the body is not JSON")),
+                    ("429".to_owned(), problem_response("the tenant holds its maxLeases already (quota-exceeded, reason quota-max-leases), with Retry-After")),
                 ]))
             }},
             "/v1/leases/{id}": { "delete": {
@@ -91,10 +92,11 @@ pub fn document() -> Value {
                     ("200".to_owned(), json_response("the cooldown, for a ban or a throttle", "ReportResult")),
                     ("400".to_owned(), problem_response("invalid body")),
                     ("404".to_owned(), problem_response("no such lease")),
+                    ("429".to_owned(), problem_response("the tenant made its reportsPerMinute reports this minute (quota-exceeded, reason quota-reports-per-minute), with Retry-After")),
                 ]))
             }},
             "/v1/cooldowns": { "get": {
-                "summary": "List live cooldowns",
+                "summary": "List live cooldowns your tenant's reports made (an admin: every one)",
                 "parameters": [{ "name": "target", "in": "query", "schema": { "type": "string" } }],
                 "responses": auth_errors(serde_json::Map::from_iter([
                     ("200".to_owned(), json_response("the cooldowns", "CooldownList")),
@@ -123,7 +125,7 @@ pub fn document() -> Value {
             "schemas": {
                 "Problem": { "type": "object", "required": ["type", "title", "status", "detail"], "properties": {
                     "type": { "type": "string" }, "title": { "type": "string" }, "status": { "type": "integer" }, "detail": { "type": "string" },
-                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable, unknown-pool, not-serving" },
+                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable, unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute" },
                     "retryAfterSeconds": { "type": "integer" }
                 }},
                 "ProxyRef": { "type": "object", "required": ["namespace", "name", "host", "port", "url"], "properties": {
@@ -148,7 +150,7 @@ pub fn document() -> Value {
                     "pool": { "type": "string", "description": "only members of this ProxyPool: namespace/name, or a name only one namespace has; a pool with no members that autoscales answers 503 scaling-up and grows" }
                 }},
                 "Lease": { "type": "object", "required": ["id", "proxy", "target", "expiresAt"], "properties": {
-                    "id": { "type": "string", "description": "self-verifying: usable only with the token that took the lease, by any replica that shares the operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease" },
+                    "id": { "type": "string", "description": "self-verifying: usable only with a token of the tenant that took the lease, by any replica that shares the operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease" },
                     "proxy": { "$ref": "#/components/schemas/ProxyRef" },
                     "target": { "type": "string", "description": "the normalised target" }, "expiresAt": { "type": "string", "format": "date-time" }
                 }},
@@ -157,7 +159,7 @@ pub fn document() -> Value {
                     "replaced": { "type": "boolean", "description": "true when the proxy's instance was replaced since the holder was last told its URL: use proxy.url from now on (the old instance is kept only until its holders renew, or the drain timeout)" }
                 }}]},
                 "Report": { "type": "object", "additionalProperties": false, "description": "an outcome, counts, or both", "properties": {
-                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone. While a cooldown runs, a further ban or throttle from the same token changes nothing (the answer gives the running cooldown's end); another token's ban counts once" },
+                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone. While a cooldown runs, a further ban or throttle from the same tenant changes nothing (the answer gives the running cooldown's end); another tenant's ban counts once" },
                     "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
                     "retryAfterSeconds": { "type": "integer", "minimum": 1, "maximum": 86400, "description": "with outcome throttled: the site's own Retry-After" },
                     "ok": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests the site served through this lease since the last report; one lease's reports count at most 100 requests plus 100 per second of its age, the rest is dropped" },

@@ -58,13 +58,27 @@ impl Server {
         key: LeaseKey,
         journal: Option<Arc<dyn CooldownJournal>>,
     ) -> Self {
-        let (auth, tokens) = if auth {
-            let file = tempfile::NamedTempFile::new().expect("token file");
-            std::fs::write(file.path(), format!("read {READ}\nlease {LEASE}\nlease {OTHER_LEASE}\nadmin {ADMIN}\n"))
-                .expect("write tokens");
-            (Auth::Tokens(TokenFile::load(file.path()).expect("tokens")), Some(file))
-        } else {
-            (Auth::Disabled, None)
+        // READ and LEASE are one tenant's; OTHER_LEASE is a tenant of its own, and so is ADMIN.
+        let tokens = auth.then(|| {
+            format!("read {READ} tenant=crawlers\nlease {LEASE} tenant=crawlers\nlease {OTHER_LEASE}\nadmin {ADMIN}\n")
+        });
+        Self::start_with_tokens(records, tokens.as_deref(), key, journal).await
+    }
+
+    /// A server with the token file `tokens` (no authentication without one).
+    async fn start_with_tokens(
+        records: Vec<ProxyRecord>,
+        tokens: Option<&str>,
+        key: LeaseKey,
+        journal: Option<Arc<dyn CooldownJournal>>,
+    ) -> Self {
+        let (auth, tokens) = match tokens {
+            Some(text) => {
+                let file = tempfile::NamedTempFile::new().expect("token file");
+                std::fs::write(file.path(), text).expect("write tokens");
+                (Auth::Tokens(TokenFile::load(file.path()).expect("tokens")), Some(file))
+            }
+            None => (Auth::Disabled, None),
         };
         let store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), key));
         let mut state = Discovery::new(store, auth, DiscoveryMetrics::default());
@@ -732,7 +746,13 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
     let server = Server::start(vec![record("a", 5), record("b", 5)], true).await;
     let until = std::time::SystemTime::now() + Duration::from_secs(600);
     let mut kept = record("a", 5);
-    kept.cooldowns = vec![Cooldown { proxy: "crawl/a".into(), target: "example.com".into(), until, streak: 2 }];
+    kept.cooldowns = vec![Cooldown {
+        proxy: "crawl/a".into(),
+        target: "example.com".into(),
+        until,
+        streak: 2,
+        reporters: Vec::new(),
+    }];
     server.state.upsert(kept);
     for _ in 0..4 {
         let (status, lease) = server.lease(json!({ "target": "www.example.com" })).await;
@@ -1005,4 +1025,113 @@ async fn released_leases_answer_404_on_renew_and_never_pass_the_cap() {
     }
     let (_, _, listed) = server.call("GET", "/v1/proxies", Some(READ), None).await;
     assert_eq!(listed["proxies"][0]["activeLeases"], 0);
+}
+
+/// Two tenants share a fleet: each has its own leases, sessions, cooldowns and credentials, quotas bound each one
+/// alone (429 with a problem type of its own), and an admin sees and clears everything.
+#[tokio::test]
+async fn tenants_have_their_own_leases_sessions_cooldowns_and_quotas() {
+    const A_LEASE: &str = "tenant-a-lease-token-0123";
+    const A_READ: &str = "tenant-a-read-token-01234";
+    const B_LEASE: &str = "tenant-b-lease-token-0123";
+    let tokens = format!(
+        "lease {A_LEASE} tenant=team-a maxLeases=3 maxLeaseSeconds=60 reportsPerMinute=4\n\
+         read {A_READ} tenant=team-a\nlease {B_LEASE} tenant=team-b\nadmin {ADMIN} tenant=ops\n"
+    );
+    let records = vec![record("a", 5), record("b", 5), record("c", 5), record("d", 5)];
+    let server = Server::start_with_tokens(records, Some(&tokens), LeaseKey::ephemeral(), None).await;
+    let lease = |token: &'static str, body: Value| {
+        let server = &server;
+        async move {
+            let (status, headers, body) = server.call("POST", "/v1/leases", Some(token), Some(&body.to_string())).await;
+            (status, headers, body)
+        }
+    };
+
+    // A session is its tenant's: B naming A's session key gets a session of its own.
+    let (status, _, a_first) = lease(A_LEASE, json!({ "target": "shop.example.com", "session": "s1" })).await;
+    assert_eq!(status, 201, "{a_first}");
+    let (_, _, b_first) = lease(B_LEASE, json!({ "target": "shop.example.com", "session": "s1" })).await;
+    assert_ne!(b_first["proxy"]["name"], a_first["proxy"]["name"], "B does not get A's session's proxy");
+    let (_, _, a_again) = lease(A_LEASE, json!({ "target": "shop.example.com", "session": "s1" })).await;
+    assert_eq!(a_again["proxy"]["name"], a_first["proxy"]["name"], "A's session sticks");
+
+    // The default TTL is capped by maxLeaseSeconds, and a longer one is refused.
+    let expires = a_first["expiresAt"].as_str().expect("expiresAt");
+    let expires: jiff::Timestamp = expires.parse().expect("a timestamp");
+    assert!(expires.duration_since(jiff::Timestamp::now()).as_secs() <= 60, "{expires}");
+    let (status, _, body) = lease(A_LEASE, json!({ "target": "x.example.com", "ttlSeconds": 120 })).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["detail"].as_str().is_some_and(|detail| detail.contains("maxLeaseSeconds (60)")), "{body}");
+
+    // maxLeases: A's third lease is its last; the fourth is 429 quota-exceeded with Retry-After. B is unaffected.
+    let (status, _, a_other) = lease(A_LEASE, json!({ "target": "other.example.org" })).await;
+    assert_eq!(status, 201);
+    let held_by_a =
+        [a_first["proxy"]["name"].as_str(), a_again["proxy"]["name"].as_str(), a_other["proxy"]["name"].as_str()];
+    let (status, headers, body) = lease(A_LEASE, json!({ "target": "more.example.org" })).await;
+    assert_eq!(status, 429, "{body}");
+    assert_problem(&headers, &body, 429);
+    assert_eq!(
+        (body["type"].as_str(), body["reason"].as_str()),
+        (Some("urn:egress-operator:problem:quota-exceeded"), Some("quota-max-leases"))
+    );
+    assert!(headers.get(http::header::RETRY_AFTER).is_some());
+    for index in 0..4 {
+        let (status, _, body) = lease(B_LEASE, json!({ "target": format!("b{index}.example.org") })).await;
+        assert_eq!(status, 201, "B leases on: {body}");
+    }
+
+    // Credentials in a listing only on the caller's own leases.
+    let (_, _, listed) = server.call("GET", "/v1/proxies", Some(A_LEASE), None).await;
+    for proxy in listed["proxies"].as_array().expect("proxies") {
+        let with_credentials = proxy["url"].as_str().is_some_and(|url| url.contains('@'));
+        assert_eq!(with_credentials, held_by_a.contains(&proxy["name"].as_str()), "{proxy}");
+    }
+    let a_proxy = a_first["proxy"]["name"].as_str().expect("name");
+    let (_, _, listed_b) = server.call("GET", "/v1/proxies", Some(B_LEASE), None).await;
+    let seen_by_b = listed_b["proxies"].as_array().expect("proxies").iter().find(|p| p["name"] == a_proxy).cloned();
+    let b_holds_it = b_first["proxy"]["name"].as_str() == Some(a_proxy);
+    assert_eq!(seen_by_b.expect("listed")["url"].as_str().is_some_and(|url| url.contains('@')), b_holds_it);
+    let (_, _, listed_admin) = server.call("GET", "/v1/proxies", Some(ADMIN), None).await;
+    assert!(
+        listed_admin["proxies"]
+            .as_array()
+            .expect("proxies")
+            .iter()
+            .all(|p| p["url"].as_str().is_some_and(|u| u.contains('@')))
+    );
+
+    // Cooldowns: A's ban is A's to see (any of its tokens); B sees none; an admin sees it.
+    let id = a_first["id"].as_str().expect("id");
+    let (status, _, _) =
+        server.call("POST", &format!("/v1/leases/{id}/report"), Some(A_LEASE), Some(r#"{"outcome":"banned"}"#)).await;
+    assert_eq!(status, 200);
+    let count = |token: &'static str| {
+        let server = &server;
+        async move {
+            let (_, _, body) = server.call("GET", "/v1/cooldowns", Some(token), None).await;
+            body["cooldowns"].as_array().map_or(0, Vec::len)
+        }
+    };
+    assert_eq!((count(A_READ).await, count(A_LEASE).await, count(B_LEASE).await, count(ADMIN).await), (1, 1, 0, 1));
+    // B's leases on other proxies still work for that site.
+    let (status, _, body) = lease(B_LEASE, json!({ "target": "shop.example.com" })).await;
+    assert_eq!(status, 201, "{body}");
+    assert_ne!(body["proxy"]["name"].as_str(), Some(a_proxy));
+
+    // reportsPerMinute: A's fifth report this minute is refused; B's are not.
+    for _ in 0..3 {
+        let (status, _, _) =
+            server.call("POST", &format!("/v1/leases/{id}/report"), Some(A_LEASE), Some(r#"{"ok":1}"#)).await;
+        assert_eq!(status, 200);
+    }
+    let (status, headers, body) =
+        server.call("POST", &format!("/v1/leases/{id}/report"), Some(A_LEASE), Some(r#"{"ok":1}"#)).await;
+    assert_eq!((status, body["reason"].as_str()), (429, Some("quota-reports-per-minute")), "{body}");
+    assert!(headers.get(http::header::RETRY_AFTER).is_some());
+    let b_id = b_first["id"].as_str().expect("id");
+    let (status, _, _) =
+        server.call("POST", &format!("/v1/leases/{b_id}/report"), Some(B_LEASE), Some(r#"{"ok":1}"#)).await;
+    assert_eq!(status, 200);
 }

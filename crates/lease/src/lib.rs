@@ -57,12 +57,15 @@ pub struct LeaseRequest {
     pub ttl: Option<Duration>,
     /// A specific proxy.
     pub proxy: Option<String>,
-    /// A sticky-session key: the same (session, target) gets the same proxy while it stays eligible.
+    /// A sticky-session key: the same (owner, session, target) gets the same proxy while it stays eligible.
+    /// Sessions are the owner's: another owner naming the same key has a session of its own.
     pub session: Option<String>,
     /// Only members of this pool.
     pub pool: Option<String>,
-    /// Who asks (for example a digest of the caller's token): the lease is usable only with the same owner.
+    /// Who asks (the operator: the caller's tenant): the lease is usable only with the same owner.
     pub owner: String,
+    /// The most leases `owner` may hold at once, this one included; `None` for no limit.
+    pub owner_quota: Option<u32>,
 }
 
 impl LeaseRequest {
@@ -189,6 +192,8 @@ pub struct Cooldown {
     pub until: SystemTime,
     /// How many bans in a row led to it.
     pub streak: u32,
+    /// The owners whose reports made it (empty when it was restored from a record that did not say).
+    pub reporters: Vec<String>,
 }
 
 /// A proxy in a listing.
@@ -252,6 +257,14 @@ pub enum LeaseError {
     /// The lease was revoked because its proxy turned unhealthy or disappeared.
     #[error("lease {0:?} was revoked: its proxy is no longer available")]
     Revoked(String),
+    /// The owner holds as many leases as its quota allows.
+    #[error("the tenant holds {limit} leases, its quota (maxLeases)")]
+    QuotaExceeded {
+        /// The quota.
+        limit: u32,
+        /// When the first of the owner's leases expires, as a hint for retrying.
+        retry_at: Option<SystemTime>,
+    },
 }
 
 /// Settings of a store.
@@ -342,6 +355,10 @@ pub trait LeaseStore: Send + Sync {
     ) -> Result<Vec<Option<ProxyLoad>>, LeaseError>;
     /// How many leases are active, without looking at each.
     fn active_leases(&self) -> usize;
+    /// The proxies `owner` holds live leases on.
+    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<String>;
+    /// How many live leases each owner holds (owners holding none are left out).
+    fn leases_by_owner(&self) -> BTreeMap<String, usize>;
     /// How many leases this store took over from IDs it had not issued (since it was made).
     fn adopted(&self) -> u64;
 }

@@ -47,6 +47,8 @@ struct LeaseState {
     adopted: bool,
     /// Requests its reports have counted so far (bounded by what the lease could have made).
     reported: u64,
+    /// Who holds it (the owner its IDs are bound to).
+    owner: String,
 }
 
 /// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
@@ -88,6 +90,7 @@ struct Inner {
     ended_expiries: BTreeSet<(SystemTime, u64)>,
     cooldowns: HashMap<(String, String), CooldownState>,
     cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
+    /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
     sessions: HashMap<(String, String), (String, SystemTime)>,
     session_expiries: BTreeSet<(SystemTime, String, String)>,
     /// Proxies by the egress IP they were last seen leaving through.
@@ -98,6 +101,13 @@ struct Inner {
     sequence: u64,
     /// How many leases were taken over from IDs this store had not issued.
     adopted: u64,
+    /// Live leases by owner.
+    owners: HashMap<String, HashSet<u64>>,
+}
+
+/// The key of an owner's session: sessions of different owners never meet, whatever they are called.
+fn session_key(owner: &str, session: &str) -> String {
+    format!("{owner}\n{session}")
 }
 
 /// How long a (proxy, target) pair's reported outcomes are kept after its last report.
@@ -178,6 +188,7 @@ impl InMemoryLeaseStore {
             state.leases.insert(serial);
         });
         inner.lease_expiries.insert((claims.expires_at, serial));
+        inner.owners.entry(owner.to_owned()).or_default().insert(serial);
         inner.leases.insert(
             serial,
             LeaseState {
@@ -189,6 +200,7 @@ impl InMemoryLeaseStore {
                 endpoint,
                 adopted: true,
                 reported: 0,
+                owner: owner.to_owned(),
             },
         );
         Ok(serial)
@@ -260,6 +272,14 @@ impl InMemoryLeaseStore {
         if inner.lease_expiries.len() != inner.leases.len() {
             return violation("lease expiries and leases differ in number".into());
         }
+        let owned: usize = inner.owners.values().map(HashSet::len).sum();
+        if owned != inner.leases.len()
+            || inner.owners.iter().any(|(owner, held)| {
+                held.is_empty() || held.iter().any(|serial| inner.leases.get(serial).is_none_or(|l| &l.owner != owner))
+            })
+        {
+            return violation("the leases by owner differ from the live leases".into());
+        }
         Ok(())
     }
 
@@ -293,7 +313,8 @@ impl Inner {
     }
 
     /// Extends the cooldown of every sibling of `proxy` for `target` to at least `until` and `streak`: the site
-    /// sees one address.
+    /// sees one address. `owner`'s report (a ban when `ban`) made it, on each of them.
+    #[allow(clippy::too_many_arguments)]
     fn share_cooldown(
         &mut self,
         store: &InMemoryLeaseStore,
@@ -301,10 +322,14 @@ impl Inner {
         target: &str,
         until: SystemTime,
         streak: u32,
+        (owner, ban): (&str, bool),
+        now: SystemTime,
     ) -> Vec<String> {
         let siblings = self.siblings(proxy);
         for sibling in &siblings {
-            let known = self.cooldowns.get(&(sibling.clone(), target.to_owned()));
+            let key = (sibling.clone(), target.to_owned());
+            let known = self.cooldowns.get(&key);
+            let running = known.is_some_and(|cooldown| cooldown.until > now);
             let (known_until, known_streak) = known.map_or((until, 0), |cooldown| (cooldown.until, cooldown.streak));
             self.set_cooldown(
                 store,
@@ -313,6 +338,7 @@ impl Inner {
                 known_until.max(until),
                 known_streak.max(streak),
             );
+            self.reported_by(&key, owner, ban, running);
         }
         siblings
     }
@@ -341,6 +367,12 @@ impl Inner {
     fn free(&mut self, serial: u64) -> Option<LeaseState> {
         let lease = self.leases.remove(&serial)?;
         self.lease_expiries.remove(&(lease.expires_at, serial));
+        if let Some(held) = self.owners.get_mut(&lease.owner) {
+            held.remove(&serial);
+            if held.is_empty() {
+                self.owners.remove(&lease.owner);
+            }
+        }
         let proxy = lease.proxy.clone();
         self.reindex(&proxy, |state| {
             state.active -= 1;
@@ -451,7 +483,9 @@ impl Inner {
             endpoint,
             adopted: false,
             reported: 0,
+            owner: owner.to_owned(),
         };
+        self.owners.entry(owner.to_owned()).or_default().insert(serial);
         let granted = store.sign(serial, &lease, owner);
         self.leases.insert(serial, lease);
         self.lease_expiries.insert((expires_at, serial));
@@ -612,6 +646,17 @@ impl LeaseStore for InMemoryLeaseStore {
         let owner = request.owner.as_str();
         let mut inner = self.lock();
         inner.expire(now);
+        if let Some(limit) = request.owner_quota {
+            let held = inner.owners.get(owner);
+            if held.is_some_and(|held| held.len() >= limit as usize) {
+                let retry_at = held
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|serial| inner.leases.get(serial).map(|lease| lease.expires_at))
+                    .min();
+                return Err(LeaseError::QuotaExceeded { limit, retry_at });
+            }
+        }
 
         if let Some(name) = &request.proxy {
             let Some(proxy) = inner.proxies.get(name) else { return Err(LeaseError::UnknownProxy(name.clone())) };
@@ -642,7 +687,7 @@ impl LeaseStore for InMemoryLeaseStore {
             inner.proxies.get(id).is_some_and(|proxy| proxy.eligible() && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
-        let session_key = request.session.as_ref().map(|session| (session.clone(), target.clone()));
+        let session_key = request.session.as_ref().map(|session| (session_key(owner, session), target.clone()));
         let sticky = session_key
             .as_ref()
             .and_then(|key| inner.sessions.get(key))
@@ -830,7 +875,8 @@ impl LeaseStore for InMemoryLeaseStore {
         if changed && let Some(until) = cooldown_until {
             let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak);
             cooled.push(proxy.clone());
-            cooled.extend(inner.share_cooldown(self, &proxy, &target, until, streak));
+            let ban = report.outcome == Some(Outcome::Banned);
+            cooled.extend(inner.share_cooldown(self, &proxy, &target, until, streak, (owner, ban), now));
         }
         let used = counted.total();
         match inner.leases.get_mut(&serial) {
@@ -863,6 +909,7 @@ impl LeaseStore for InMemoryLeaseStore {
                 target: target.clone(),
                 until: cooldown.until,
                 streak: cooldown.streak,
+                reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
             })
             .collect();
         cooldowns.sort_by(|a, b| (b.until, &a.target).cmp(&(a.until, &b.target)));
@@ -887,7 +934,12 @@ impl LeaseStore for InMemoryLeaseStore {
             if forget_at <= now {
                 continue;
             }
+            let key = (cooldown.proxy.clone(), target.clone());
             inner.set_cooldown(self, cooldown.proxy.clone(), target, cooldown.until, cooldown.streak);
+            // Who made it, as the record says: their further reports change nothing while it runs.
+            for reporter in &cooldown.reporters {
+                inner.reported_by(&key, reporter, true, true);
+            }
             restored += 1;
         }
         restored
@@ -912,6 +964,7 @@ impl LeaseStore for InMemoryLeaseStore {
                     target: key.1.clone(),
                     until: cooldown.until,
                     streak: cooldown.streak,
+                    reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
                 });
             }
             // Ended now, the streak forgotten; remembered as cleared until it would have been forgotten.
@@ -954,6 +1007,7 @@ impl LeaseStore for InMemoryLeaseStore {
                 target: target.clone(),
                 until: cooldown.until,
                 streak: cooldown.streak,
+                reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
             })
             .collect();
         live.sort_by(|a, b| (a.until, &a.proxy, &a.target).cmp(&(b.until, &b.proxy, &b.target)));
@@ -1005,6 +1059,22 @@ impl LeaseStore for InMemoryLeaseStore {
 
     fn active_leases(&self) -> usize {
         self.lock().leases.len()
+    }
+
+    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<String> {
+        let mut inner = self.lock();
+        inner.expire(now);
+        inner
+            .owners
+            .get(owner)
+            .into_iter()
+            .flatten()
+            .filter_map(|serial| inner.leases.get(serial).map(|lease| lease.proxy.clone()))
+            .collect()
+    }
+
+    fn leases_by_owner(&self) -> std::collections::BTreeMap<String, usize> {
+        self.lock().owners.iter().map(|(owner, held)| (owner.clone(), held.len())).collect()
     }
 
     fn adopted(&self) -> u64 {

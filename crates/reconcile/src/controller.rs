@@ -950,6 +950,7 @@ mod tests {
                 site: "example.com".into(),
                 until: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
                 streak: 3,
+                tenants: Vec::new(),
             }],
             ..ProxyStatus::default()
         });

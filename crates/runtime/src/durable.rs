@@ -43,7 +43,12 @@ pub fn cooldown_status(cooldowns: &[Cooldown]) -> Vec<CooldownStatus> {
         .take(MAX_PERSISTED_COOLDOWNS)
         .filter_map(|cooldown| {
             let until = Timestamp::try_from(cooldown.until).ok()?;
-            Some(CooldownStatus { site: cooldown.target.clone(), until: Time(until), streak: cooldown.streak })
+            Some(CooldownStatus {
+                site: cooldown.target.clone(),
+                until: Time(until),
+                streak: cooldown.streak,
+                tenants: cooldown.reporters.iter().take(16).cloned().collect(),
+            })
         })
         .collect()
 }
@@ -60,6 +65,7 @@ pub fn cooldowns_of(proxy: &Proxy) -> Vec<Cooldown> {
             target: kept.site.clone(),
             until: SystemTime::from(kept.until.0),
             streak: kept.streak,
+            reporters: kept.tenants.clone(),
         })
         .collect()
 }
@@ -143,7 +149,13 @@ mod tests {
     #[test]
     fn cooldowns_round_trip_through_the_status_to_the_second() {
         let until = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let cooldowns = vec![Cooldown { proxy: "crawl/a".into(), target: "example.com".into(), until, streak: 3 }];
+        let cooldowns = vec![Cooldown {
+            proxy: "crawl/a".into(),
+            target: "example.com".into(),
+            until,
+            streak: 3,
+            reporters: vec!["team-a".into()],
+        }];
         let mut proxy = Proxy::new("a", egress_api::ProxySpec::new(egress_api::ProxyMode::External));
         proxy.metadata.namespace = Some("crawl".into());
         proxy.status = Some(ProxyStatus { cooldowns: cooldown_status(&cooldowns), ..ProxyStatus::default() });
@@ -151,7 +163,7 @@ mod tests {
         let json = serde_json::to_value(&proxy.status).expect("json");
         assert_eq!(
             json["cooldowns"][0],
-            serde_json::json!({"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3})
+            serde_json::json!({"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]})
         );
     }
 

@@ -41,6 +41,11 @@ class Conflict(_WithReason):
     (`proxy-unavailable`)."""
 
 
+class QuotaExceeded(_WithReason):
+    """429: the tenant's quota is used up (`quota-max-leases`: it holds as many leases as it may; release one;
+    `quota-reports-per-minute`). `retry_after` says when to try again."""
+
+
 class NotFound(DiscoveryError):
     """404: no such lease for this token (expired, released, never granted to it), or no such proxy."""
 
@@ -78,6 +83,8 @@ def error_for(status: int, problem: Mapping[str, Any], retry_after_header: Optio
         return Unavailable(detail, reason=reason, retry_after=retry_after, status=status, problem=problem)
     if status == 409:
         return Conflict(detail, reason=reason, retry_after=retry_after, status=status, problem=problem)
+    if status == 429:
+        return QuotaExceeded(detail, reason=reason, retry_after=retry_after, status=status, problem=problem)
     kinds = {404: NotFound, 410: Gone, 401: Unauthorized, 403: Forbidden, 400: BadRequest}
     kind = kinds.get(status, DiscoveryError)
     return kind(detail, status=status, problem=problem)
