@@ -333,7 +333,8 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         lease.target(),
         lease.expires_at()
     );
-    println!("fetched:     GET {} through {} -> {status}", origin.url(), lease.proxy_url());
+    // The proxy's password stays in the lease answer: a demo's output ends up in terminals, logs and bug reports.
+    println!("fetched:     GET {} through {} -> {status}", origin.url(), without_password(lease.proxy_url()));
     if status != 200 {
         bail!("the page fetched through the leased proxy answered {status}, not 200");
     }
@@ -373,4 +374,27 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     drop(plane);
     println!("[quickstart] done");
     Ok(())
+}
+
+/// A proxy URL with its password replaced by `***` (`http://user:***@host:port`).
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            format!("{scheme}://{user}:***@{host}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_password;
+
+    #[test]
+    fn printed_proxy_urls_carry_no_password() {
+        assert_eq!(without_password("http://crawler:s3cr%40t@10.0.0.1:3128"), "http://crawler:***@10.0.0.1:3128");
+        assert_eq!(without_password("http://10.0.0.1:3128"), "http://10.0.0.1:3128");
+    }
 }

@@ -1227,3 +1227,198 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
         .await
         .expect("delete the pool");
 }
+
+/// Each operator pod's name and its container's restart count.
+async fn restart_counts(client: &Client) -> Vec<(String, i32)> {
+    operator_pods(client)
+        .await
+        .iter()
+        .map(|pod| {
+            let restarts = pod
+                .status
+                .as_ref()
+                .and_then(|status| status.container_statuses.as_ref())
+                .and_then(|statuses| statuses.first())
+                .map_or(0, |status| status.restart_count);
+            (pod.name_any(), restarts)
+        })
+        .collect()
+}
+
+/// The last address of the tests' pod network: local to the test (the whole network is), never handed to a pod,
+/// so connections from it come from a client of their own.
+fn attacker_address() -> std::net::Ipv4Addr {
+    let (network, prefix) = egress_testenv::pod_network()
+        .expect("the flood test binds a pod-network address of its own: run it through `cargo xtask test` or `e2e`");
+    std::net::Ipv4Addr::from(u32::from(network) | ((1u32 << (32 - u32::from(prefix))) - 2))
+}
+
+/// 1,000 connections without a token, each sending `GET /v1/proxies` every 8 s, at the leader's discovery port:
+/// every authorised request through the Service still succeeds, and no operator pod restarts.
+#[tokio::test]
+async fn a_token_less_flood_starves_no_authorised_client_and_restarts_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let _suite = SUITE.read().await;
+    // Installed, whichever test runs first.
+    cluster();
+    let client = client().await;
+    let leader = operator_pods(&client).await.into_iter().find(is_leader).expect("a leader");
+    let target: std::net::SocketAddr = format!("{}:8090", pod_ip(&leader)).parse().expect("an address");
+    let before = restart_counts(&client).await;
+    let source = std::net::SocketAddr::new(attacker_address().into(), 0);
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let attack_until = Instant::now() + Duration::from_secs(24);
+    let attackers: Vec<_> = (0..1000)
+        .map(|_| {
+            let (answered, refused) = (answered.clone(), refused.clone());
+            tokio::spawn(async move {
+                // At most three rounds, 8 s apart; every wait is bounded.
+                for _ in 0..3 {
+                    if Instant::now() >= attack_until {
+                        break;
+                    }
+                    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+                    socket.bind(source).expect("bind the attacker's address");
+                    if let Ok(Ok(mut stream)) =
+                        tokio::time::timeout(Duration::from_secs(5), socket.connect(target)).await
+                    {
+                        let _ = stream.write_all(b"GET /v1/proxies HTTP/1.1\r\nHost: discovery\r\n\r\n").await;
+                        let mut received = Vec::new();
+                        let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut received)).await;
+                        if received.starts_with(b"HTTP/1.1 401") {
+                            answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        } else {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_secs(8)).await;
+                }
+            })
+        })
+        .collect();
+
+    // Meanwhile a crawler with a token lists and leases through the Service, every 50 ms.
+    let crawler = discovery();
+    let mut latencies = Vec::new();
+    let mut failures = Vec::new();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while Instant::now() < attack_until {
+        let started = Instant::now();
+        match crawler.proxies(None, None).await {
+            Ok(_) => latencies.push(started.elapsed()),
+            Err(error) => failures.push(error.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for attacker in attackers {
+        attacker.await.expect("an attacker task");
+    }
+    latencies.sort();
+    let percentile = |p: usize| latencies[(latencies.len() * p / 100).min(latencies.len() - 1)];
+    let (_, metrics) = http_get(&format!("http://{}:8080/metrics", pod_ip(&leader))).await.expect("metrics");
+    let per_source = metrics
+        .lines()
+        .filter(|line| {
+            line.starts_with(
+                "egress_http_connections_closed_by_limit_total{server=\"discovery\",reason=\"per-source\"}",
+            )
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    eprintln!(
+        "e2e: token-less flood of 1,000 connections: {} answered 401 and closed, {} refused at the per-address cap \
+         ({per_source} per-source closes on the leader); {} authorised requests, {} failed, p50 {:.1?}, p99 {:.1?}",
+        answered.load(std::sync::atomic::Ordering::Relaxed),
+        refused.load(std::sync::atomic::Ordering::Relaxed),
+        latencies.len() + failures.len(),
+        failures.len(),
+        percentile(50),
+        percentile(99),
+    );
+    assert!(failures.is_empty(), "authorised requests failed during the flood: {failures:?}");
+    assert!(latencies.len() > 100, "only {} authorised requests ran", latencies.len());
+    assert!(per_source > 0.0, "the flood never met the per-address cap");
+    assert_eq!(restart_counts(&client).await, before, "no operator pod restarted (the liveness probe held)");
+}
+
+/// A token added to the tokens Secret works within 90 s, without restarting anything (the mounted Secret follows
+/// the object and the operator re-reads the file); removing it ends it the same way.
+#[tokio::test]
+async fn a_token_added_to_the_secret_works_without_a_restart() {
+    use k8s_openapi::api::core::v1::Secret;
+
+    let _suite = SUITE.read().await;
+    let cluster = cluster();
+    let client = client().await;
+    let before = restart_counts(&client).await;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let secret = secrets.get("egress-operator-discovery-tokens").await.expect("the tokens Secret");
+    let shipped = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get("tokens"))
+        .map(|bytes| String::from_utf8_lossy(&bytes.0).into_owned())
+        .expect("the tokens");
+    let token = "rotated-in-lease-token-0123456789";
+    let patch = |text: String| {
+        let secrets = secrets.clone();
+        async move {
+            secrets
+                .patch(
+                    "egress-operator-discovery-tokens",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "stringData": { "tokens": text } })),
+                )
+                .await
+                .expect("patch the tokens Secret");
+        }
+    };
+    let added = Instant::now();
+    patch(format!("{shipped}lease {token} tenant=rotated\n")).await;
+    let rotated = DiscoveryClient::new(&cluster.installation.discovery.url(), Some(token.into())).expect("client");
+    eventually_every("the new token to be accepted", Duration::from_secs(90), Duration::from_secs(1), || {
+        let rotated = rotated.clone();
+        async move { rotated.proxies(None, None).await.map(|_| ()).map_err(|error| error.to_string()) }
+    })
+    .await;
+    eprintln!("e2e: a token added to the tokens Secret was accepted {:.1?} later", added.elapsed());
+    assert!(added.elapsed() <= Duration::from_secs(90));
+    patch(shipped).await;
+    eventually_every("the removed token to be refused", Duration::from_secs(90), Duration::from_secs(1), || {
+        let rotated = rotated.clone();
+        async move {
+            match rotated.proxies(None, None).await {
+                Err(ClientError::Unauthorized(_)) => Ok(()),
+                other => Err(format!("{:?}", other.map(|proxies| proxies.len()))),
+            }
+        }
+    })
+    .await;
+    assert_eq!(restart_counts(&client).await, before, "nothing restarted");
+}
+
+/// As `nobody`, no file under the node agent's directory (the pods' volumes: Secrets, ServiceAccount tokens,
+/// discovery tokens, logs) or the control plane's (keys, kubeconfigs) can be read.
+#[tokio::test]
+async fn as_nobody_no_file_of_the_node_agent_or_the_control_plane_is_readable() {
+    let _suite = SUITE.read().await;
+    let agent = cluster().installation.agent().directory().to_owned();
+    let plane = egress_testenv::shared().await;
+    let control_plane = plane.kubeconfig_path().parent().expect("the control plane's directory").to_owned();
+    for dir in [&agent, &control_plane] {
+        let output = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "find"])
+            .arg(dir)
+            .args(["-type", "f", "-readable"])
+            .output()
+            .expect("setpriv find");
+        let readable = String::from_utf8_lossy(&output.stdout);
+        assert!(readable.trim().is_empty(), "readable as nobody under {}:\n{readable}", dir.display());
+    }
+    let files = std::process::Command::new("find").arg(&agent).args(["-type", "f"]).output().expect("find");
+    let count = String::from_utf8_lossy(&files.stdout).lines().count();
+    assert!(count > 0, "the node agent has files to protect");
+    eprintln!("e2e: {count} files under the node agent's directory, none readable as nobody");
+}

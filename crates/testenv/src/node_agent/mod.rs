@@ -467,6 +467,9 @@ async fn finish_deletion(api: &Api<Pod>, name: &str, uid: &str) {
     let _ = api.delete(name, &params).await;
 }
 
+/// How often a running pod's Secret and ConfigMap volumes are brought in line with their objects.
+const VOLUME_REFRESH: Duration = Duration::from_secs(10);
+
 /// Runs one pod from preparation to termination.
 async fn run_pod(
     agent: Arc<Shared>,
@@ -483,8 +486,9 @@ async fn run_pod(
         Ok(dir) => dir.keep(),
         Err(error) => return report_failed(&api, &name, &format!("creating the pod's directory: {error}")).await,
     };
-    // Squid drops privileges to the `proxy` user, and programs run as their pod's user: both write here.
-    let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o777));
+    // Root's alone until the pod's plan says which group must reach it (as kubelet keeps a pod's directory from
+    // other users of the node: its volumes hold Secrets and tokens).
+    let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o700));
     let started_at = Timestamp::now();
     let node = spec::Node { client: &agent.client, images: &agent.images, apiserver: agent.apiserver };
 
@@ -519,6 +523,12 @@ async fn run_pod(
         }
     };
 
+    // Squid drops privileges to `proxy`, and programs run as their pod's user: that group may enter and write here,
+    // nobody else may.
+    if let Some(group) = plan.group {
+        let _ = std::os::unix::fs::chown(&dir, Some(0), Some(group));
+        let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o770));
+    }
     let (changed, mut changes) = watch::channel(());
     let (container_stop, container_stop_receiver) = watch::channel::<Option<Duration>>(None);
     let mut tasks = Vec::new();
@@ -551,9 +561,14 @@ async fn run_pod(
             }
             reported = status;
         }
-        tokio::select! {
-            changed = changes.changed() => if changed.is_err() { break },
+        let refresh_due = tokio::select! {
+            changed = changes.changed() => if changed.is_err() { break } else { false },
             _ = stop.wait_for(Option::is_some) => break,
+            // Mounted Secrets and ConfigMaps follow their objects, as kubelet's do (it takes up to about a minute).
+            () = tokio::time::sleep(VOLUME_REFRESH), if plan.refreshes => true,
+        };
+        if refresh_due && let Err(error) = spec::refresh(&agent.client, &pod, &dir).await {
+            eprintln!("egress-testenv node agent: refreshing {namespace}/{name}'s volumes failed: {error:#}");
         }
     }
     let (grace, _) = stop.borrow().unwrap_or((plan.grace, false));

@@ -48,6 +48,12 @@ pub(crate) struct ContainerPlan {
 #[derive(Clone, Debug)]
 pub(crate) struct PodPlan {
     pub containers: Vec<ContainerPlan>,
+    /// The group that must reach the pod's directory (Squid's `proxy`, or the pod's user's group); root alone when
+    /// `None`.
+    pub group: Option<u32>,
+    /// Whether its Secret and ConfigMap volumes are kept in line with their objects (every container is a program
+    /// that reads its mounts; a Squid pod's configuration is rewritten once, at start).
+    pub refreshes: bool,
     /// `Always`, `OnFailure` or `Never`.
     pub restart_policy: String,
     /// `terminationGracePeriodSeconds` (30 when unset).
@@ -106,6 +112,8 @@ pub(crate) async fn prepare(node: &Node<'_>, pod: &Pod, ip: Ipv4Addr, dir: &Path
         }
     }
     let mut containers = Vec::new();
+    let mut group = None;
+    let mut refreshes = true;
     for container in &spec.containers {
         let image = container.image.clone().unwrap_or_default();
         let Some(runtime) = node.images.resolve(&image) else {
@@ -119,8 +127,14 @@ pub(crate) async fn prepare(node: &Node<'_>, pod: &Pod, ip: Ipv4Addr, dir: &Path
             Err(waiting) => return Ok(Prepared::Waiting(waiting)),
         };
         let plan = match runtime {
-            Runtime::Squid => plan_squid(container, &volume_dirs, ip, dir, &env)?,
+            Runtime::Squid => {
+                // Squid drops to `proxy`, which reads the password file and writes its logs here.
+                group = group.or_else(|| group_id("proxy"));
+                refreshes = false;
+                plan_squid(container, &volume_dirs, ip, dir, &env)?
+            }
             Runtime::Program { entrypoint, .. } => {
+                group = group.or_else(|| run_as_group(pod, container));
                 match plan_program(pod, container, entrypoint, &volume_dirs, dir, &env)? {
                     Ok(plan) => plan,
                     Err(waiting) => return Ok(Prepared::Waiting(waiting)),
@@ -132,6 +146,8 @@ pub(crate) async fn prepare(node: &Node<'_>, pod: &Pod, ip: Ipv4Addr, dir: &Path
     let grace = spec.termination_grace_period_seconds.unwrap_or(30).max(0);
     Ok(Prepared::Ready(PodPlan {
         containers,
+        group,
+        refreshes,
         restart_policy: spec.restart_policy.clone().unwrap_or_else(|| "Always".into()),
         grace: Duration::from_secs(grace.unsigned_abs()),
     }))
@@ -225,6 +241,76 @@ async fn materialise(
         fs::set_permissions(&file, fs::Permissions::from_mode(mode))?;
     }
     Ok(Some(target.to_path_buf()))
+}
+
+/// The group a program container runs as (its `runAsGroup`, else its `runAsUser`), when its security context says.
+fn run_as_group(pod: &Pod, container: &Container) -> Option<u32> {
+    let pod_security = pod.spec.as_ref().and_then(|spec| spec.security_context.as_ref());
+    let security = container.security_context.as_ref();
+    let group = security.and_then(|s| s.run_as_group).or(pod_security.and_then(|s| s.run_as_group));
+    let user = security.and_then(|s| s.run_as_user).or(pod_security.and_then(|s| s.run_as_user));
+    group.or(user).and_then(|id| u32::try_from(id).ok())
+}
+
+/// A group's ID from `/etc/group`.
+fn group_id(name: &str) -> Option<u32> {
+    let groups = fs::read_to_string("/etc/group").ok()?;
+    groups.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        (fields.next()? == name).then(|| fields.nth(1)?.parse().ok()).flatten()
+    })
+}
+
+/// Brings a running pod's Secret and ConfigMap volumes in line with their objects, as kubelet does: each changed
+/// file is replaced whole (written beside it, then renamed over it, so a reader never sees half of it), a key that
+/// went away loses its file, and a volume whose object is gone keeps its files. Returns how many files changed.
+pub(crate) async fn refresh(client: &Client, pod: &Pod, dir: &Path) -> Result<usize> {
+    let Some(spec) = pod.spec.as_ref() else { return Ok(0) };
+    let namespace = pod.namespace().unwrap_or_default();
+    let mut changed = 0;
+    for volume in spec.volumes.iter().flatten() {
+        let files = if let Some(source) = &volume.config_map {
+            config_map_files(client, &namespace, &source.name, source.items.as_deref(), mode_of(source.default_mode))
+                .await?
+        } else if let Some(source) = &volume.secret {
+            let name = source.secret_name.clone().unwrap_or_default();
+            secret_files(client, &namespace, &name, source.items.as_deref(), mode_of(source.default_mode)).await?
+        } else {
+            continue;
+        };
+        let Some(files) = files else { continue };
+        let target = dir.join("volumes").join(&volume.name);
+        let mut wanted = std::collections::BTreeSet::new();
+        for (path, bytes, mode) in files {
+            if path.split('/').any(|part| part == "..") || path.starts_with('/') {
+                continue;
+            }
+            let file = target.join(&path);
+            wanted.insert(file.clone());
+            if fs::read(&file).is_ok_and(|current| current == bytes) {
+                continue;
+            }
+            if let Some(parent) = file.parent() {
+                fs::create_dir_all(parent)?;
+            }
+            let staged = file.with_file_name(format!(
+                ".{}.refresh",
+                file.file_name().and_then(|name| name.to_str()).unwrap_or("file")
+            ));
+            fs::write(&staged, bytes)?;
+            fs::set_permissions(&staged, fs::Permissions::from_mode(mode))?;
+            fs::rename(&staged, &file)?;
+            changed += 1;
+        }
+        for entry in fs::read_dir(&target)?.flatten() {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|kind| kind.is_file()) && !wanted.contains(&path) {
+                fs::remove_file(&path)?;
+                changed += 1;
+            }
+        }
+    }
+    Ok(changed)
 }
 
 fn mode_of(mode: Option<i32>) -> u32 {
