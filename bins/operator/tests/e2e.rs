@@ -27,13 +27,53 @@ const WAIT: Duration = Duration::from_secs(120);
 
 /// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`. The pool
 /// tests spread over two of them.
-const NAMESPACES: [&str; 6] = ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos", "e2e-pool", "e2e-pool-b"];
+const NAMESPACES: [&str; 7] =
+    ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos", "e2e-pool", "e2e-pool-b", "e2e-tenants"];
 
 /// The role label the leader sets on its own pod.
 const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
 
 /// Taken shared by tests that use discovery, exclusively by the one that kills the leader.
 static SUITE: RwLock<()> = RwLock::const_new(());
+
+/// Held by a test that changes the tokens Secret, for as long as its change stands.
+static TOKENS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The shipped tokens Secret's `tokens`, and a way to replace them.
+async fn tokens_secret(client: &Client) -> (String, Api<k8s_openapi::api::core::v1::Secret>) {
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let secret = secrets.get("egress-operator-discovery-tokens").await.expect("the tokens Secret");
+    let shipped = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get("tokens"))
+        .map(|bytes| String::from_utf8_lossy(&bytes.0).into_owned())
+        .expect("the tokens");
+    (shipped, secrets)
+}
+
+async fn set_tokens(secrets: &Api<k8s_openapi::api::core::v1::Secret>, text: &str) {
+    secrets
+        .patch(
+            "egress-operator-discovery-tokens",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "stringData": { "tokens": text } })),
+        )
+        .await
+        .expect("patch the tokens Secret");
+}
+
+/// Waits until the operator accepts `token` (the mounted Secret follows the object, and the token file is re-read).
+async fn accepted(token: &str) -> DiscoveryClient {
+    let client = DiscoveryClient::new(&cluster().installation.discovery.url(), Some(token.into())).expect("client");
+    let probe = client.clone();
+    eventually_every("the new token to be accepted", Duration::from_secs(90), Duration::from_secs(1), || {
+        let probe = probe.clone();
+        async move { probe.proxies(None, None).await.map(|_| ()).map_err(|error| error.to_string()) }
+    })
+    .await;
+    client
+}
 
 struct Cluster {
     installation: Installation,
@@ -1347,45 +1387,19 @@ async fn a_token_less_flood_starves_no_authorised_client_and_restarts_nothing() 
 /// the object and the operator re-reads the file); removing it ends it the same way.
 #[tokio::test]
 async fn a_token_added_to_the_secret_works_without_a_restart() {
-    use k8s_openapi::api::core::v1::Secret;
-
     let _suite = SUITE.read().await;
-    let cluster = cluster();
+    let _tokens = TOKENS.lock().await;
+    cluster();
     let client = client().await;
     let before = restart_counts(&client).await;
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let secret = secrets.get("egress-operator-discovery-tokens").await.expect("the tokens Secret");
-    let shipped = secret
-        .data
-        .as_ref()
-        .and_then(|data| data.get("tokens"))
-        .map(|bytes| String::from_utf8_lossy(&bytes.0).into_owned())
-        .expect("the tokens");
+    let (shipped, secrets) = tokens_secret(&client).await;
     let token = "rotated-in-lease-token-0123456789";
-    let patch = |text: String| {
-        let secrets = secrets.clone();
-        async move {
-            secrets
-                .patch(
-                    "egress-operator-discovery-tokens",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({ "stringData": { "tokens": text } })),
-                )
-                .await
-                .expect("patch the tokens Secret");
-        }
-    };
     let added = Instant::now();
-    patch(format!("{shipped}lease {token} tenant=rotated\n")).await;
-    let rotated = DiscoveryClient::new(&cluster.installation.discovery.url(), Some(token.into())).expect("client");
-    eventually_every("the new token to be accepted", Duration::from_secs(90), Duration::from_secs(1), || {
-        let rotated = rotated.clone();
-        async move { rotated.proxies(None, None).await.map(|_| ()).map_err(|error| error.to_string()) }
-    })
-    .await;
+    set_tokens(&secrets, &format!("{shipped}lease {token} tenant=rotated\n")).await;
+    let rotated = accepted(token).await;
     eprintln!("e2e: a token added to the tokens Secret was accepted {:.1?} later", added.elapsed());
     assert!(added.elapsed() <= Duration::from_secs(90));
-    patch(shipped).await;
+    set_tokens(&secrets, &shipped).await;
     eventually_every("the removed token to be refused", Duration::from_secs(90), Duration::from_secs(1), || {
         let rotated = rotated.clone();
         async move {
@@ -1397,6 +1411,92 @@ async fn a_token_added_to_the_secret_works_without_a_restart() {
     })
     .await;
     assert_eq!(restart_counts(&client).await, before, "nothing restarted");
+}
+
+/// Two tenants on one fleet, in-cluster: A's 20 bans on one lease leave one ban's cooldown (kept in the Proxy's
+/// status with the tenant that made it), B leases the other proxy for the site meanwhile and never sees A's
+/// cooldown, an admin clears it and A leases the proxy for the site at once; A's `maxLeases: 3` refuses its fourth
+/// lease while B's go on.
+#[tokio::test]
+async fn two_tenants_share_the_fleet_and_one_cannot_ban_a_site_for_the_other() {
+    let _suite = SUITE.read().await;
+    let _tokens = TOKENS.lock().await;
+    cluster();
+    let client = client().await;
+    let namespace = "e2e-tenants";
+    for name in ["t-1", "t-2"] {
+        create(&client, namespace, name).await;
+    }
+    wait_phase(&client, namespace, &["t-1", "t-2"], ProxyPhase::Ready).await;
+    let (shipped, secrets) = tokens_secret(&client).await;
+    let (a_token, b_token, admin_token) =
+        ("tenant-a-e2e-token-0123456789", "tenant-b-e2e-token-0123456789", "admin-e2e-token-0123456789");
+    set_tokens(
+        &secrets,
+        &format!(
+            "{shipped}lease {a_token} tenant=team-a maxLeases=3\nlease {b_token} tenant=team-b\n\
+             admin {admin_token} tenant=ops\n"
+        ),
+    )
+    .await;
+    let (a, b, admin) = (accepted(a_token).await, accepted(b_token).await, accepted(admin_token).await);
+
+    let site = "www.tenants.example";
+    let lease = a.lease(LeaseOptions::for_target(site).proxy(format!("{namespace}/t-1"))).await.expect("A's lease");
+    let first = lease.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
+    for _ in 0..19 {
+        let again = lease.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
+        assert_eq!(again, first, "A's further bans change nothing");
+    }
+    let until: k8s_openapi::jiff::Timestamp = first.parse().expect("a timestamp");
+    let remaining = until.duration_since(k8s_openapi::jiff::Timestamp::now()).as_secs();
+    assert!((590..=601).contains(&remaining), "one ban's cooldown (10 min), not more: {remaining} s");
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), namespace);
+    let kept = eventually("t-1's status to keep the cooldown", WAIT, || {
+        let proxies = proxies.clone();
+        async move {
+            let proxy = proxies.get("t-1").await.ok()?;
+            let cooldowns = proxy.status?.cooldowns;
+            (!cooldowns.is_empty()).then_some(cooldowns)
+        }
+    })
+    .await;
+    assert_eq!(
+        (kept[0].site.as_str(), kept[0].streak, kept[0].tenants.clone()),
+        ("tenants.example", 1, vec!["team-a".to_owned()])
+    );
+
+    // B is not held up: the other proxy serves the site, and A's cooldown is not B's to see.
+    let theirs = b.lease(LeaseOptions::for_target(site)).await.expect("B's lease");
+    assert_eq!(theirs.proxy(), format!("{namespace}/t-2"));
+    assert!(b.cooldowns(Some(site)).await.expect("B's cooldowns").is_empty());
+    assert_eq!(a.cooldowns(Some(site)).await.expect("A's cooldowns").len(), 1);
+
+    // The admin clears it: written to the status before the answer, and A leases t-1 for the site at once.
+    let cleared = admin.clear_cooldowns(site, Some(&format!("{namespace}/t-1"))).await.expect("clear");
+    assert_eq!(cleared.len(), 1);
+    let again = a.lease(LeaseOptions::for_target(site).proxy(format!("{namespace}/t-1"))).await.expect("at once");
+    let status = proxies.get("t-1").await.expect("t-1").status.expect("a status");
+    let now = k8s_openapi::jiff::Timestamp::now();
+    assert!(status.cooldowns.iter().all(|cooldown| cooldown.until.0 <= now), "{:?}", status.cooldowns);
+
+    // A holds two leases; its third is its last, its fourth is over its quota. B's go on.
+    let third = a.lease(LeaseOptions::for_target("third.tenants.example")).await.expect("A's third lease");
+    match a.lease(LeaseOptions::for_target("fourth.tenants.example")).await {
+        Err(ClientError::QuotaExceeded { reason, .. }) => assert_eq!(reason, "quota-max-leases"),
+        other => panic!("A's fourth lease: {:?}", other.map(|lease| lease.proxy())),
+    }
+    let mut b_leases = Vec::new();
+    for index in 0..4 {
+        b_leases.push(b.lease(LeaseOptions::for_target(format!("b{index}.tenants.example"))).await.expect("B leases"));
+    }
+    for guard in [lease, again, third, theirs].into_iter().chain(b_leases) {
+        guard.release().await.expect("release");
+    }
+    set_tokens(&secrets, &shipped).await;
+    for name in ["t-1", "t-2"] {
+        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
 }
 
 /// As `nobody`, no file under the node agent's directory (the pods' volumes: Secrets, ServiceAccount tokens,

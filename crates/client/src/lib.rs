@@ -353,6 +353,24 @@ impl DiscoveryClient {
             .map_err(|error| ClientError::Decode(error.to_string()))
     }
 
+    /// Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy`
+    /// (`namespace/name`) and the proxies sharing its egress IP, or of every proxy. Returns the cooldowns that were
+    /// running.
+    pub async fn clear_cooldowns(&self, target: &str, proxy: Option<&str>) -> Result<Vec<CooldownInfo>, ClientError> {
+        let mut path = format!("/v1/cooldowns?target={}", encode(target));
+        if let Some(proxy) = proxy {
+            path.push_str(&format!("&proxy={}", encode(proxy)));
+        }
+        let (_, body) = self.call(Method::DELETE, &path, None).await?;
+        #[derive(Deserialize)]
+        struct Cleared {
+            cleared: Vec<CooldownInfo>,
+        }
+        serde_json::from_slice::<Cleared>(&body)
+            .map(|list| list.cleared)
+            .map_err(|error| ClientError::Decode(error.to_string()))
+    }
+
     /// Picks up a lease by its ID (one a crawler kept across its own restart, or took through another client):
     /// renews it by `ttl` (or the server's default) and returns its guard, with the proxy's current URL.
     pub async fn resume(&self, id: &str, ttl: Option<Duration>) -> Result<LeaseGuard, ClientError> {

@@ -35,7 +35,12 @@ struct Fixture {
 
 async fn start(records: Vec<ProxyRecord>) -> Fixture {
     let tokens = tempfile::NamedTempFile::new().expect("token file");
-    std::fs::write(tokens.path(), "read read-token-0123456789\nlease lease-token-0123456789\n").expect("tokens");
+    std::fs::write(
+        tokens.path(),
+        "read read-token-0123456789\nlease lease-token-0123456789\nadmin admin-token-0123456789\n\
+         lease capped-token-0123456789 tenant=capped maxLeases=1\n",
+    )
+    .expect("tokens");
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
     let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
@@ -202,5 +207,32 @@ async fn a_lease_by_pool_gets_a_member_or_says_the_pool_is_scaling_up() {
             assert_eq!(retry_after, Some(Duration::from_secs(7)));
         }
         other => panic!("expected scaling-up, got {:?}", other.map(|lease| lease.id().to_owned())),
+    }
+}
+
+#[tokio::test]
+async fn an_admin_clears_a_cooldown_and_a_quota_is_its_own_error() {
+    let fixture = start(vec![record("a", 5), record("b", 5)]).await;
+    let client = lease_client(&fixture);
+    let lease = client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await.expect("lease");
+    lease.report(Outcome::Banned, Some(403)).await.expect("ban");
+    let admin = DiscoveryClient::new(&fixture.url, Some("admin-token-0123456789".into())).expect("client");
+    match client.clear_cooldowns("example.com", Some("crawl/a")).await {
+        Err(ClientError::Forbidden(_)) => {}
+        other => panic!("a lease token may not clear: {other:?}"),
+    }
+    let cleared = admin.clear_cooldowns("www.example.com", Some("crawl/a")).await.expect("clear");
+    assert_eq!((cleared.len(), cleared[0].proxy.as_str(), cleared[0].streak), (1, "crawl/a", 1));
+    assert!(admin.cooldowns(None).await.expect("cooldowns").is_empty());
+    client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await.expect("a leases at once");
+
+    let capped = DiscoveryClient::new(&fixture.url, Some("capped-token-0123456789".into())).expect("client");
+    let _held = capped.lease(LeaseOptions::for_target("example.org")).await.expect("the first lease");
+    match capped.lease(LeaseOptions::for_target("example.net")).await {
+        Err(ClientError::QuotaExceeded { reason, retry_after, .. }) => {
+            assert_eq!(reason, "quota-max-leases");
+            assert!(retry_after.is_some());
+        }
+        other => panic!("the second lease is over the quota: {:?}", other.map(|lease| lease.proxy())),
     }
 }
