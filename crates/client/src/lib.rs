@@ -250,6 +250,16 @@ struct Inner {
 #[derive(Clone)]
 pub struct DiscoveryClient(Arc<Inner>);
 
+/// The array under `field` of a JSON object answer (`{"proxies": [...]}`), decoded.
+fn list_in<T: serde::de::DeserializeOwned>(body: &[u8], field: &str) -> Result<Vec<T>, ClientError> {
+    let mut answer: Value = serde_json::from_slice(body).map_err(|error| ClientError::Decode(error.to_string()))?;
+    let list = answer
+        .get_mut(field)
+        .map(Value::take)
+        .ok_or_else(|| ClientError::Decode(format!("no {field:?} in the answer")))?;
+    serde_json::from_value(list).map_err(|error| ClientError::Decode(format!("{field}: {error}")))
+}
+
 fn encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {
@@ -328,13 +338,7 @@ impl DiscoveryClient {
         }
         let path = if query.is_empty() { "/v1/proxies".to_owned() } else { format!("/v1/proxies?{}", query.join("&")) };
         let (_, body) = self.call(Method::GET, &path, None).await?;
-        #[derive(Deserialize)]
-        struct List {
-            proxies: Vec<ProxyInfo>,
-        }
-        serde_json::from_slice::<List>(&body)
-            .map(|list| list.proxies)
-            .map_err(|error| ClientError::Decode(error.to_string()))
+        list_in(&body, "proxies")
     }
 
     /// Live cooldowns, for one target or all: which proxy may not be leased for which site until when.
@@ -344,13 +348,7 @@ impl DiscoveryClient {
             None => "/v1/cooldowns".to_owned(),
         };
         let (_, body) = self.call(Method::GET, &path, None).await?;
-        #[derive(Deserialize)]
-        struct List {
-            cooldowns: Vec<CooldownInfo>,
-        }
-        serde_json::from_slice::<List>(&body)
-            .map(|list| list.cooldowns)
-            .map_err(|error| ClientError::Decode(error.to_string()))
+        list_in(&body, "cooldowns")
     }
 
     /// Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy`
@@ -362,13 +360,7 @@ impl DiscoveryClient {
             path.push_str(&format!("&proxy={}", encode(proxy)));
         }
         let (_, body) = self.call(Method::DELETE, &path, None).await?;
-        #[derive(Deserialize)]
-        struct Cleared {
-            cleared: Vec<CooldownInfo>,
-        }
-        serde_json::from_slice::<Cleared>(&body)
-            .map(|list| list.cleared)
-            .map_err(|error| ClientError::Decode(error.to_string()))
+        list_in(&body, "cleared")
     }
 
     /// Picks up a lease by its ID (one a crawler kept across its own restart, or took through another client):

@@ -64,6 +64,20 @@ struct EndedLease {
     reported: u64,
 }
 
+impl EndedLease {
+    /// A live lease that ended now: released by its holder, or revoked.
+    fn of(lease: LeaseState, released: bool) -> Self {
+        Self {
+            proxy: lease.proxy,
+            target: lease.target,
+            until: lease.expires_at,
+            released,
+            granted_at: lease.granted_at,
+            reported: lease.reported,
+        }
+    }
+}
+
 struct CooldownState {
     until: SystemTime,
     streak: u32,
@@ -393,17 +407,7 @@ impl Inner {
     /// Ends a live lease for good: its slot is freed and its IDs are refused from now on. Whether it was live.
     fn release_live(&mut self, serial: u64) -> bool {
         let Some(lease) = self.free(serial) else { return false };
-        self.end(
-            serial,
-            EndedLease {
-                proxy: lease.proxy,
-                target: lease.target,
-                until: lease.expires_at,
-                released: true,
-                granted_at: lease.granted_at,
-                reported: lease.reported,
-            },
-        );
+        self.end(serial, EndedLease::of(lease, true));
         true
     }
 
@@ -424,17 +428,7 @@ impl Inner {
         let excess = serials.len().saturating_sub(keep as usize);
         for (_, serial) in serials.into_iter().rev().take(excess) {
             if let Some(lease) = self.free(serial) {
-                self.end(
-                    serial,
-                    EndedLease {
-                        proxy: lease.proxy,
-                        target: lease.target,
-                        until: lease.expires_at,
-                        released: false,
-                        granted_at: lease.granted_at,
-                        reported: lease.reported,
-                    },
-                );
+                self.end(serial, EndedLease::of(lease, false));
             }
         }
     }
