@@ -360,7 +360,8 @@ fn decide_managed(facts: &Facts) -> Decision {
                                 events.push(EventSpec::normal(
                                     "Draining",
                                     format!(
-                                        "instance {} serves; {} keeps serving {} lease(s) until their holders renew                                          onto it, release or expire (at most {}s)",
+                                        "instance {} serves; {} keeps serving {} lease(s) until their holders renew \
+                                         onto it, release or expire (at most {}s)",
                                         current.name,
                                         previous.name,
                                         facts.previous_leases,

@@ -292,6 +292,8 @@ fn a_replaced_instance_is_kept_while_leases_are_on_it_until_the_drain_timeout() 
     let since = draining.status.previous_instance.as_ref().and_then(|p| p.draining_since.clone());
     assert_eq!(since, Some(time(at(2_000))));
     assert!(reasons(&draining).contains(&"Draining"), "{:?}", reasons(&draining));
+    let note = &draining.events.iter().find(|event| event.reason == "Draining").expect("the Event").note;
+    assert!(!note.contains("  ") && note.contains("renew onto it"), "one space between words: {note:?}");
     assert_eq!(draining.requeue, Requeue::After(DRAIN_RECHECK));
 
     // Later, still held: no second Event, the start is kept.
