@@ -95,6 +95,9 @@ class EgressProxyMiddleware:
                 try:
                     if await held.lease.renew(self.ttl):
                         self.stats.inc_value("egress/replaced")
+                    # A renew answers a new ID for the same lease: requests sent from now on carry it, and their
+                    # answers must still find the lease (requests in flight carry the earlier IDs, which stay mapped).
+                    self.by_id[held.lease.id] = key
                 except (NotFound, Gone):
                     self._forget(key)
                     held = None

@@ -1,0 +1,78 @@
+"""The Scrapy middleware against httpx's mock transport (no server, no crawl): what it reports for which answer."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+
+import httpx
+from scrapy import Request
+from scrapy.http import Response
+from scrapy.settings import Settings
+
+from egress_client import AsyncDiscoveryClient
+from egress_client.scrapy import EgressProxyMiddleware
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.values: dict = {}
+
+    def inc_value(self, key: str, count: int = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + count
+
+
+class Crawler:
+    def __init__(self) -> None:
+        self.stats = Stats()
+
+
+def lease_answer(lease_id: str, expires_in: float) -> dict:
+    expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=expires_in)
+    return {
+        "id": lease_id,
+        "proxy": {"namespace": "crawl", "name": "eu-1", "host": "10.0.0.1", "port": 3128, "url": "http://10.0.0.1:3128"},
+        "target": "example.com",
+        "expiresAt": expires.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def test_answers_after_a_renew_are_still_reported_through_the_lease() -> None:
+    """After a renew the lease has a new ID, which the requests sent from then on carry: a ban answered to one of
+    them is reported (and released) on the lease, not dropped as an answer of no lease."""
+    reports = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST" and path == "/v1/leases":
+            # Expiring soon, so the next request renews first.
+            return httpx.Response(201, json=lease_answer("l1.first", 1))
+        if path.endswith("/renew"):
+            return httpx.Response(200, json={**lease_answer("l1.renewed", 600), "replaced": False})
+        if path.endswith("/report"):
+            reports.append((path, json.loads(request.content)))
+            return httpx.Response(200, json={"cooldownUntil": "2026-12-02T12:00:00Z"})
+        return httpx.Response(404, json={"detail": "unexpected " + path})
+
+    settings = Settings({"EGRESS_URL": "http://discovery", "EGRESS_TOKEN": "token-1", "EGRESS_LEASE_TTL": 6})
+    middleware = EgressProxyMiddleware(Crawler(), settings)
+    middleware.client = AsyncDiscoveryClient("http://discovery", "token-1", transport=httpx.MockTransport(handler))
+
+    async def crawl() -> None:
+        first = Request("https://example.com/1")
+        await middleware.process_request(first)
+        assert first.meta["egress_lease"] == "l1.first"
+        second = Request("https://example.com/2")
+        await middleware.process_request(second)
+        assert second.meta["egress_lease"] == "l1.renewed", "renewed before use"
+        banned = Response("https://example.com/2", status=403, request=second)
+        again = await middleware.process_response(second, banned)
+        assert isinstance(again, Request), "the banned request goes again on another lease"
+
+    asyncio.run(crawl())
+    assert len(reports) == 1, reports
+    path, body = reports[0]
+    assert path == "/v1/leases/l1.renewed/report"
+    assert (body["outcome"], body["statusCode"], body["release"]) == ("banned", 403, True)
+    assert middleware.crawler.stats.values.get("egress/bans") == 1
