@@ -483,4 +483,13 @@ export class DiscoveryClient {
   async cooldowns(target?: string): Promise<CooldownInfo[]> {
     return list(await this.call('GET', '/v1/cooldowns', undefined, { target }), 'cooldowns', cooldownInfo);
   }
+
+  /**
+   * Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy` (`namespace/name`)
+   * and the proxies sharing its egress IP, or of every proxy. Returns the ones that were running.
+   */
+  async clearCooldowns(target: string, options: { proxy?: string } = {}): Promise<CooldownInfo[]> {
+    const answer = await this.call('DELETE', '/v1/cooldowns', undefined, { target, proxy: options.proxy });
+    return list(answer, 'cleared', cooldownInfo);
+  }
 }

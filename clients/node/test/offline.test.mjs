@@ -140,3 +140,14 @@ test('a pool is asked for by name, listed members say their pool, and a scaling 
   assert.ok(error instanceof egress.Unavailable);
   assert.deepEqual([error.reason, error.retryAfter], ['scaling-up', 42]);
 });
+
+test('an admin clears cooldowns by target and proxy', async () => {
+  const cleared = { cleared: [{ proxy: 'crawl/eu-1', target: 'example.com', until: '2026-12-02T12:00:00Z', streak: 2 }] };
+  const { client, seen } = answering(200, cleared, { 'content-type': 'application/json' });
+  const entries = await client.clearCooldowns('www.example.com', { proxy: 'crawl/eu-1' });
+  assert.deepEqual(entries.map((entry) => [entry.proxy, entry.target, entry.streak]), [['crawl/eu-1', 'example.com', 2]]);
+  const request = seen.at(-1);
+  assert.equal(request.method, 'DELETE');
+  assert.equal(request.url.pathname, '/v1/cooldowns');
+  assert.deepEqual(Object.fromEntries(request.url.searchParams), { target: 'www.example.com', proxy: 'crawl/eu-1' });
+});

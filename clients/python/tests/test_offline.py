@@ -110,3 +110,13 @@ def test_a_pool_is_asked_for_by_name_and_a_scaling_pool_says_when_to_come_back()
     with pytest.raises(egress_client.Unavailable) as raised:
         scaling.lease("example.com", pool="night")
     assert (raised.value.reason, raised.value.retry_after) == ("scaling-up", 42.0)
+
+
+def test_an_admin_clears_cooldowns_by_target_and_proxy() -> None:
+    cleared = {"cleared": [{"proxy": "crawl/eu-1", "target": "example.com", "until": "2026-12-02T12:00:00Z", "streak": 2}]}
+    client, seen = client_answering(200, cleared)
+    entries = client.clear_cooldowns("www.example.com", proxy="crawl/eu-1")
+    assert [(entry.proxy, entry.target, entry.streak) for entry in entries] == [("crawl/eu-1", "example.com", 2)]
+    request = seen[-1]
+    assert request.method == "DELETE" and request.url.path == "/v1/cooldowns"
+    assert dict(request.url.params) == {"target": "www.example.com", "proxy": "crawl/eu-1"}

@@ -205,9 +205,16 @@ class DiscoveryClient:
         return [ProxyInfo.from_json(entry) for entry in _list(answer, "proxies")]
 
     def cooldowns(self, target: Optional[str] = None) -> List[CooldownInfo]:
-        """Live cooldowns, for one target or all."""
+        """Live cooldowns your tenant's reports made (an admin token: every one), for one target or all."""
         answer = self._call("GET", "/v1/cooldowns", None, _query(target=target))
         return [CooldownInfo.from_json(entry) for entry in _list(answer, "cooldowns")]
+
+    def clear_cooldowns(self, target: str, proxy: Optional[str] = None) -> List[CooldownInfo]:
+        """Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy`
+        (`namespace/name`) and the proxies sharing its egress IP, or of every proxy. Returns the ones that were
+        running."""
+        answer = self._call("DELETE", "/v1/cooldowns", None, _query(target=target, proxy=proxy))
+        return [CooldownInfo.from_json(entry) for entry in _list(answer, "cleared")]
 
 
 def _list(answer: Any, key: str) -> List[Mapping[str, Any]]:
@@ -370,6 +377,11 @@ class AsyncDiscoveryClient:
         """As `DiscoveryClient.cooldowns`."""
         answer = await self._call("GET", "/v1/cooldowns", None, _query(target=target))
         return [CooldownInfo.from_json(entry) for entry in _list(answer, "cooldowns")]
+
+    async def clear_cooldowns(self, target: str, proxy: Optional[str] = None) -> List[CooldownInfo]:
+        """As `DiscoveryClient.clear_cooldowns`."""
+        answer = await self._call("DELETE", "/v1/cooldowns", None, _query(target=target, proxy=proxy))
+        return [CooldownInfo.from_json(entry) for entry in _list(answer, "cleared")]
 
 
 __all__: Tuple[str, ...] = ("AsyncDiscoveryClient", "AsyncLease", "DiscoveryClient", "Lease")
