@@ -1079,6 +1079,18 @@ async fn a_pool_spreads_over_two_providers_scales_with_kubectl_and_rolls_within_
         .await
         .expect("delete the pool");
     wait_members(&client, namespace, "fleet", "the members gone with the pool", |_| {}, <[Proxy]>::is_empty).await;
+    // Its series go with it: a pool that is gone is not reported below its desired count for ever.
+    for pod in operator_pods(&client).await {
+        let address = format!("http://{}:8080/metrics", pod_ip(&pod));
+        eventually("the deleted pool's series to leave /metrics", Duration::from_secs(30), || {
+            let address = address.clone();
+            async move {
+                let (_, metrics) = http_get(&address).await.ok()?;
+                (!metrics.contains("pool=\"e2e-pool/fleet\"")).then_some(())
+            }
+        })
+        .await;
+    }
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use egress_api::pool::POOL_LABEL;
 use egress_api::{Proxy, ProxyPool};
 use egress_discovery::{Discovery, PoolRecord, ProxyRecord};
-use egress_reconcile::pool::{PoolDemand, PoolSignals, provisioning_estimate};
+use egress_reconcile::pool::{PoolDemand, PoolMetrics, PoolSignals, provisioning_estimate};
 use egress_reconcile::{
     Change, CredentialStore, GuardedPool, GuardedProxy, LeaseDrain, PoolFeed, ProbeKey, ProxyFeed, ProxyVerdicts,
     SecretIndex, auth_secret_of, reference_of,
@@ -110,28 +110,37 @@ impl egress_discovery::PoolWaker for PoolWakes {
     }
 }
 
-fn update_pool(pools: &PoolFeed, discovery: &Discovery, reference: &ObjectRef<GuardedPool>) {
+fn update_pool(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics, reference: &ObjectRef<GuardedPool>) {
     let stored = pools.store().get(reference);
     let record = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok()).and_then(pool_record);
     match record {
         Some(record) => discovery.upsert_pool(record),
-        None => {
-            discovery.remove_pool(&format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name))
-        }
+        None => remove_pool(
+            discovery,
+            metrics,
+            &format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name),
+        ),
     }
 }
 
-fn resync_pools(pools: &PoolFeed, discovery: &Discovery) {
+/// A pool that is gone: discovery forgets it, and so do its series in `/metrics` (the pool controller sees no
+/// deleted pool, so it cannot).
+fn remove_pool(discovery: &Discovery, metrics: &PoolMetrics, id: &str) {
+    discovery.remove_pool(id);
+    metrics.forget(id);
+}
+
+fn resync_pools(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics) {
     let stored = pools.store().state();
     let mut seen = std::collections::BTreeSet::new();
     for object in &stored {
         let reference = reference_of(object.as_ref());
         seen.insert(format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name));
-        update_pool(pools, discovery, &reference);
+        update_pool(pools, discovery, metrics, &reference);
     }
     for id in discovery.pool_ids() {
         if !seen.contains(&id) {
-            discovery.remove_pool(&id);
+            remove_pool(discovery, metrics, &id);
         }
     }
 }
@@ -203,6 +212,7 @@ pub async fn run_discovery_feed(
     verdicts: ProxyVerdicts,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
+    pool_metrics: PoolMetrics,
 ) {
     // Subscribed before anything is read, so no change between the first pass and the loop is missed.
     let mut changes = feed.subscribe().boxed();
@@ -217,7 +227,7 @@ pub async fn run_discovery_feed(
         if !credentials.ready().await || !pools.ready().await {
             return;
         }
-        resync_pools(&pools, &records.discovery);
+        resync_pools(&pools, &records.discovery, &pool_metrics);
         loop {
             tokio::select! {
                 change = changes.next() => match change {
@@ -229,8 +239,8 @@ pub async fn run_discovery_feed(
                     None => return,
                 },
                 Some(change) = pool_changes.next() => match change {
-                    Change::Object(reference) => update_pool(&pools, &records.discovery, &reference),
-                    Change::Resync => resync_pools(&pools, &records.discovery),
+                    Change::Object(reference) => update_pool(&pools, &records.discovery, &pool_metrics, &reference),
+                    Change::Resync => resync_pools(&pools, &records.discovery, &pool_metrics),
                 },
                 Some(change) = secret_changes.next() => {
                     let affected = records.secrets.affected(&change);

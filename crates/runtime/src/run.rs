@@ -156,6 +156,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         verdicts.clone(),
         credentials.clone(),
         discovery.clone(),
+        pool_metrics.clone(),
     ));
     let pool_signals: Arc<dyn PoolSignals> = Arc::new(DiscoverySignals(discovery.clone()));
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));

@@ -74,8 +74,9 @@ impl PoolMetrics {
         }
     }
 
-    /// Drops a deleted pool's gauges.
-    pub(crate) fn forget(&self, pool: &str) {
+    /// Drops a deleted pool's gauges (`namespace/name`), so a pool that is gone is not reported below its desired
+    /// count for ever.
+    pub fn forget(&self, pool: &str) {
         for state in STATES {
             self.replicas.remove(&PoolStateLabels { pool: pool.to_owned(), state });
         }
