@@ -85,6 +85,15 @@ def test_bad_reports_are_refused_before_any_request() -> None:
     assert len(seen) == 1, "only the lease went out"
     with pytest.raises(ValueError):
         DiscoveryClient("discovery:8090")
+    # A TTL that is no positive number of seconds is refused, not turned into 1 s.
+    for bad_ttl in [0, -5, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="ttl must be a positive number of seconds"):
+            client.lease("example.com", ttl=bad_ttl)
+        with pytest.raises(ValueError, match="ttl must be a positive number of seconds"):
+            lease.renew(ttl=bad_ttl)
+    assert len(seen) == 1, "nothing more went out"
+    client.lease("example.com", ttl=0.6)
+    assert json.loads(seen[-1].content)["ttlSeconds"] == 1
 
 
 def test_an_answer_that_is_not_the_api_is_a_decode_error() -> None:

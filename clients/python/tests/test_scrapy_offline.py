@@ -76,3 +76,14 @@ def test_answers_after_a_renew_are_still_reported_through_the_lease() -> None:
     assert path == "/v1/leases/l1.renewed/report"
     assert (body["outcome"], body["statusCode"], body["release"]) == ("banned", 403, True)
     assert middleware.crawler.stats.values.get("egress/bans") == 1
+
+
+def test_a_lease_ttl_out_of_range_is_refused_at_start() -> None:
+    for ttl in (0, -1, 3601):
+        settings = Settings({"EGRESS_URL": "http://discovery", "EGRESS_LEASE_TTL": ttl})
+        try:
+            EgressProxyMiddleware(Crawler(), settings)
+        except ValueError as error:
+            assert "EGRESS_LEASE_TTL must be from 1 to 3600 seconds" in str(error)
+        else:
+            raise AssertionError(f"EGRESS_LEASE_TTL={ttl} was accepted")

@@ -8,7 +8,7 @@ from typing import Any, Dict, Generator, List, Mapping, Optional, Tuple
 import httpx
 
 from ._errors import DecodeError, DiscoveryError, TransportError, error_for
-from ._models import CooldownInfo, LeaseState, ProxyInfo, lease_body, parse_time, quoted, report_body
+from ._models import CooldownInfo, LeaseState, ProxyInfo, lease_body, parse_time, quoted, report_body, ttl_body
 
 #: How long one call may take, unless the client is given another timeout.
 DEFAULT_TIMEOUT = 10.0
@@ -93,7 +93,7 @@ class Lease:
     def renew(self, ttl: Optional[float] = None) -> bool:
         """Extends the lease. Returns whether the proxy's instance was replaced since this lease last heard of it:
         then `proxy_url` changed, and requests must go to the new URL from now on."""
-        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        body = ttl_body(ttl)
         answer = self._client._call("POST", f"/v1/leases/{quoted(self.id)}/renew", body)
         self._state = LeaseState.from_json(answer)
         return bool(answer.get("replaced", False))
@@ -192,7 +192,7 @@ class DiscoveryClient:
 
     def resume(self, lease_id: str, ttl: Optional[float] = None) -> Lease:
         """Picks a lease up by its ID (kept across the crawler's own restart): renews it and returns it."""
-        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        body = ttl_body(ttl)
         answer = self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
         return Lease(self, LeaseState.from_json(answer))
 
@@ -241,7 +241,7 @@ class AsyncLease:
 
     async def renew(self, ttl: Optional[float] = None) -> bool:
         """Extends the lease; `True` when the proxy's instance was replaced (`proxy_url` changed)."""
-        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        body = ttl_body(ttl)
         answer = await self._client._call("POST", f"/v1/leases/{quoted(self.id)}/renew", body)
         self._state = LeaseState.from_json(answer)
         return bool(answer.get("replaced", False))
@@ -362,7 +362,7 @@ class AsyncDiscoveryClient:
 
     async def resume(self, lease_id: str, ttl: Optional[float] = None) -> AsyncLease:
         """Picks a lease up by its ID: renews it and returns it."""
-        body = {"ttlSeconds": max(1, int(ttl))} if ttl is not None else {}
+        body = ttl_body(ttl)
         answer = await self._call("POST", f"/v1/leases/{quoted(lease_id)}/renew", body)
         return AsyncLease(self, LeaseState.from_json(answer))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import urllib.parse
 from typing import Any, Dict, Mapping, Optional
 
@@ -141,6 +142,16 @@ class CooldownInfo:
             raise DecodeError(f"not a cooldown: {body!r}") from error
 
 
+def ttl_body(ttl: Optional[float]) -> Dict[str, Any]:
+    """`{"ttlSeconds": n}` for a TTL in seconds (rounded, at least 1), `{}` for none; a TTL that is not a positive,
+    finite number of seconds is refused before anything is sent (it used to become 1 s silently)."""
+    if ttl is None:
+        return {}
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    return {"ttlSeconds": max(1, round(ttl))}
+
+
 def lease_body(
     target: str,
     *,
@@ -153,8 +164,7 @@ def lease_body(
     body: Dict[str, Any] = {"target": target}
     if selector:
         body["selector"] = selector
-    if ttl is not None:
-        body["ttlSeconds"] = max(1, int(ttl))
+    body.update(ttl_body(ttl))
     if proxy:
         body["proxy"] = proxy
     if session:

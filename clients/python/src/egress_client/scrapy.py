@@ -71,6 +71,8 @@ class EgressProxyMiddleware:
         self.max_retries = settings.getint("EGRESS_MAX_RETRIES", 5)
         self.max_wait = settings.getfloat("EGRESS_MAX_WAIT", 600.0)
         self.ttl = settings.getint("EGRESS_LEASE_TTL", 300)
+        if not 1 <= self.ttl <= 3600:
+            raise ValueError(f"EGRESS_LEASE_TTL must be from 1 to 3600 seconds, not {self.ttl}")
         self.held: Dict[_Key, _Held] = {}
         self.by_id: Dict[str, _Key] = {}
         self.locks: Dict[_Key, asyncio.Lock] = {}
