@@ -1355,7 +1355,14 @@ async fn a_token_less_flood_starves_no_authorised_client_and_restarts_nothing() 
     let crawler = discovery();
     let mut latencies = Vec::new();
     let mut failures = Vec::new();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The flood is under way once the leader starts refusing the attacker's address.
+    let metrics_url = format!("http://{}:8080/metrics", pod_ip(&leader));
+    let refusing = "egress_http_connections_closed_by_limit_total{server=\"discovery\",reason=\"per-source\"}";
+    eventually("the leader to refuse the flood at its per-address cap", Duration::from_secs(10), || {
+        let metrics_url = metrics_url.clone();
+        async move { http_get(&metrics_url).await.ok().filter(|(_, text)| text.contains(refusing)).map(|_| ()) }
+    })
+    .await;
     while Instant::now() < attack_until {
         let started = Instant::now();
         match crawler.proxies(None, None).await {
