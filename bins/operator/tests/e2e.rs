@@ -1297,12 +1297,11 @@ async fn restart_counts(client: &Client) -> Vec<(String, i32)> {
         .collect()
 }
 
-/// The last address of the tests' pod network: local to the test (the whole network is), never handed to a pod,
-/// so connections from it come from a client of their own.
+/// An address of the tests' pod network that no pod and no other client uses, so connections from it come from a
+/// client of their own.
 fn attacker_address() -> std::net::Ipv4Addr {
-    let (network, prefix) = egress_testenv::pod_network()
-        .expect("the flood test binds a pod-network address of its own: run it through `cargo xtask test` or `e2e`");
-    std::net::Ipv4Addr::from(u32::from(network) | ((1u32 << (32 - u32::from(prefix))) - 2))
+    egress_testenv::client_address()
+        .expect("the flood test binds a pod-network address of its own: run it through `cargo xtask test` or `e2e`")
 }
 
 /// 1,000 connections without a token, each sending `GET /v1/proxies` every 8 s, at the leader's discovery port:
@@ -1319,6 +1318,13 @@ async fn a_token_less_flood_starves_no_authorised_client_and_restarts_nothing() 
     let target: std::net::SocketAddr = format!("{}:8090", pod_ip(&leader)).parse().expect("an address");
     let before = restart_counts(&client).await;
     let source = std::net::SocketAddr::new(attacker_address().into(), 0);
+    // The kernel keeps the attacker's address (for the broadcast address it would not, and the attacker would share
+    // the crawler's address and its per-address cap).
+    let probe = tokio::net::TcpSocket::new_v4().expect("a socket");
+    probe.bind(source).expect("bind the attacker's address");
+    let probe = probe.connect(target).await.expect("connect to the leader");
+    assert_eq!(probe.local_addr().expect("an address").ip(), source.ip(), "the attacker connects from its own address");
+    drop(probe);
     let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let attack_until = Instant::now() + Duration::from_secs(24);
@@ -1363,11 +1369,18 @@ async fn a_token_less_flood_starves_no_authorised_client_and_restarts_nothing() 
         async move { http_get(&metrics_url).await.ok().filter(|(_, text)| text.contains(refusing)).map(|_| ()) }
     })
     .await;
+    let flood_started = Instant::now();
     while Instant::now() < attack_until {
         let started = Instant::now();
         match crawler.proxies(None, None).await {
             Ok(_) => latencies.push(started.elapsed()),
-            Err(error) => failures.push(error.to_string()),
+            Err(error) => failures.push(format!(
+                "{error} (request {} at {:.1?} into the flood, after {:.1?}; the Service routed to {:?})",
+                latencies.len() + failures.len(),
+                started - flood_started,
+                started.elapsed(),
+                cluster().installation.discovery.endpoints(),
+            )),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -272,6 +272,22 @@ fn encode(text: &str) -> String {
     out
 }
 
+/// A transport error with every cause in its chain (hyper's own message says only which step failed, such as
+/// `client error (SendRequest)`; the cause says why, such as `connection closed before message completed`).
+fn transport(error: &(dyn std::error::Error + 'static)) -> ClientError {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        let part = error.to_string();
+        if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = error.source();
+    }
+    ClientError::Transport(text)
+}
+
 impl DiscoveryClient {
     /// A client for the API at `base_url` (`http://host:port`), sending `token` as the bearer token.
     pub fn new(base_url: &str, token: Option<String>) -> Result<Self, ClientError> {
@@ -296,8 +312,8 @@ impl DiscoveryClient {
             }
             None => Full::new(Bytes::new()),
         };
-        let request = request.body(body).map_err(|error| ClientError::Transport(error.to_string()))?;
-        let response = self.0.http.request(request).await.map_err(|error| ClientError::Transport(error.to_string()))?;
+        let request = request.body(body).map_err(|error| transport(&error))?;
+        let response = self.0.http.request(request).await.map_err(|error| transport(&error))?;
         let status = response.status();
         let retry_after = response
             .headers()
@@ -305,8 +321,7 @@ impl DiscoveryClient {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes =
-            response.into_body().collect().await.map_err(|error| ClientError::Transport(error.to_string()))?.to_bytes();
+        let bytes = response.into_body().collect().await.map_err(|error| transport(&error))?.to_bytes();
         if status.is_success() {
             return Ok((status, bytes));
         }
@@ -518,6 +533,26 @@ mod tests {
         for bad in ["https://x:1", "127.0.0.1:8090", "not a url", ""] {
             assert!(matches!(DiscoveryClient::new(bad, None), Err(ClientError::InvalidUrl(_))), "{bad:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_transport_error_says_why() {
+        use tokio::io::AsyncReadExt;
+        // A server that reads each request and closes its connection without answering.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let server = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut buffer = [0; 1024];
+                let _ = stream.read(&mut buffer).await;
+            }
+        });
+        let client = DiscoveryClient::new(&format!("http://{address}"), None).expect("client");
+        let error = client.proxies(None, None).await.expect_err("no answer");
+        server.abort();
+        let ClientError::Transport(text) = error else { panic!("{error:?}") };
+        assert!(text.starts_with("client error (SendRequest): "), "{text}");
+        assert!(text.contains("connection closed before message completed"), "{text}");
     }
 
     #[test]

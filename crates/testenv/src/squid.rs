@@ -52,11 +52,22 @@ pub fn next_pod_address() -> Ipv4Addr {
         Some((network, prefix)) => {
             let n = NEXT_ADDRESS.fetch_add(1, Ordering::SeqCst);
             let size = 1u32 << (32 - u32::from(prefix));
-            // Skip the network address and the interface's own (.1), and stay below the broadcast address.
-            let offset = 2 + (n - 1) % (size - 3);
-            Ipv4Addr::from(u32::from(network) + offset)
+            // Skip the network address and the interface's own (.1), and stay below the last host address (kept
+            // for `client_address`) and the broadcast address.
+            let offset = 2 + (n - 1) % (size - 4);
+            Ipv4Addr::from((u32::from(network) & !(size - 1)) + offset)
         }
     }
+}
+
+/// The pod network's last host address, never handed to a pod: a socket bound to it connects as a client of its
+/// own, apart from everything else in the run (which connects from the interface's address). `None` without a pod
+/// network.
+pub fn client_address() -> Option<Ipv4Addr> {
+    let (network, prefix) = pod_network()?;
+    let size = 1u32 << (32 - u32::from(prefix));
+    // Not the broadcast address: a socket bound to that one connects from the interface's address.
+    Some(Ipv4Addr::from((u32::from(network) & !(size - 1)) + size - 2))
 }
 
 /// The Squid binary, or an error naming how to install it.
