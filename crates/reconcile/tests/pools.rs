@@ -17,7 +17,9 @@ use egress_reconcile::{PoolFeed, ProxyFeed};
 use egress_testenv::eventually_every;
 use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+};
 use serde_json::{Value, json};
 use support::{Harness, Rng, managed};
 use tokio::task::JoinHandle;
@@ -424,6 +426,118 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     for reason in ["Idle", "Wake", "AtCapacity"] {
         assert_eq!(pools_controller.metrics.decisions(reason), 1, "{reason}");
     }
+}
+
+/// Status writes to pools annotated with this are refused by a ValidatingAdmissionPolicy while it exists.
+const DENY_STATUS: &str = "test.egress/deny-status";
+
+/// A ValidatingAdmissionPolicy (and its binding) refusing status writes to pools annotated [`DENY_STATUS`]: the
+/// apiserver refusing the status write that follows a scale, as an admission webhook or a timeout would.
+async fn deny_pool_status_writes(harness: &Harness, name: &str) -> (Api<DynamicObject>, Api<DynamicObject>) {
+    let client = harness.ns.client();
+    let resource = |kind: &str, plural: &str| {
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind), plural)
+    };
+    let policies: Api<DynamicObject> =
+        Api::all_with(client.clone(), &resource("ValidatingAdmissionPolicy", "validatingadmissionpolicies"));
+    let bindings: Api<DynamicObject> =
+        Api::all_with(client, &resource("ValidatingAdmissionPolicyBinding", "validatingadmissionpolicybindings"));
+    let expression = format!("!has(object.metadata.annotations) || !('{DENY_STATUS}' in object.metadata.annotations)");
+    let policy = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": { "name": name },
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": { "resourceRules": [{
+                "apiGroups": ["crawl.example.com"], "apiVersions": ["*"], "operations": ["UPDATE"],
+                "resources": ["proxypools/status"],
+            }] },
+            "validations": [{ "expression": expression, "message": "status writes are refused for this test" }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": { "name": name },
+        "spec": { "policyName": name, "validationActions": ["Deny"] },
+    });
+    let params = PatchParams::apply("pool-tests").force();
+    policies.patch(name, &params, &Patch::Apply(&policy)).await.expect("apply the policy");
+    bindings.patch(name, &params, &Patch::Apply(&binding)).await.expect("apply the binding");
+    (policies, bindings)
+}
+
+/// A scale the autoscaler wrote stays its own when the status write after it is refused: the passes that follow
+/// (on a copy showing the new spec.replicas but the old status, or an older copy) neither take it for a manual
+/// change nor scale again, and the status names it once writes go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_status_write_after_a_scale_neither_repeats_it_nor_calls_it_manual() {
+    let harness = Harness::new("pool-status-refused").await;
+    let signals = Arc::new(TestSignals::default());
+    let namespace = harness.ns.name().to_owned();
+    // One of two members leased: at the target share, so neither more nor fewer are wanted.
+    signals.leases.lock().unwrap().insert(format!("{namespace}/cap-0"), 1);
+    let pools_controller = PoolController::start(&harness, signals.clone());
+    let spec = json!({
+        "replicas": 2,
+        "template": { "spec": { "provider": "scripted" } },
+        "autoscale": {
+            "min": 0, "max": 3, "idleSeconds": 3600, "stabilizationSeconds": 3600, "targetLeasedPercent": 50,
+        },
+    });
+    apply_pool(&harness, "cap", spec).await;
+    settle(&harness, "cap", "2 Ready members", |_| {}, |members| members.len() == 2 && members.values().all(settled))
+        .await;
+    wait_for_status(&harness, "cap", |status| status.ready_replicas == 2).await;
+
+    // Status writes refused from now on: a dry-run write says when the policy is in force.
+    let name = format!("deny-pool-status-{namespace}");
+    let (policies, bindings) = deny_pool_status_writes(&harness, &name).await;
+    let annotate = |value: Value| {
+        let pools = pools(&harness);
+        async move {
+            let body = json!({ "metadata": { "annotations": { DENY_STATUS: value } } });
+            pools.patch("cap", &PatchParams::default(), &Patch::Merge(&body)).await.expect("annotate the pool");
+        }
+    };
+    annotate(json!("true")).await;
+    eventually_every("the policy to refuse status writes", SETTLE, LOOK, || async {
+        let probe = json!({ "status": { "observedGeneration": 999_999 } });
+        let params = PatchParams { dry_run: true, ..PatchParams::default() };
+        match pools(&harness).patch_status("cap", &params, &Patch::Merge(&probe)).await {
+            Err(kube::Error::Api(status)) if status.code == 422 || status.code == 403 || status.code == 400 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
+    // A member at its cap and a refusal: the autoscaler scales to 3; its status write is refused pass after pass.
+    let errors_before = pools_controller.metrics.reconciles(false);
+    signals.leases.lock().unwrap().insert(format!("{namespace}/cap-0"), 5);
+    signals.demand.lock().unwrap().at_capacity = Some(SystemTime::now());
+    settle(&harness, "cap", "3 Ready members", |_| {}, |members| members.len() == 3 && members.values().all(settled))
+        .await;
+    eventually_every("three refused passes", SETTLE, LOOK, || async {
+        let errors = pools_controller.metrics.reconciles(false) - errors_before;
+        if errors >= 3 { Ok(()) } else { Err(format!("{errors} refused passes")) }
+    })
+    .await;
+    let events = pool_events(&harness, "cap").await;
+    assert_eq!(pools(&harness).get("cap").await.expect("get pool").spec.replicas, 3, "{events:?}");
+    assert_eq!(pools_controller.metrics.decisions("AtCapacity"), 1, "scaled once");
+    assert_eq!(pools_controller.metrics.decisions("Manual"), 0, "its own scale is not a manual one");
+
+    // Writes go through again: the status names the autoscaler's decision.
+    annotate(Value::Null).await;
+    let status = wait_for_status(&harness, "cap", |status| status.replicas == 3 && status.ready_replicas == 3).await;
+    let last = status.last_scale.expect("recorded");
+    assert_eq!((last.from, last.to, last.reason.as_str()), (2, 3, "AtCapacity"));
+    assert_eq!(pools_controller.metrics.decisions("AtCapacity"), 1, "scaled once");
+    assert_eq!(pools_controller.metrics.decisions("Manual"), 0, "its own scale is not a manual one");
+    let reasons: Vec<String> = pool_events(&harness, "cap").await.into_iter().map(|(reason, _)| reason).collect();
+    assert_eq!(reasons.iter().filter(|reason| *reason == "ScaledUp").count(), 1, "{reasons:?}");
+    assert!(!reasons.iter().any(|reason| reason == "Scaled"), "no manual scale reported: {reasons:?}");
+    let _ = bindings.delete(&name, &DeleteParams::default()).await;
+    let _ = policies.delete(&name, &DeleteParams::default()).await;
 }
 
 /// What the crash test asks of one pool.

@@ -118,6 +118,11 @@ struct PoolMemory {
     /// copy that shows a new `spec.replicas` but not yet the status written after it would take the autoscaler's
     /// own change for somebody else's.
     scale_written: Option<(ScalingDecision, Instant)>,
+    /// The last scale this controller patched into `spec.replicas`, until the stored status names it. A copy that
+    /// does not show it yet is not acted on (it would scale again from the old count, and delete the member just
+    /// made); a copy that shows the new count but a status without the decision (its status write was refused or
+    /// lost) takes it as the last decision rather than somebody else's change.
+    scale_patched: Option<(ScalingDecision, Instant)>,
 }
 
 /// Everything a pool reconcile needs.
@@ -199,14 +204,33 @@ impl PoolContext {
 
     /// Whether the pool as stored shows the last scaling decision this controller wrote (or it waited long enough).
     fn shows_last_scale(&self, key: &str, pool: &ProxyPool) -> bool {
+        let stored = pool.status.as_ref().and_then(|status| status.last_scale.as_ref());
         self.with_memory(key, |memory| {
-            let Some((written, since)) = &memory.scale_written else { return true };
-            let shown = pool.status.as_ref().and_then(|status| status.last_scale.as_ref()) == Some(written);
-            if shown || since.elapsed() >= EXPECTATION_TIMEOUT {
+            if let Some((written, since)) = &memory.scale_written {
+                if stored != Some(written) && since.elapsed() < EXPECTATION_TIMEOUT {
+                    return false;
+                }
                 memory.scale_written = None;
-                return true;
             }
-            false
+            if let Some((patched, since)) = &memory.scale_patched {
+                if stored == Some(patched) || since.elapsed() >= EXPECTATION_TIMEOUT {
+                    memory.scale_patched = None;
+                } else if pool.spec.replicas != patched.to {
+                    return false;
+                }
+            }
+            true
+        })
+    }
+
+    /// The scale this controller patched whose decision the stored status does not name yet, when `pool` shows it.
+    fn pending_scale(&self, key: &str, pool: &ProxyPool) -> Option<ScalingDecision> {
+        self.with_memory(key, |memory| {
+            memory
+                .scale_patched
+                .as_ref()
+                .map(|(patched, _)| patched.clone())
+                .filter(|patched| patched.to == pool.spec.replicas)
         })
     }
 
@@ -496,7 +520,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
     let replicas = pool.spec.replicas.max(0).unsigned_abs();
 
     // The last scaling decision: recorded at creation, and noticed when somebody else moved spec.replicas.
-    let mut last_scale = status.last_scale.clone();
+    let mut last_scale = context.pending_scale(key, pool).or_else(|| status.last_scale.clone());
     match &last_scale {
         None => {
             last_scale = Some(ScalingDecision {
@@ -562,6 +586,14 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
     if let Some(scale) = &decision.scale {
         let to = i32::try_from(scale.to).unwrap_or(i32::MAX);
         pools.patch_scale(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": to } }))).await?;
+        let decided = ScalingDecision {
+            time: time(now),
+            from: i32::try_from(scale.from).unwrap_or(i32::MAX),
+            to,
+            reason: scale.reason.as_str().into(),
+            message: scale.message.clone(),
+        };
+        context.with_memory(key, |memory| memory.scale_patched = Some((decided.clone(), Instant::now())));
         let direction = if scale.to > scale.from { "ScaledUp" } else { "ScaledDown" };
         info!(from = scale.from, to = scale.to, reason = scale.reason.as_str(), "scaling the pool");
         context.metrics.decision(scale.reason.as_str());
@@ -573,13 +605,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
                 format!("scaled from {} to {} ({}): {}", scale.from, scale.to, scale.reason.as_str(), scale.message),
             )
             .await;
-        last_scale = Some(ScalingDecision {
-            time: time(now),
-            from: i32::try_from(scale.from).unwrap_or(i32::MAX),
-            to,
-            reason: scale.reason.as_str().into(),
-            message: scale.message.clone(),
-        });
+        last_scale = Some(decided);
     }
 
     let acted = act(pool, namespace, &owned, &slots, &decision, context).await?;

@@ -91,6 +91,11 @@ impl PoolMetrics {
         self.decisions.get_or_create(&ReasonLabels { reason }).get()
     }
 
+    /// How many pool reconciles ended well (`ok`) or with an error.
+    pub fn reconciles(&self, ok: bool) -> u64 {
+        self.reconciles.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).get()
+    }
+
     pub(crate) fn reconciled(&self, ok: bool) {
         self.reconciles.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).inc();
     }
