@@ -66,12 +66,16 @@ fn the_cluster_role_grants_exactly_what_the_operator_uses() {
         granted.iter().all(|(group, resource, verb)| group != "*" && resource != "*" && verb != "*"),
         "no wildcards"
     );
-    // In the operator's own namespace: the Lease, and the patch of its own Pod's leader label, nothing else.
+    // In the operator's own namespace: the Lease, the patch of its own Pod's leader label and the ended-leases
+    // ConfigMap, nothing else.
     let leader = grants(find(&rbac, "Role"));
     let expected: BTreeSet<(String, String, String)> = ["get", "create", "update", "patch"]
         .iter()
         .map(|verb| ("coordination.k8s.io".to_owned(), "leases".to_owned(), (*verb).to_owned()))
         .chain(std::iter::once((String::new(), "pods".to_owned(), "patch".to_owned())))
+        .chain(
+            ["get", "patch", "create"].iter().map(|verb| (String::new(), "configmaps".to_owned(), (*verb).to_owned())),
+        )
         .collect();
     assert_eq!(leader, expected);
 }

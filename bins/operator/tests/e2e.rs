@@ -771,6 +771,37 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     })
     .await;
 
+    // Released means gone, also after a failover: 15 leases leased and released answer 404 to a renew now, and
+    // after each takeover. The leader keeps them for the next one in a ConfigMap (within a second); the kills wait
+    // until it holds them.
+    let mut released = Vec::new();
+    for index in 0..15 {
+        let lease =
+            discovery.lease(LeaseOptions::for_target(format!("released-{index}.example"))).await.expect("lease");
+        released.push(lease.id().to_owned());
+        lease.release().await.expect("release");
+    }
+    let renewals = |ids: Vec<String>| async move {
+        let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+        for id in &ids {
+            *statuses.entry(renew_status(id).await).or_default() += 1;
+        }
+        statuses
+    };
+    assert_eq!(renewals(released.clone()).await, [(404, 15)].into(), "released leases renewed before a failover");
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    eventually("the leader to keep the 15 released leases", WAIT, || {
+        let configmaps = configmaps.clone();
+        async move {
+            let kept = configmaps.get_opt(egress_runtime::durable::ENDED_LEASES_CONFIGMAP).await.ok()??;
+            let bytes = kept.binary_data?.into_values().next()?.0;
+            let records = egress_runtime::durable::decode_ended(&bytes).ok()?;
+            (records.iter().filter(|record| record.released).count() >= 15).then_some(())
+        }
+    })
+    .await;
+    let mut renewed_after_takeover = Vec::new();
+
     // Eight crawlers through the Service, and a sampler of the leases per proxy.
     let (book, stop) = (Arc::new(Book::default()), Arc::new(AtomicBool::new(false)));
     let crawlers: Vec<_> =
@@ -827,6 +858,10 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         .await;
         takeovers.push(killed.elapsed());
         let _ = serving.release().await;
+        let statuses = renewals(released.clone()).await;
+        if statuses != [(404, 15)].into() {
+            renewed_after_takeover.push(format!("kill {kill}: {statuses:?}"));
+        }
         let listed = discovery.cooldowns(None).await.expect("cooldowns");
         for ((proxy, site), until) in known {
             let still_live = until > std::time::SystemTime::now() + Duration::from_secs(2);
@@ -852,7 +887,8 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     eprintln!(
         "e2e chaos: 5 leader SIGKILLs under 8 crawlers: {} leases, {} renews, {} bans; cooldowns lost {}; renews of \
          held leases answered 404: {}; leases for a site the proxy cooled down for: {}; worst cap overshoot {} \
-         (bound {MAX_LEASES}); takeovers {:?}; longest time with no lease granted {longest_gap:.1?}; refusals {:?}",
+         (bound {MAX_LEASES}); takeovers {:?}; longest time with no lease granted {longest_gap:.1?}; refusals {:?}; \
+         15 released leases renewed after each takeover: {}",
         book.grants.load(Ordering::SeqCst),
         book.renews.load(Ordering::SeqCst),
         book.bans.load(Ordering::SeqCst),
@@ -862,7 +898,13 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         overshoot.max(0),
         takeovers.iter().map(|took| format!("{:.1}s", took.as_secs_f64())).collect::<Vec<_>>(),
         book.refusals.lock().expect("book"),
+        if renewed_after_takeover.is_empty() {
+            "404 × 15 each time".to_owned()
+        } else {
+            renewed_after_takeover.join("; ")
+        },
     );
+    assert!(renewed_after_takeover.is_empty(), "released leases answered: {renewed_after_takeover:?}");
     assert!(cooldowns_lost.is_empty(), "cooldowns lost: {cooldowns_lost:?}");
     assert_eq!(book.renews_404.load(Ordering::SeqCst), 0, "renews of held leases answered 404");
     assert!(violations.is_empty(), "{violations:?}");
@@ -887,6 +929,30 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         (left.items.is_empty() && proxy_pods(&client, ns).await.is_empty()).then_some(())
     })
     .await;
+}
+
+/// The status a renew of lease `id` through the Service answers, with the shipped lease token.
+async fn renew_status(id: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let url = cluster().installation.discovery.url();
+    let authority = url.trim_start_matches("http://").to_owned();
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(&authority).await?;
+        let request = format!(
+            "POST /v1/leases/{id}/renew HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {SHIPPED_LEASE_TOKEN}\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        std::io::Result::Ok(response)
+    };
+    let response = tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .expect("the renew is answered within 10 s")
+        .expect("the renew is answered");
+    let text = String::from_utf8_lossy(&response);
+    text.split_whitespace().nth(1).and_then(|status| status.parse().ok()).unwrap_or_else(|| panic!("no status: {text}"))
 }
 
 /// Runs the real kubectl against the test cluster, as a user would; returns its standard output.

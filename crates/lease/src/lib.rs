@@ -46,6 +46,18 @@ pub struct ProxyInfo {
     pub pool: Option<String>,
 }
 
+/// A lease that ended before its last expiry, as kept elsewhere ([`LeaseStore::ended_leases`]): its IDs are
+/// refused until `until`, with 404 when it was released and 410 when it was revoked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndedLeaseRecord {
+    /// The serial every ID of the lease carries.
+    pub serial: u64,
+    /// Its latest expiry, to the second.
+    pub until: SystemTime,
+    /// Released by its holder rather than revoked.
+    pub released: bool,
+}
+
 /// What a crawler asks for.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseRequest {
@@ -334,6 +346,15 @@ pub trait LeaseStore: Send + Sync {
     /// and so is the clearing of one (an older record of a cleared cooldown is not taken). Returns how many were
     /// taken.
     fn restore_cooldowns(&self, cooldowns: &[Cooldown], now: SystemTime) -> usize;
+    /// The leases that ended (released or revoked) before their last expiry and whose IDs are refused until then,
+    /// latest expiry first, at most `limit`; with [`LeaseStore::ended_generation`] as it was when they were read.
+    fn ended_leases(&self, limit: usize, now: SystemTime) -> (u64, Vec<EndedLeaseRecord>);
+    /// A number that changes whenever the set of ended leases gains one (or one turns from revoked to released).
+    fn ended_generation(&self) -> u64;
+    /// Takes in ended leases kept elsewhere (by the store of a previous leader), so their IDs are refused here too
+    /// instead of adopted. A lease this store holds or already knows ended is left as it is. Returns how many
+    /// were taken.
+    fn restore_ended(&self, records: &[EndedLeaseRecord], now: SystemTime) -> usize;
     /// Ends the cooldowns for `target` (normalised here) now and forgets their streaks: of `proxy` and the
     /// proxies leaving through its egress IP, or of every proxy. Returns the ones that were running.
     fn clear_cooldowns(&self, target: &str, proxy: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;

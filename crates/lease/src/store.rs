@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::id::{Claims, LeaseKey};
 use crate::{
-    Cooldown, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, Outcomes, ProxyInfo, ProxyLoad,
-    Renewed, Report, Reported, normalize,
+    Cooldown, EndedLeaseRecord, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, Outcomes, ProxyInfo,
+    ProxyLoad, Renewed, Report, Reported, normalize,
 };
 
 struct ProxyState {
@@ -102,6 +102,9 @@ struct Inner {
     /// Leases revoked or released before their expiry, kept until then.
     ended: HashMap<u64, EndedLease>,
     ended_expiries: BTreeSet<(SystemTime, u64)>,
+    /// Changes whenever a lease ends (or an ended one turns from revoked to released), so a caller that keeps the
+    /// ended leases elsewhere knows when to write them again.
+    ended_generation: u64,
     cooldowns: HashMap<(String, String), CooldownState>,
     cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
     /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
@@ -402,6 +405,17 @@ impl Inner {
             self.ended_expiries.remove(&(previous.until, serial));
         }
         self.ended_expiries.insert((until, serial));
+        self.ended_generation += 1;
+    }
+
+    /// Marks an ended lease released (404 from now on rather than 410).
+    fn mark_released(&mut self, serial: u64) -> bool {
+        let Some(ended) = self.ended.get_mut(&serial) else { return false };
+        if !ended.released {
+            ended.released = true;
+            self.ended_generation += 1;
+        }
+        true
     }
 
     /// Ends a live lease for good: its slot is freed and its IDs are refused from now on. Whether it was live.
@@ -731,8 +745,7 @@ impl LeaseStore for InMemoryLeaseStore {
             return Ok(());
         }
         // A lease that already ended (revoked, or released before) is accepted again and stays refused.
-        if let Some(ended) = inner.ended.get_mut(&claims.serial) {
-            ended.released = true;
+        if inner.mark_released(claims.serial) {
             return Ok(());
         }
         // A valid lease this store never saw (granted before a takeover): nothing to free, but none of its IDs
@@ -781,6 +794,13 @@ impl LeaseStore for InMemoryLeaseStore {
                 }
                 Err(error) => return Err(error),
             }
+        }
+        // One restored from elsewhere knows neither proxy nor target; the ID's claims (verified) say them.
+        if let Some(ended) = inner.ended.get_mut(&serial)
+            && ended.proxy.is_empty()
+        {
+            ended.proxy.clone_from(&claims.proxy);
+            ended.target.clone_from(&claims.target);
         }
         let (proxy, target, granted_at, reported) = match (inner.leases.get(&serial), inner.ended.get(&serial)) {
             (Some(lease), _) => (lease.proxy.clone(), lease.target.clone(), lease.granted_at, lease.reported),
@@ -882,11 +902,8 @@ impl LeaseStore for InMemoryLeaseStore {
             }
         }
         inner.count(self, key, counted, now);
-        if report.release
-            && !inner.release_live(serial)
-            && let Some(ended) = inner.ended.get_mut(&serial)
-        {
-            ended.released = true;
+        if report.release && !inner.release_live(serial) {
+            inner.mark_released(serial);
         }
         Ok(Reported { proxy, cooldown_until, cooled })
     }
@@ -908,6 +925,54 @@ impl LeaseStore for InMemoryLeaseStore {
             .collect();
         cooldowns.sort_by(|a, b| (b.until, &a.target).cmp(&(a.until, &b.target)));
         cooldowns
+    }
+
+    fn ended_leases(&self, limit: usize, now: SystemTime) -> (u64, Vec<EndedLeaseRecord>) {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let records = inner
+            .ended_expiries
+            .iter()
+            .rev()
+            .take(limit)
+            .filter_map(|(until, serial)| {
+                let ended = inner.ended.get(serial)?;
+                Some(EndedLeaseRecord { serial: *serial, until: *until, released: ended.released })
+            })
+            .collect();
+        (inner.ended_generation, records)
+    }
+
+    fn ended_generation(&self) -> u64 {
+        self.lock().ended_generation
+    }
+
+    fn restore_ended(&self, records: &[EndedLeaseRecord], now: SystemTime) -> usize {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let mut restored = 0;
+        for record in records {
+            // A lease live here (adopted since) or already known to have ended keeps what this store knows.
+            if record.until <= now
+                || inner.leases.contains_key(&record.serial)
+                || inner.ended.contains_key(&record.serial)
+            {
+                continue;
+            }
+            inner.end(
+                record.serial,
+                EndedLease {
+                    proxy: String::new(),
+                    target: String::new(),
+                    until: record.until,
+                    released: record.released,
+                    granted_at: now,
+                    reported: 0,
+                },
+            );
+            restored += 1;
+        }
+        restored
     }
 
     fn restore_cooldowns(&self, cooldowns: &[Cooldown], now: SystemTime) -> usize {

@@ -1,21 +1,25 @@
 //! What the discovery API keeps in the apiserver so that a restart or a new leader loses nothing a client relies
-//! on: cooldowns in each Proxy's `status.cooldowns` (written under a field manager of their own), and the key lease
-//! IDs are signed with, in a Secret every replica reads.
+//! on: cooldowns in each Proxy's `status.cooldowns` (written under a field manager of their own), the key lease
+//! IDs are signed with, in a Secret every replica reads, and the leases that ended before their expiry, in a
+//! ConfigMap the leader rewrites (so a released lease's ID is not adopted again by the next leader).
 
-use std::time::SystemTime;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use egress_api::{CooldownStatus, Proxy};
 use egress_discovery::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
-use egress_lease::{Cooldown, LeaseKey, MIN_KEY_BYTES};
+use egress_lease::{Cooldown, EndedLeaseRecord, LeaseKey, LeaseStore, MIN_KEY_BYTES};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use tracing::{debug, info};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
 
 /// The field manager of `status.cooldowns`: the reconciler's apply never sends the field, so neither removes the
 /// other's.
@@ -140,6 +144,170 @@ fn key_of(secret: &Secret, namespace: &str, name: &str) -> Result<LeaseKey> {
     })
 }
 
+/// The ConfigMap, in the operator's namespace, that the leader keeps ended leases in.
+pub const ENDED_LEASES_CONFIGMAP: &str = "egress-operator-ended-leases";
+
+/// The most ended leases kept (the ones whose IDs stay valid longest): 17 bytes each, so the ConfigMap stays far
+/// below the apiserver's 1 MiB object limit.
+pub const MAX_PERSISTED_ENDED: usize = 20_000;
+
+/// How often the leader writes the ended leases when they changed: the most a leader killed without warning loses.
+pub const ENDED_WRITE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The key in the ConfigMap's binaryData, and the field manager that writes it.
+const ENDED_ENTRY: &str = "ended-v1";
+const ENDED_FIELD_MANAGER: &str = "egress-operator-ended-leases";
+const RECORD_BYTES: usize = 17;
+
+/// `records` as bytes: per lease the serial and the end (seconds since the epoch, rounded up), big-endian, and
+/// whether it was released (1) or revoked (0).
+pub fn encode_ended(records: &[EndedLeaseRecord]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(records.len() * RECORD_BYTES);
+    for record in records {
+        let until = record.until.duration_since(UNIX_EPOCH).unwrap_or_default();
+        let seconds = until.as_secs() + u64::from(until.subsec_nanos() > 0);
+        bytes.extend_from_slice(&record.serial.to_be_bytes());
+        bytes.extend_from_slice(&seconds.to_be_bytes());
+        bytes.push(u8::from(record.released));
+    }
+    bytes
+}
+
+/// The records [`encode_ended`] wrote, or what is wrong with `bytes`.
+pub fn decode_ended(bytes: &[u8]) -> Result<Vec<EndedLeaseRecord>> {
+    if !bytes.len().is_multiple_of(RECORD_BYTES) {
+        bail!("{} bytes are not a whole number of {RECORD_BYTES}-byte records", bytes.len());
+    }
+    bytes
+        .chunks_exact(RECORD_BYTES)
+        .map(|chunk| {
+            let serial = u64::from_be_bytes(chunk[..8].try_into().expect("eight bytes"));
+            let seconds = u64::from_be_bytes(chunk[8..16].try_into().expect("eight bytes"));
+            let released = match chunk[16] {
+                0 => false,
+                1 => true,
+                other => bail!("a record's last byte is {other}, not 0 (revoked) or 1 (released)"),
+            };
+            Ok(EndedLeaseRecord { serial, until: UNIX_EPOCH + Duration::from_secs(seconds), released })
+        })
+        .collect()
+}
+
+/// Keeps the lease store's ended leases in a ConfigMap while this replica leads: read into the store when it
+/// takes over (before it serves leases), written again at most every [`ENDED_WRITE_INTERVAL`] when they changed,
+/// and once more when it stops leading gracefully.
+pub struct EndedLeases {
+    configmaps: Api<ConfigMap>,
+    namespace: String,
+    store: Arc<dyn LeaseStore>,
+    /// The store's ended generation the last write covered.
+    written: AtomicU64,
+    /// Whether this term read the previous leader's record: until it has, writing would replace that record with
+    /// less.
+    restored: AtomicBool,
+}
+
+impl EndedLeases {
+    /// Ended leases of `store`, kept in [`ENDED_LEASES_CONFIGMAP`] in `namespace`.
+    pub fn new(client: Client, namespace: &str, store: Arc<dyn LeaseStore>) -> Self {
+        Self {
+            configmaps: Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
+            store,
+            written: AtomicU64::new(u64::MAX),
+            restored: AtomicBool::new(false),
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("{}/{ENDED_LEASES_CONFIGMAP}", self.namespace)
+    }
+
+    /// Reads the kept ended leases into the store; from now on, changes are written.
+    pub async fn restore(&self) -> Result<usize> {
+        let kept = self
+            .configmaps
+            .get_opt(ENDED_LEASES_CONFIGMAP)
+            .await
+            .with_context(|| format!("reading the ended leases in ConfigMap {}", self.name()))?;
+        let bytes = kept.as_ref().and_then(|map| map.binary_data.as_ref()).and_then(|data| data.get(ENDED_ENTRY));
+        let records = match bytes {
+            Some(ByteString(bytes)) => decode_ended(bytes).unwrap_or_else(|error| {
+                // A record this version cannot read is replaced by the next write rather than stopping the leader.
+                warn!(configmap = %self.name(), %error, "the kept ended leases cannot be read; starting without them");
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        let restored = self.store.restore_ended(&records, SystemTime::now());
+        self.restored.store(true, Ordering::Release);
+        info!(configmap = %self.name(), kept = records.len(), restored, "ended leases restored");
+        Ok(restored)
+    }
+
+    /// Writes the ended leases when they changed since the last write (and this term restored them first).
+    pub async fn flush(&self) -> Result<()> {
+        if !self.restored.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if self.store.ended_generation() == self.written.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (generation, records) = self.store.ended_leases(MAX_PERSISTED_ENDED, SystemTime::now());
+        let body = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": ENDED_LEASES_CONFIGMAP,
+                "labels": { "app.kubernetes.io/managed-by": "egress-operator" },
+            },
+            "binaryData": { ENDED_ENTRY: ByteString(encode_ended(&records)) },
+        });
+        self.configmaps
+            .patch(ENDED_LEASES_CONFIGMAP, &PatchParams::apply(ENDED_FIELD_MANAGER).force(), &Patch::Apply(&body))
+            .await
+            .with_context(|| format!("writing the ended leases to ConfigMap {}", self.name()))?;
+        self.written.store(generation, Ordering::Release);
+        debug!(configmap = %self.name(), ended = records.len(), "ended leases written");
+        Ok(())
+    }
+
+    /// This replica stopped leading: the next term reads the record again before writing.
+    pub fn forget_term(&self) {
+        self.restored.store(false, Ordering::Release);
+        self.written.store(u64::MAX, Ordering::Release);
+    }
+
+    /// While `leader` says this replica leads: restores (retrying until it works), then writes changes every
+    /// [`ENDED_WRITE_INTERVAL`]. Returns when `stop` turns true.
+    pub async fn run(self: Arc<Self>, mut leader: watch::Receiver<bool>, mut stop: watch::Receiver<bool>) {
+        let mut ticks = tokio::time::interval(ENDED_WRITE_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                changed = leader.changed() => if changed.is_err() { return },
+                changed = stop.changed() => if changed.is_err() || *stop.borrow() { return },
+            }
+            if *stop.borrow() {
+                return;
+            }
+            if !*leader.borrow() {
+                self.forget_term();
+                continue;
+            }
+            let done = if self.restored.load(Ordering::Acquire) {
+                self.flush().await.map(|()| 0)
+            } else {
+                self.restore().await
+            };
+            if let Err(error) = done {
+                warn!("{error:#}");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +333,25 @@ mod tests {
             json["cooldowns"][0],
             serde_json::json!({"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]})
         );
+    }
+
+    #[test]
+    fn ended_leases_round_trip_and_bad_bytes_are_named() {
+        let at = |seconds: u64| UNIX_EPOCH + Duration::from_secs(seconds);
+        let records = vec![
+            EndedLeaseRecord { serial: u64::MAX, until: at(1_800_000_000), released: true },
+            EndedLeaseRecord { serial: 7, until: at(1_800_000_001), released: false },
+        ];
+        let bytes = encode_ended(&records);
+        assert_eq!(bytes.len(), 34);
+        assert_eq!(decode_ended(&bytes).expect("decoded"), records);
+        // An end between seconds is kept to the next one: never earlier than the IDs' own expiry.
+        let between = [EndedLeaseRecord { serial: 1, until: at(10) + Duration::from_millis(1), released: true }];
+        assert_eq!(decode_ended(&encode_ended(&between)).expect("decoded")[0].until, at(11));
+        assert!(decode_ended(&bytes[..20]).unwrap_err().to_string().contains("20 bytes are not a whole number"));
+        let mut flagged = bytes.clone();
+        flagged[16] = 9;
+        assert!(decode_ended(&flagged).unwrap_err().to_string().contains("last byte is 9"));
     }
 
     #[test]

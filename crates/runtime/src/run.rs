@@ -144,6 +144,16 @@ pub async fn run(settings: Settings) -> Result<()> {
     let lease_key =
         crate::durable::lease_key(&client, &settings.leader_election_namespace, &settings.lease_key_secret).await?;
     let lease_store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), lease_key));
+    // Released and revoked leases are kept too, so the next leader refuses their IDs instead of adopting them.
+    let ended = Arc::new(crate::durable::EndedLeases::new(
+        client.clone(),
+        &settings.leader_election_namespace,
+        lease_store.clone(),
+    ));
+    if !settings.leader_elect {
+        restore_ended(&ended).await;
+    }
+    tokio::spawn(ended.clone().run(leader.clone(), stop.clone()));
     let discovery = Arc::new(
         Discovery::new(lease_store, auth, discovery_metrics)
             .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone())))
@@ -191,6 +201,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         let (mut changes, handle) = manager.watch().await;
         let forward = leader_sender.clone();
         let watcher_stop = stop.clone();
+        let ended = ended.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
@@ -198,6 +209,10 @@ pub async fn run(settings: Settings) -> Result<()> {
                         if changed.is_err() { break; }
                         let leading = *changes.borrow_and_update();
                         info!(identity = %identity, leading, "leadership changed");
+                        if leading {
+                            // The previous leader's ended leases first, so none of their IDs is adopted.
+                            restore_ended(&ended).await;
+                        }
                         let _ = forward.send(leading);
                     }
                     () = until_true(watcher_stop.clone()) => break,
@@ -240,6 +255,12 @@ pub async fn run(settings: Settings) -> Result<()> {
     }
     let _ = stop_sender.send(true);
     let _ = leading.await;
+    // Discovery answers nothing more: the leases ended so far go to the next leader before the Lease does.
+    match tokio::time::timeout(ENDED_FLUSH_TIMEOUT, ended.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => warn!("{error:#}"),
+        Err(_) => warn!("writing the ended leases took over {ENDED_FLUSH_TIMEOUT:?}; the next leader may adopt some"),
+    }
     // Out of the discovery Service before the Lease goes to another replica.
     if let Some(labeller) = labeller
         && tokio::time::timeout(crate::role_label::REMOVE_TIMEOUT, labeller).await.is_err()
@@ -262,6 +283,23 @@ pub async fn run(settings: Settings) -> Result<()> {
             info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// How long a new leader waits to read the ended leases before serving without them, and a stopping one to write
+/// them.
+const ENDED_RESTORE_TIMEOUT: Duration = Duration::from_secs(5);
+const ENDED_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Reads the kept ended leases into the store, waiting at most [`ENDED_RESTORE_TIMEOUT`]; on failure the store's
+/// writer keeps trying (and writes nothing until it has read them).
+async fn restore_ended(ended: &crate::durable::EndedLeases) {
+    match tokio::time::timeout(ENDED_RESTORE_TIMEOUT, ended.restore()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => warn!("{error:#}; serving without them until they can be read"),
+        Err(_) => warn!(
+            "reading the ended leases took over {ENDED_RESTORE_TIMEOUT:?}; serving without them until they can be read"
+        ),
     }
 }
 

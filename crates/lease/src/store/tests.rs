@@ -250,6 +250,42 @@ fn keyed(key: &LeaseKey, proxies: &[ProxyInfo]) -> InMemoryLeaseStore {
 }
 
 #[test]
+fn ended_leases_kept_elsewhere_are_refused_by_a_store_that_never_saw_them() {
+    let key = LeaseKey::from_bytes(&[7; 32]).expect("key");
+    let old = keyed(&key, &[proxy("a", 5)]);
+    let owner = "token-a";
+    let ask = || LeaseRequest { owner: owner.into(), ..request("example.com") };
+    let leases: Vec<Lease> = (0..4).map(|_| old.lease(&ask(), t(0)).expect("lease")).collect();
+    let generation = old.ended_generation();
+    old.release(&leases[0].id, owner, t(1)).expect("release");
+    old.release(&leases[1].id, owner, t(1)).expect("release");
+    assert_ne!(old.ended_generation(), generation, "a release changes what is kept");
+    // A lowered cap revokes the newest lease.
+    old.upsert_proxy(proxy("a", 1));
+    let (_, kept) = old.ended_leases(100, t(2));
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert_eq!(kept.iter().filter(|record| record.released).count(), 2);
+    assert_eq!(old.ended_leases(1, t(2)).1.len(), 1, "at most the limit");
+
+    let new = keyed(&key, &[proxy("a", 5)]);
+    assert_eq!(new.restore_ended(&kept, t(3)), 3);
+    assert_eq!(new.restore_ended(&kept, t(3)), 0, "restoring twice takes nothing more");
+    for released in &leases[..2] {
+        let refused = new.renew(&released.id, owner, None, t(4));
+        assert_eq!(refused, Err(LeaseError::UnknownLease(released.id.clone())), "a released lease stays gone");
+    }
+    assert_eq!(new.renew(&leases[3].id, owner, None, t(4)), Err(LeaseError::Revoked(leases[3].id.clone())));
+    // The lease still held is adopted as before, and a late report on a released one counts against its proxy.
+    new.renew(&leases[2].id, owner, None, t(4)).expect("held: adopted");
+    assert_eq!(new.active_leases(), 1);
+    let report = Report { outcome: Some(Outcome::Ok), ..Report::default() };
+    assert_eq!(new.report(&leases[0].id, owner, &report, t(5)).expect("late report").proxy, "a");
+    new.check_invariants().expect("invariants");
+    // Nothing is restored past its expiry.
+    assert_eq!(keyed(&key, &[proxy("a", 5)]).restore_ended(&kept, leases[0].expires_at), 0);
+}
+
+#[test]
 fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
     let key = LeaseKey::from_bytes(&[9; 32]).expect("key");
     let old = keyed(&key, &[proxy("a", 5)]);
