@@ -125,7 +125,12 @@ impl Env {
             lease_token: self.token.clone(),
             default_probe_url: self.origin.ip_url(),
             leader_election_namespace: leader_election.then(|| self.ns.name().to_owned()),
-            extra_args: vec![format!("--watch-namespace={}", self.ns.name())],
+            // The operator's own namespace (its lease-key Secret and ended-leases ConfigMap) is the test's, where
+            // the shipped Role is bound, with or without leader election.
+            extra_args: [format!("--watch-namespace={}", self.ns.name())]
+                .into_iter()
+                .chain((!leader_election).then(|| format!("--leader-election-namespace={}", self.ns.name())))
+                .collect(),
         }
     }
 

@@ -283,6 +283,9 @@ impl EndedLeases {
     pub async fn run(self: Arc<Self>, mut leader: watch::Receiver<bool>, mut stop: watch::Receiver<bool>) {
         let mut ticks = tokio::time::interval(ENDED_WRITE_INTERVAL);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // After a failure, the next attempt waits twice as long each time (up to a minute), and only the first
+        // failure of a streak is logged as a warning.
+        let (mut failures, mut next_attempt) = (0_u32, tokio::time::Instant::now());
         loop {
             tokio::select! {
                 _ = ticks.tick() => {}
@@ -294,6 +297,10 @@ impl EndedLeases {
             }
             if !*leader.borrow() {
                 self.forget_term();
+                (failures, next_attempt) = (0, tokio::time::Instant::now());
+                continue;
+            }
+            if tokio::time::Instant::now() < next_attempt {
                 continue;
             }
             let done = if self.restored.load(Ordering::Acquire) {
@@ -301,8 +308,18 @@ impl EndedLeases {
             } else {
                 self.restore().await
             };
-            if let Err(error) = done {
-                warn!("{error:#}");
+            match done {
+                Ok(_) => failures = 0,
+                Err(error) => {
+                    if failures == 0 {
+                        warn!("{error:#}; retrying with backoff");
+                    } else {
+                        debug!("{error:#}");
+                    }
+                    failures = failures.saturating_add(1);
+                    let wait = ENDED_WRITE_INTERVAL.saturating_mul(1 << failures.min(6)).min(Duration::from_secs(60));
+                    next_attempt = tokio::time::Instant::now() + wait;
+                }
             }
         }
     }
