@@ -192,7 +192,8 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     // A create on a host without its image starts a background download and says so, as a Transient error; once
     // the image is cached the create goes past it (and here fails at the guest's start, see below). A background
     // download that fails hands its error to the next create.
-    let (late_url, late_sha) = server.put("late.img", image_bytes(2 << 20, 4));
+    // Held until the first create has answered, so it always finds the download still going.
+    let (late_url, late_sha, release_late) = server.put_held("late.img", image_bytes(2 << 20, 4));
     let background = KvmProvider::new(config(
         vec![local_host(&daemon, POOL)],
         ssh(None),
@@ -206,6 +207,7 @@ async fn images_overlays_seeds_and_redial_on_a_real_daemon() {
     let first = background.create(&late).await.expect_err("not cached yet");
     assert_eq!(first.class(), ErrorClass::Transient, "{first}");
     assert!(first.to_string().contains("image late is being downloaded to host local"), "{first}");
+    release_late.send(true).expect("the server holds the image");
     let past = until(|| background.create(&late), |error| !error.to_string().contains("being downloaded")).await;
     assert!(!past.to_string().contains("image"), "{past}");
     assert!(pool_volumes(&uri, POOL).contains(&names::marker_volume("late", &late_sha)));

@@ -67,7 +67,25 @@ impl Libvirtd {
         }
         let mut daemon = Self { dir, child: None, pools: Vec::new() };
         daemon.spawn();
+        daemon.remove_test_domains();
         daemon
+    }
+
+    /// Domain definitions live in the system's libvirt directory, not in this daemon's: a run that failed midway
+    /// leaves its guests defined, and the next run's create would find them instead of making its own. Removes every
+    /// domain these tests made (their proxy-uid tag is `uid-px-…`; the operator's are UUIDs).
+    fn remove_test_domains(&self) {
+        let Ok(mut conn) = Connect::open(Some(&self.uri())) else { return };
+        for domain in conn.list_all_domains(0).unwrap_or_default() {
+            let ours = domain.get_xml_desc(0).is_ok_and(|xml| xml.contains(">uid-px-") || xml.contains("'uid-px-"));
+            if ours {
+                if domain.is_active().unwrap_or(false) {
+                    let _ = domain.destroy();
+                }
+                let _ = domain.undefine_flags(virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM);
+            }
+        }
+        let _ = conn.close();
     }
 
     fn spawn(&mut self) {
@@ -177,21 +195,35 @@ pub struct ImageServer {
     pub address: SocketAddr,
     images: Arc<Mutex<HashMap<String, Vec<u8>>>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
+    held: Held,
     task: tokio::task::JoinHandle<()>,
 }
+
+/// Images whose answers wait until the test lets them go (`false` while held).
+type Held = Arc<Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>>;
 
 impl ImageServer {
     pub async fn start() -> Self {
         let images: Arc<Mutex<HashMap<String, Vec<u8>>>> = Arc::default();
         let hits: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-        let state = (images.clone(), hits.clone());
+        let held: Held = Arc::default();
+        let state = (images.clone(), hits.clone(), held.clone());
         let app = Router::new().route("/{name}", get(serve)).with_state(state);
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind");
         let address = listener.local_addr().expect("address");
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Self { address, images, hits, task }
+        Self { address, images, hits, held, task }
+    }
+
+    /// Like [`ImageServer::put`], but every answer for `name` waits until the returned sender sends `true`: a
+    /// download that cannot finish before the test has looked at it.
+    pub fn put_held(&self, name: &str, data: Vec<u8>) -> (String, String, tokio::sync::watch::Sender<bool>) {
+        let (release, held) = tokio::sync::watch::channel(false);
+        self.held.lock().unwrap().insert(name.to_owned(), held);
+        let (url, sha) = self.put(name, data);
+        (url, sha, release)
     }
 
     /// Serves `data` at `/<name>`; returns its URL and sha256.
@@ -213,10 +245,17 @@ impl Drop for ImageServer {
     }
 }
 
-type ServerState = (Arc<Mutex<HashMap<String, Vec<u8>>>>, Arc<Mutex<HashMap<String, usize>>>);
+type ServerState = (Arc<Mutex<HashMap<String, Vec<u8>>>>, Arc<Mutex<HashMap<String, usize>>>, Held);
 
-async fn serve(State((images, hits)): State<ServerState>, UrlPath(name): UrlPath<String>) -> Result<Bytes, StatusCode> {
+async fn serve(
+    State((images, hits, held)): State<ServerState>,
+    UrlPath(name): UrlPath<String>,
+) -> Result<Bytes, StatusCode> {
     *hits.lock().unwrap().entry(name.clone()).or_default() += 1;
+    let gate = held.lock().unwrap().get(&name).cloned();
+    if let Some(mut gate) = gate {
+        let _ = gate.wait_for(|released| *released).await;
+    }
     images.lock().unwrap().get(&name).cloned().map(Bytes::from).ok_or(StatusCode::NOT_FOUND)
 }
 
