@@ -95,12 +95,6 @@ pub const DEFAULT_JITTER_PERCENT: i32 = 10;
         .message("spec.template.spec.provider must not be set when spec.spread lists providers: each member's provider comes from its spread entry")
         .field_path(".template.spec.provider")
         .reason(kube::core::Reason::FieldValueForbidden),
-    validation = Rule::new("!has(self.recycle) || !has(self.recycle.minAvailable) || self.recycle.minAvailable <= self.replicas")
-        .message("spec.recycle.minAvailable must not exceed spec.replicas: recycling would wait forever for Ready members the pool never has")
-        .field_path(".recycle.minAvailable"),
-    validation = Rule::new("!has(self.autoscale) || !has(self.recycle) || !has(self.recycle.minAvailable) || self.recycle.minAvailable <= self.autoscale.min")
-        .message("spec.recycle.minAvailable must not exceed spec.autoscale.min: the autoscaler may take the pool down to min")
-        .field_path(".recycle.minAvailable"),
 )]
 pub struct ProxyPoolSpec {
     /// How many members the pool should have. With `autoscale`, the operator sets it (within `min` and `max`);
@@ -235,7 +229,8 @@ pub struct Recycle {
     /// A member whose instance is older than this gets a new instance (so a new IP), for example `24h`; the old
     /// instance serves until the new one is healthy and is then drained of its leases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("spec.recycle.maxAge must be a positive duration such as 90m or 24h"))]
+    // The pattern's own message covers a malformed value; the rule then holds, so CEL never parses it.
+    #[x_kube(validation = Rule::new("!self.matches('^([0-9]+(\\\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$') || duration(self) > duration('0s')").message("spec.recycle.maxAge must be a positive duration such as 90m or 24h"))]
     #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"))]
     pub max_age: Option<Duration>,
     /// Up to this share of `maxAge` earlier, different per member, so members made together are not recycled
@@ -248,7 +243,9 @@ pub struct Recycle {
     #[serde(default = "default_max_surge")]
     #[schemars(range(min = 1, max = 100))]
     pub max_surge: i32,
-    /// Recycling and template changes start on a member only while at least this many members are Ready.
+    /// Recycling and template changes start on a member only while at least this many members are Ready, or all
+    /// of them when `replicas` is lower: like a PodDisruptionBudget's, the floor never stops `kubectl scale`, an
+    /// HPA or the autoscaler from going below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1000))]
     pub min_available: Option<i32>,

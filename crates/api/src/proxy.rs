@@ -143,7 +143,8 @@ pub struct ProxySpec {
 
     /// Replace the instance (so it gets a new IP) once it is older than this, for example `90m` or `24h`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("spec.maxAge must be a positive duration such as 90m or 24h"))]
+    // The pattern's own message covers a malformed value; the rule then holds, so CEL never parses it.
+    #[x_kube(validation = Rule::new("!self.matches('^([0-9]+(\\\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$') || duration(self) > duration('0s')").message("spec.maxAge must be a positive duration such as 90m or 24h"))]
     #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"))]
     pub max_age: Option<Duration>,
 
@@ -297,7 +298,7 @@ impl Endpoint {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.timeoutSeconds < self.intervalSeconds")
-    .message("spec.healthCheck.timeoutSeconds must be less than spec.healthCheck.intervalSeconds")
+    .message("spec.healthCheck.timeoutSeconds must be less than spec.healthCheck.intervalSeconds (unset, they are 10 and 30)")
     .field_path(".timeoutSeconds"))]
 pub struct HealthCheck {
     /// Seconds between probes.
@@ -608,18 +609,37 @@ impl Proxy {
     /// The token that forces replacements: the `rotate` annotation and the number of `maxAge` rotations, combined.
     /// `None` when neither is set, so a Proxy that was never rotated hashes exactly like its plain spec.
     pub fn rotation_token(&self) -> Option<String> {
+        let (annotation, rotations, replacements) = self.rotation_parts();
+        rotation_token(annotation, rotations, replacements)
+    }
+
+    /// What the rotation token is made of: the `rotate` annotation, the `maxAge` rotations and the self-healing
+    /// replacements.
+    fn rotation_parts(&self) -> (Option<&str>, u32, u32) {
         let annotation = crate::annotations::annotation(self, crate::annotations::ROTATE);
         let rotations = self.status.as_ref().and_then(|status| status.max_age_rotations).unwrap_or(0);
         let replacements = self.status.as_ref().and_then(|status| status.replacements).unwrap_or(0);
-        let mut token = match (annotation, rotations) {
-            (None, 0) => None,
-            (Some(token), 0) => Some(token.to_owned()),
-            (token, rotations) => Some(format!("{}#maxAge{rotations}", token.unwrap_or_default())),
+        (annotation, rotations, replacements)
+    }
+
+    /// Why the desired instance differs from one created for `instance_hash`, for the `Replacing` Event: a
+    /// self-healing replacement, a `maxAge` rotation or the `rotate` annotation being set, when the hash says so
+    /// (each is the current spec with one of them undone); otherwise a change of the spec or of the annotation.
+    pub fn replacement_cause(&self, instance_hash: &str) -> &'static str {
+        let (annotation, rotations, replacements) = self.rotation_parts();
+        let was = |annotation: Option<&str>, rotations: u32, replacements: u32| {
+            crate::spec_hash(&self.spec, rotation_token(annotation, rotations, replacements).as_deref())
+                == instance_hash
         };
-        if replacements > 0 {
-            token = Some(format!("{}#heal{replacements}", token.unwrap_or_default()));
+        if replacements > 0 && was(annotation, rotations, replacements - 1) {
+            "self-healing replaces the dead instance"
+        } else if rotations > 0 && was(annotation, rotations - 1, replacements) {
+            "the instance reached maxAge"
+        } else if annotation.is_some() && was(None, rotations, replacements) {
+            "the crawl.example.com/rotate annotation was set"
+        } else {
+            "the spec (or the crawl.example.com/rotate annotation) changed"
         }
-        token
     }
 
     /// The spec hash the current instance should have: [`crate::spec_hash`] over the spec and the rotation token.
@@ -635,6 +655,19 @@ impl Proxy {
             ProxyMode::Managed => self.status.as_ref()?.endpoint.as_ref().map(Endpoint::from),
         }
     }
+}
+
+/// The rotation token of a Proxy with these parts; `None` when none is set.
+fn rotation_token(annotation: Option<&str>, rotations: u32, replacements: u32) -> Option<String> {
+    let mut token = match (annotation, rotations) {
+        (None, 0) => None,
+        (Some(token), 0) => Some(token.to_owned()),
+        (token, rotations) => Some(format!("{}#maxAge{rotations}", token.unwrap_or_default())),
+    };
+    if replacements > 0 {
+        token = Some(format!("{}#heal{replacements}", token.unwrap_or_default()));
+    }
+    token
 }
 
 #[cfg(test)]
@@ -703,6 +736,35 @@ mod tests {
             proxy.status = Some(ProxyStatus { max_age_rotations: rotations, replacements, ..ProxyStatus::default() });
             assert_eq!(proxy.rotation_token().as_deref(), expected, "{annotation:?} {rotations:?} {replacements:?}");
             assert_eq!(proxy.desired_spec_hash(), crate::spec_hash(&proxy.spec, expected));
+        }
+    }
+
+    #[test]
+    fn the_replacement_cause_is_read_from_the_instance_hash() {
+        let proxy_with = |spec: ProxySpec, annotation: Option<&str>, rotations: u32, replacements: u32| {
+            let mut proxy = Proxy::new("p", spec);
+            if let Some(token) = annotation {
+                proxy.metadata.annotations = Some([(crate::annotations::ROTATE.to_owned(), token.to_owned())].into());
+            }
+            proxy.status = Some(ProxyStatus {
+                max_age_rotations: Some(rotations),
+                replacements: Some(replacements),
+                ..ProxyStatus::default()
+            });
+            proxy
+        };
+        let before = proxy_with(managed(), None, 1, 1).desired_spec_hash();
+        let cases = [
+            (proxy_with(managed(), None, 1, 2), "self-healing replaces the dead instance"),
+            (proxy_with(managed(), None, 2, 1), "the instance reached maxAge"),
+            (proxy_with(managed(), Some("now"), 1, 1), "the crawl.example.com/rotate annotation was set"),
+            (
+                proxy_with(ProxySpec { max_leases: Some(9), ..managed() }, None, 1, 1),
+                "the spec (or the crawl.example.com/rotate annotation) changed",
+            ),
+        ];
+        for (proxy, cause) in cases {
+            assert_eq!(proxy.replacement_cause(&before), cause);
         }
     }
 

@@ -176,6 +176,11 @@ async fn rule_timeout_below_interval() {
         apply(&api, "over-default", with(external(), "healthCheck", json!({ "timeoutSeconds": 40 }))).await,
         message,
     );
+    // The timeout is not given: the message says its default, which is what a short interval meets.
+    assert_rejected(
+        apply(&api, "short-interval", with(external(), "healthCheck", json!({ "intervalSeconds": 5 }))).await,
+        "(unset, they are 10 and 30)",
+    );
     let below = json!({ "intervalSeconds": 30, "timeoutSeconds": 29 });
     assert_accepted(apply(&api, "below", with(external(), "healthCheck", below)).await);
 }
@@ -188,6 +193,9 @@ async fn max_age_must_be_a_positive_duration() {
         "spec.maxAge must be a positive duration",
     );
     assert_rejected(apply(&api, "words", with(managed(), "maxAge", json!("one day"))).await, "spec.maxAge");
+    // A malformed value gets the pattern's message only, not CEL's failure to parse it.
+    let days = apply(&api, "days", with(managed(), "maxAge", json!("1d"))).await.map(|_| ()).expect_err("refused");
+    assert!(days.contains("spec.maxAge") && !days.contains("google.protobuf.Duration"), "{days}");
     let accepted = assert_accepted(apply(&api, "ok", with(managed(), "maxAge", json!("1h30m"))).await);
     assert_eq!(accepted.spec.max_age().map(|age| age.as_secs()), Some(5400));
 }
@@ -408,18 +416,17 @@ async fn pool_rules_each_refuse_with_their_message() {
         apply_pool(&api, "min-over-max", with(pool(2), "autoscale", json!({ "min": 5, "max": 3 }))).await,
         "spec.autoscale.min must not exceed spec.autoscale.max",
     );
-    assert_rejected(
+    // The recycling floor is capped at the count, as a PodDisruptionBudget's is: above it is no error.
+    assert_accepted(
         apply_pool(&api, "floor-over-replicas", with(pool(2), "recycle", json!({ "minAvailable": 3 }))).await,
-        "spec.recycle.minAvailable must not exceed spec.replicas",
     );
-    assert_rejected(
+    assert_accepted(
         apply_pool(
             &api,
             "floor-over-min",
             with(with(pool(4), "recycle", json!({ "minAvailable": 2 })), "autoscale", json!({ "min": 0, "max": 8 })),
         )
         .await,
-        "spec.recycle.minAvailable must not exceed spec.autoscale.min",
     );
     assert_rejected(
         apply_pool(&api, "zero-surge", with(pool(2), "recycle", json!({ "maxSurge": 0 }))).await,
@@ -488,14 +495,21 @@ async fn the_scale_subresource_moves_replicas_within_the_rules() {
         .await
         .expect("scaling to 9");
     assert_eq!(api.get("eu").await.expect("get").spec.replicas, 9);
-    // The pool's own rules hold through the scale subresource: below the recycling floor is refused.
+    // Below the recycling floor is allowed (an HPA may go there too); the pool's own rules still hold through the
+    // scale subresource.
+    api.patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
+        .await
+        .expect("scaling below minAvailable");
     let refused = api
-        .patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
+        .patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 1001 } })))
         .await
         .map(|_| ())
         .map_err(describe);
-    let error = refused.expect_err("scaling below minAvailable is refused");
-    assert!(error.contains("spec.recycle.minAvailable must not exceed spec.replicas"), "{error}");
+    let error = refused.expect_err("scaling above the schema's bound is refused");
+    assert!(error.contains("spec.replicas"), "{error}");
+    api.patch_scale("eu", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 9 } })))
+        .await
+        .expect("scaling back to 9");
 
     let table =
         table(&ns.client(), &format!("/apis/crawl.example.com/v1alpha1/namespaces/{}/proxypools", ns.name())).await;

@@ -518,13 +518,19 @@ async fn observe(
 ) -> Result<Facts, ProviderError> {
     let status = proxy.status.clone().unwrap_or_default();
     let retry_token = annotations::annotation(proxy, annotations::RETRY).map(str::to_owned);
+    let desired_hash = proxy.desired_spec_hash();
+    let replacement_cause = match &status.instance {
+        Some(instance) if instance.spec_hash != desired_hash => proxy.replacement_cause(&instance.spec_hash),
+        _ => "",
+    };
     let mut facts = Facts {
         mode: proxy.spec.mode,
         generation: proxy.metadata.generation,
         port: proxy.spec.port,
         spec_endpoint: proxy.spec.endpoint.clone(),
         status: status.clone(),
-        desired_hash: proxy.desired_spec_hash(),
+        desired_hash,
+        replacement_cause,
         retry_token,
         max_age: jittered_max_age(proxy),
         replace_after: proxy.spec.health_check.replace_after(),
@@ -578,7 +584,25 @@ async fn observe(
 
 /// How soon a Proxy whose auth Secret does not exist yet is looked at again: an unlabelled Secret is not watched,
 /// so its creation wakes nothing.
-const MISSING_AUTH_SECRET_RECHECK: Duration = Duration::from_secs(15);
+const MISSING_AUTH_SECRET_RECHECK: Duration = Duration::from_secs(5);
+
+/// Whether the Proxy names an auth Secret the credential store does not hold (missing, or not seen yet).
+fn waiting_for_auth_secret(proxy: &Proxy, context: &Context) -> bool {
+    proxy
+        .spec
+        .auth
+        .as_ref()
+        .is_some_and(|auth| !context.credentials.holds(&proxy.namespace().unwrap_or_default(), &auth.secret_ref.name))
+}
+
+/// The message of the status's `Provisioned` condition.
+fn provisioned_message(status: &ProxyStatus) -> Option<&str> {
+    status
+        .conditions
+        .iter()
+        .find(|condition| condition.type_ == egress_api::proxy::CONDITION_PROVISIONED)
+        .map(|condition| condition.message.as_str())
+}
 
 async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let auth_secret_exists = ensure_auth_label(proxy, context).await?;
@@ -657,8 +681,18 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> 
                 }
                 Err(error) => {
                     // Say why on the object (a Secret missing or not yet seen); the error backoff retries.
-                    let status = decide::on_transient_failure(&facts, &error.to_string());
+                    let message = error.to_string();
+                    let status = decide::on_transient_failure(&facts, &message);
                     write_status(proxy, context, &facts.status, &status).await?;
+                    if waiting_for_auth_secret(proxy, context) {
+                        // Said once per wait as an Event too. Its creation wakes nothing (an unlabelled Secret is
+                        // not watched), so look again soon instead of backing off further each time.
+                        if provisioned_message(&facts.status) != Some(message.as_str()) {
+                            let event = EventSpec { warning: true, reason: "AuthSecretMissing", note: message };
+                            context.publish(proxy, &event).await;
+                        }
+                        return Ok(Requeue::After(MISSING_AUTH_SECRET_RECHECK));
+                    }
                     return Err(error);
                 }
             };
@@ -737,15 +771,18 @@ fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
 /// Builds the provider request, reading the cloud-init and credentials Secrets. A missing Secret or key is
 /// transient: the Secret may be created after the Proxy.
 /// `spec.destinations.deny` as rules; a malformed one is a permanent error naming it.
+/// The Proxy's own deny rules, or a permanent error naming every malformed one with its index.
 fn deny_rules(proxy: &Proxy) -> Result<Vec<DestinationRule>, ProviderError> {
     let deny = proxy.spec.destinations.as_ref().map(|destinations| destinations.deny.as_slice()).unwrap_or_default();
-    deny.iter()
-        .enumerate()
-        .map(|(index, text)| {
-            text.parse::<DestinationRule>()
-                .map_err(|error| ProviderError::permanent(format!("spec.destinations.deny[{index}]: {error}")))
-        })
-        .collect()
+    let mut rules = Vec::with_capacity(deny.len());
+    let mut problems = Vec::new();
+    for (index, text) in deny.iter().enumerate() {
+        match text.parse::<DestinationRule>() {
+            Ok(rule) => rules.push(rule),
+            Err(error) => problems.push(format!("spec.destinations.deny[{index}]: {error}")),
+        }
+    }
+    if problems.is_empty() { Ok(rules) } else { Err(ProviderError::permanent(problems.join("; "))) }
 }
 
 /// A permanent error when the Proxy's own probe URL is one its proxy would refuse: it could never turn Ready.

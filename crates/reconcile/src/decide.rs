@@ -73,6 +73,8 @@ pub struct Facts {
     pub status: ProxyStatus,
     /// The spec hash the instance should have (including the rotation token).
     pub desired_hash: String,
+    /// Why the current instance (when its hash is not `desired_hash`) is replaced, for the `Replacing` Event.
+    pub replacement_cause: &'static str,
     /// The `retry` annotation's value.
     pub retry_token: Option<String>,
     /// `maxAge`, already jittered for this Proxy.
@@ -270,7 +272,7 @@ fn decide_managed(facts: &Facts) -> Decision {
             }
             events.push(EventSpec::normal(
                 "Replacing",
-                format!("the spec changed; creating a new instance before deleting {}", stale.name),
+                format!("{}; creating a new instance before deleting {}", facts.replacement_cause, stale.name),
             ));
             status.previous_instance = Some(stale);
         } else if !matches!(status.phase, Some(ProxyPhase::Provisioning | ProxyPhase::Replacing)) {

@@ -372,6 +372,18 @@ async fn rotate_annotation_replaces_the_instance() {
         (live.len() == 1 && live[0] != old).then_some(())
     })
     .await;
+    // The Event says why: the annotation, not a spec change.
+    let replacing: Vec<String> = harness
+        .events("p")
+        .await
+        .into_iter()
+        .filter(|(reason, _)| reason == "Replacing")
+        .map(|(_, note)| note)
+        .collect();
+    assert_eq!(
+        replacing,
+        [format!("the crawl.example.com/rotate annotation was set; creating a new instance before deleting {old}")]
+    );
 }
 
 #[tokio::test]
@@ -432,10 +444,14 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
         (
             "typo",
             egress_api::ProxySpec {
-                destinations: Some(egress_api::ProxyDestinations { deny: vec!["10.1.2.3/8".into()] }),
+                destinations: Some(egress_api::ProxyDestinations {
+                    deny: vec!["10.1.2.3/8".into(), "203.0.113.0/24".into(), "10.0.0.0/33".into()],
+                }),
                 ..spec.clone()
             },
-            "spec.destinations.deny[0]: \"10.1.2.3/8\" is not a destination rule",
+            // Every malformed rule, each with its index.
+            "spec.destinations.deny[0]: \"10.1.2.3/8\" is not a destination rule (expected a CIDR such as 10.0.0.0/8, an \
+             address, CIDR:PORT, CIDR:PORT-PORT, [IPv6 CIDR]:PORT or *:PORT); spec.destinations.deny[2]: \"10.0.0.0/33\"",
         ),
         (
             "metadata-probe",
@@ -502,7 +518,9 @@ async fn an_unlabelled_auth_secret_is_labelled_and_its_credentials_reach_the_cre
     assert_eq!(secret.labels().get(egress_reconcile::AUTH_SECRET_LABEL).map(String::as_str), Some("true"));
 }
 
-/// A Secret created after its Proxy is found: nothing watches unlabelled Secrets, so the controller looks again.
+/// A Secret created after its Proxy is found within seconds: nothing watches unlabelled Secrets, so the controller
+/// looks again every few seconds (not by the error backoff, which grows), and says once, as an Event, what it waits
+/// for.
 #[tokio::test]
 async fn an_auth_secret_created_after_its_proxy_is_found() {
     let harness = Harness::new("rc-auth-late").await;
@@ -517,8 +535,19 @@ async fn an_auth_secret_created_after_its_proxy_is_found() {
     .await;
     assert!(secrets.get_opt("late").await.expect("get").is_none(), "labelling never creates a Secret");
     assert_eq!(harness.provider.calls(Op::Create), 0, "no create without the credentials");
+    await_event(&harness, "p", "AuthSecretMissing").await;
+    // Five more passes while it waits (with the error backoff, 1 s doubling, the next would be 32 s or more away).
+    let before = harness.metrics.reconciles_total();
+    eventually("five more passes while the Secret is missing", WAIT, || async {
+        (harness.metrics.reconciles_total() >= before + 5).then_some(())
+    })
+    .await;
+    let waits = harness.event_reasons("p").await.iter().filter(|reason| *reason == "AuthSecretMissing").count();
+    assert_eq!(waits, 1, "one Event per wait");
+    let created = std::time::Instant::now();
     secrets.create(&PostParams::default(), &auth_secret("late", "crawler", "later")).await.expect("secret");
     wait_for(&harness.proxies(), "p", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
+    assert!(created.elapsed() <= Duration::from_secs(15), "running {:?} after the Secret appeared", created.elapsed());
     assert_eq!(harness.provider.last_credentials(), Some(("crawler".to_owned(), "later".to_owned())));
 }
 

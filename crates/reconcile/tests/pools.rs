@@ -428,6 +428,36 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     }
 }
 
+/// A member that fails for good (its spread entry names a provider the operator does not have) shows on the pool as
+/// `Progressing=False MemberFailed`, with the member's name and reason, instead of members coming up for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_member_shows_on_the_pool_with_its_reason() {
+    let harness = Harness::new("pool-failed-member").await;
+    let _pools_controller = PoolController::start(&harness, Arc::new(NoSignals));
+    let spec = json!({
+        "replicas": 2,
+        "template": { "spec": {} },
+        "spread": [{ "provider": "scripted", "weight": 1 }, { "provider": "nowhere", "weight": 1 }],
+    });
+    apply_pool(&harness, "mixed", spec).await;
+    let status = wait_for_status(&harness, "mixed", |status| {
+        status.conditions.iter().any(|condition| condition.type_ == "Progressing" && condition.reason == "MemberFailed")
+    })
+    .await;
+    let progressing = status.conditions.iter().find(|condition| condition.type_ == "Progressing").expect("Progressing");
+    assert_eq!(progressing.status, "False");
+    let members = members(&harness, "mixed").await;
+    let failed = members
+        .values()
+        .find(|proxy| proxy.spec.provider.as_deref() == Some("nowhere"))
+        .expect("the member on the missing provider");
+    let failure = failed.status.clone().unwrap_or_default().failure.expect("the member's failure");
+    assert_eq!(
+        progressing.message,
+        format!("member {} failed ({}: {})", failed.name_any(), failure.reason, failure.message)
+    );
+}
+
 /// Status writes to pools annotated with this are refused by a ValidatingAdmissionPolicy while it exists.
 const DENY_STATUS: &str = "test.egress/deny-status";
 

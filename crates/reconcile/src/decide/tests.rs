@@ -39,6 +39,7 @@ fn facts() -> Facts {
         spec_endpoint: None,
         status: ProxyStatus::default(),
         desired_hash: HASH.into(),
+        replacement_cause: "the spec (or the crawl.example.com/rotate annotation) changed",
         retry_token: None,
         max_age: None,
         replace_after: None,
@@ -99,6 +100,12 @@ fn spec_change_starts_a_replacement() {
         "the old endpoint keeps serving"
     );
     assert_eq!(reasons(&decision), ["Replacing"]);
+    // The Event says why, as the controller worked it out from the instance's hash.
+    facts.replacement_cause = "the instance reached maxAge";
+    assert_eq!(
+        decide(&facts).events[0].note,
+        "the instance reached maxAge; creating a new instance before deleting px-old"
+    );
 }
 
 // A second spec change while a replacement is in flight deletes the unfinished instance, keeping the previous one.

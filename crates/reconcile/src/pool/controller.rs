@@ -19,7 +19,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use egress_api::pool::{CONDITION_AVAILABLE, CONDITION_PROGRESSING, POOL_LABEL, slot_of};
 use egress_api::proxy::CONDITION_READY;
-use egress_api::{Proxy, ProxyPool, ProxyPoolStatus, ProxySpec, ScalingDecision, SpreadStatus, annotations};
+use egress_api::{
+    Proxy, ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ScalingDecision, SpreadStatus, annotations,
+};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -625,8 +627,9 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
     };
     context.metrics.counts(key, counts);
     let provisioning = provisioning_seconds(&owned, &slots);
+    let failed = failed_members(&owned);
     let new_status =
-        pool_status(pool, &status, &decision, &member_facts, counts, &facts, last_scale, &provisioning, now);
+        pool_status(pool, &status, &decision, &member_facts, counts, &facts, last_scale, &provisioning, &failed, now);
     if new_status != status {
         let written = new_status.last_scale.clone().filter(|last| Some(last) != status.last_scale.as_ref());
         let body = json!({ "apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPool", "status": new_status });
@@ -900,6 +903,27 @@ fn provisioning_seconds(owned: &[Arc<Proxy>], slots: &[SlotSpec]) -> Vec<Option<
         .collect()
 }
 
+/// The members whose Proxy failed for good (phase `Failed`), by name, with the failure's reason and message.
+fn failed_members(owned: &[Arc<Proxy>]) -> Vec<(String, String)> {
+    let mut failed: Vec<(String, String)> = owned
+        .iter()
+        .filter(|proxy| proxy.metadata.deletion_timestamp.is_none())
+        .filter_map(|proxy| {
+            let status = proxy.status.as_ref()?;
+            if status.phase != Some(ProxyPhase::Failed) {
+                return None;
+            }
+            let why = status.failure.as_ref().map_or_else(
+                || "no reason recorded".to_owned(),
+                |failure| format!("{}: {}", failure.reason, failure.message),
+            );
+            Some((proxy.name_any(), why))
+        })
+        .collect();
+    failed.sort();
+    failed
+}
+
 #[allow(clippy::too_many_arguments)]
 fn pool_status(
     pool: &ProxyPool,
@@ -910,6 +934,7 @@ fn pool_status(
     facts: &PoolFacts,
     last_scale: Option<ScalingDecision>,
     provisioning: &[Option<i32>],
+    failed: &[(String, String)],
     now: SystemTime,
 ) -> ProxyPoolStatus {
     let spread = pool
@@ -935,7 +960,7 @@ fn pool_status(
             }
         })
         .collect();
-    let floor = facts.min_available.max(decision.target.min(1));
+    let floor = facts.min_available.min(decision.target).max(decision.target.min(1));
     let (available, available_reason, available_message) = if decision.target == 0 && counts.current == 0 {
         ("True", "ScaledToZero", "the pool has no members; a lease wakes it when it autoscales".to_owned())
     } else if counts.ready >= floor {
@@ -947,7 +972,14 @@ fn pool_status(
             format!("{} of {} members Ready, fewer than the {floor} the pool needs", counts.ready, decision.target),
         )
     };
-    let (progressing, progressing_reason, progressing_message) = if !decision.progressing {
+    let (progressing, progressing_reason, progressing_message) = if let Some((name, why)) = failed.first() {
+        // A member that failed for good never comes up by waiting: say which, and why, until it is fixed.
+        let more = match failed.len() {
+            1 => String::new(),
+            count => format!(" ({} more failed members)", count - 1),
+        };
+        ("False", "MemberFailed", format!("member {name} failed ({why}){more}"))
+    } else if !decision.progressing {
         ("False", "Settled", format!("{} members on the current template", counts.updated))
     } else if counts.current < decision.target || !decision.create.is_empty() {
         ("True", "ScalingUp", format!("{} of {} members exist", counts.current, decision.target))

@@ -18,7 +18,8 @@
 //!    without it still reach the count and the floor. An unready one goes at once: it serves nothing.
 //! 5. **Rolling** a template change that needs a new instance updates members in place, so each gets its new
 //!    instance through the Proxy's make-before-break replacement and its leases are drained; at most `maxSurge`
-//!    members replace at once, and none starts while fewer than `minAvailable` members are Ready.
+//!    members replace at once, and none starts while fewer than `minAvailable` members are Ready (the floor is
+//!    capped at the count: a pool scaled below `minAvailable` recycles while all its members are Ready).
 //! 6. **Recycling** by age goes through the same replacement path with the same budget and floor.
 
 use std::collections::BTreeSet;
@@ -388,7 +389,9 @@ pub fn decide_pool(facts: &PoolFacts) -> PoolDecision {
 
     // Misplaced Ready members go once the other Ready members reach the count and the floor.
     let ready_kept = kept.iter().filter(|member| member.ready).count() as u32;
-    let floor = target.max(facts.min_available);
+    // The recycling floor never exceeds the count: a pool scaled below minAvailable still recycles.
+    let min_available = facts.min_available.min(target);
+    let floor = target.max(min_available);
     let mut removable = ready_kept.saturating_sub(floor);
     let mut misplaced = misplaced_ready.clone();
     misplaced.sort_by(removal_order);
@@ -406,7 +409,7 @@ pub fn decide_pool(facts: &PoolFacts) -> PoolDecision {
     let in_flight = staying.iter().filter(|member| member.replacing).count() as u32;
     let mut budget = facts.max_surge.saturating_sub(in_flight);
     let ready_staying = staying.iter().filter(|member| member.ready).count() as u32;
-    let above_floor = ready_staying >= facts.min_available;
+    let above_floor = ready_staying >= min_available;
     let mut roll = Vec::new();
     let mut outdated: Vec<&Member> = staying
         .iter()

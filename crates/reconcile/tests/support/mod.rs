@@ -365,12 +365,17 @@ impl Harness {
 
     /// Reasons of the Events published about a Proxy.
     pub async fn event_reasons(&self, name: &str) -> Vec<String> {
+        self.events(name).await.into_iter().map(|(reason, _)| reason).collect()
+    }
+
+    /// The (reason, note) of every Event about the object `name`.
+    pub async fn events(&self, name: &str) -> Vec<(String, String)> {
         let events: Api<Event> = self.ns.api();
         let list = events.list(&ListParams::default()).await.expect("list Events");
         list.items
             .into_iter()
             .filter(|event| event.regarding.as_ref().and_then(|regarding| regarding.name.as_deref()) == Some(name))
-            .filter_map(|event| event.reason)
+            .filter_map(|event| Some((event.reason?, event.note.unwrap_or_default())))
             .collect()
     }
 }

@@ -294,8 +294,10 @@ fn a_template_change_rolls_within_the_surge_and_the_floor() {
 #[test]
 fn recycling_by_age_shares_the_budget_and_keeps_the_floor() {
     let old = |ordinal: u32, age: u64| member(ordinal, 0, age).max_age(1000);
-    let cases: [BudgetCase; 5] = [
+    let cases: [BudgetCase; 6] = [
         ("none old enough", vec![old(0, 999), old(1, 10)], 1, 0, &[]),
+        // Scaled below minAvailable: the floor is the count, which all Ready members meet.
+        ("a floor above the count is the count", vec![old(0, 1500), old(1, 2000)], 1, 4, &["pool-1"]),
         ("the oldest first", vec![old(0, 1500), old(1, 2000), old(2, 10)], 1, 0, &["pool-1"]),
         ("maxSurge 2", vec![old(0, 1500), old(1, 2000), old(2, 10)], 2, 0, &["pool-1", "pool-0"]),
         ("a replacement in flight uses the budget", vec![old(0, 1500), old(1, 2000).replacing()], 1, 0, &[]),

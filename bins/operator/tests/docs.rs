@@ -1,0 +1,124 @@
+//! Every YAML example in `README.md` and `docs/` is what it says it is: each Kubernetes object passes a server-side
+//! dry-run create on the test control plane (with this repository's CRDs), and each providers file passes the
+//! operator's own parser. An example the apiserver or the operator would reject fails here, naming its file and line.
+
+use std::path::{Path, PathBuf};
+
+use egress_provider::config::ProvidersConfig;
+use kube::api::{Api, DynamicObject, GroupVersionKind, PostParams};
+use kube::discovery::{Scope, pinned_kind};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `README.md` and every Markdown file under `docs/`.
+fn documents() -> Vec<PathBuf> {
+    let mut found = vec![root().join("README.md")];
+    let mut pending = vec![root().join("docs")];
+    while let Some(directory) = pending.pop() {
+        for entry in std::fs::read_dir(&directory).expect("read docs/") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|extension| extension == "md") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// The ```` ```yaml ```` blocks of `text`, each with the line its fence is on, dedented by the fence's indentation
+/// (a block inside a list item is indented).
+fn yaml_blocks(text: &str) -> Vec<(usize, String)> {
+    let mut blocks = Vec::new();
+    let mut open: Option<(usize, usize, String)> = None;
+    for (index, line) in text.lines().enumerate() {
+        let indent = line.len() - line.trim_start().len();
+        match &mut open {
+            None if line.trim_start() == "```yaml" => open = Some((index + 1, indent, String::new())),
+            None => {}
+            Some((start, _, body)) if line.trim_start() == "```" => {
+                blocks.push((*start, std::mem::take(body)));
+                open = None;
+            }
+            Some((_, fence, body)) => {
+                body.push_str(line.get(*fence..).unwrap_or_else(|| line.trim_start()));
+                body.push('\n');
+            }
+        }
+    }
+    assert!(open.is_none(), "a ```yaml block is never closed");
+    blocks
+}
+
+/// Why the apiserver refused `object` in a server-side dry-run, if it did.
+async fn dry_run(client: &kube::Client, namespace: &str, mut object: Value) -> Result<(), String> {
+    let api_version = object["apiVersion"].as_str().ok_or("no apiVersion")?.to_owned();
+    let kind = object["kind"].as_str().ok_or("no kind")?.to_owned();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", &api_version));
+    let gvk = GroupVersionKind::gvk(group, version, &kind);
+    let (resource, capabilities) =
+        pinned_kind(client, &gvk).await.map_err(|error| format!("{api_version} {kind} is unknown: {error}"))?;
+    let api: Api<DynamicObject> = if capabilities.scope == Scope::Namespaced {
+        // The test's own namespace, whatever the example names: the dry-run checks the object, not the namespace.
+        object["metadata"]["namespace"] = Value::from(namespace);
+        Api::namespaced_with(client.clone(), namespace, &resource)
+    } else {
+        Api::all_with(client.clone(), &resource)
+    };
+    let object: DynamicObject = serde_json::from_value(object).map_err(|error| format!("not an object: {error}"))?;
+    let params = PostParams { dry_run: true, ..PostParams::default() };
+    api.create(&params, &object).await.map(|_| ()).map_err(|error| error.to_string())
+}
+
+#[tokio::test]
+async fn every_yaml_example_in_the_docs_is_accepted() {
+    let ns = egress_testenv::namespace("docs-examples").await;
+    let client = ns.client();
+    let (mut objects, mut providers_files, mut refused) = (0, 0, Vec::new());
+    for path in documents() {
+        let text = std::fs::read_to_string(&path).expect("read a document");
+        let shown = path.strip_prefix(root()).unwrap_or(&path).display().to_string();
+        for (line, block) in yaml_blocks(&text) {
+            let at = format!("{shown}:{line}");
+            for document in block.split("\n---\n").filter(|document| !document.trim().is_empty()) {
+                let value: Value = match serde_saphyr::from_str(document) {
+                    Ok(value) => value,
+                    Err(error) => {
+                        refused.push(format!("{at}: not valid YAML: {error}"));
+                        continue;
+                    }
+                };
+                if value.get("providers").is_some() {
+                    providers_files += 1;
+                    if let Err(error) = ProvidersConfig::parse(document, &at) {
+                        refused.push(format!("{at}: the operator refuses this providers file: {error}"));
+                    }
+                } else if value.get("apiVersion").is_some() && value.get("kind").is_some() {
+                    objects += 1;
+                    if let Err(error) = dry_run(&client, ns.name(), value).await {
+                        refused.push(format!("{at}: the apiserver refuses this object: {error}"));
+                    }
+                } else {
+                    refused.push(format!("{at}: neither a Kubernetes object nor a providers file"));
+                }
+            }
+        }
+    }
+    eprintln!("docs: {objects} Kubernetes objects dry-run and {providers_files} providers files parsed");
+    assert!(refused.is_empty(), "examples that would be refused:\n{}", refused.join("\n"));
+    assert!(
+        objects >= 4 && providers_files >= 4,
+        "the examples were not found: {objects} objects, {providers_files} providers files"
+    );
+}
+
+#[test]
+fn yaml_blocks_are_found_dedented_with_their_line() {
+    let text = "intro\n```yaml\na: 1\n```\n- item:\n\n  ```yaml\n  b: 2\n  c: [3]\n  ```\n```sh\nd\n```\n";
+    assert_eq!(yaml_blocks(text), [(2, "a: 1\n".to_owned()), (7, "b: 2\nc: [3]\n".to_owned())]);
+}
