@@ -8,6 +8,7 @@ import json
 
 import httpx
 from scrapy import Request
+from scrapy.exceptions import IgnoreRequest
 from scrapy.http import Response
 from scrapy.settings import Settings
 
@@ -87,3 +88,57 @@ def test_a_lease_ttl_out_of_range_is_refused_at_start() -> None:
             assert "EGRESS_LEASE_TTL must be from 1 to 3600 seconds" in str(error)
         else:
             raise AssertionError(f"EGRESS_LEASE_TTL={ttl} was accepted")
+
+
+def test_a_request_waiting_for_a_proxy_is_dropped_once_the_spider_closes() -> None:
+    """Every proxy cooling down (503 with Retry-After 600): the request waits, without blocking, until the engine
+    starts closing the spider, then it is dropped within half a second, so the close does not wait 600 s for it."""
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(
+            503,
+            headers={"Retry-After": "600"},
+            json={"reason": "all-cooling-down", "detail": "every proxy is cooling down for example.com"},
+        )
+
+    class Slot:
+        closing = None
+
+    class Engine:
+        running = True
+        _slot = Slot()
+
+    crawler = Crawler()
+    crawler.engine = Engine()
+    settings = Settings({"EGRESS_URL": "http://discovery", "EGRESS_TOKEN": "token-1"})
+    middleware = EgressProxyMiddleware(crawler, settings)
+    middleware.client = AsyncDiscoveryClient("http://discovery", "token-1", transport=httpx.MockTransport(handler))
+
+    async def crawl() -> float:
+        waiting = asyncio.ensure_future(middleware.process_request(Request("https://example.com/1")))
+        await asyncio.sleep(1.0)
+        assert not waiting.done(), "it waits for a proxy"
+        loop = asyncio.get_running_loop()
+        closed_at = loop.time()
+        crawler.engine._slot.closing = object()  # what engine.close_spider sets first
+        try:
+            await asyncio.wait_for(waiting, timeout=5)
+        except IgnoreRequest:
+            return loop.time() - closed_at
+        raise AssertionError("the waiting request was not dropped")
+
+    took = asyncio.run(crawl())
+    assert took <= 1.0, f"dropped {took:.2f} s after the close began"
+    assert asked == ["/v1/leases"], "asked once, then waited"
+    assert crawler.stats.values.get("egress/dropped_closing") == 1
+    # Closing already: no lease is asked for at all.
+    asked.clear()
+    try:
+        asyncio.run(middleware.process_request(Request("https://example.com/2")))
+    except IgnoreRequest:
+        pass
+    else:
+        raise AssertionError("a request while closing is dropped")
+    assert asked == []

@@ -17,8 +17,10 @@ throttles it. `meta['download_slot']` is the proxy, so Scrapy's per-slot concurr
 Served requests are reported in batches (`EGRESS_REPORT_EVERY`, default 20). On a ban or throttle the request is
 scheduled again on a new lease (`dont_filter`, at most `EGRESS_MAX_RETRIES` times, default 5). When no proxy can
 be leased now (503 with Retry-After) the request waits that long, without blocking the reactor, instead of failing
-(at most `EGRESS_MAX_WAIT` seconds in all, default 600). Exceptions are reported as `failed`. Every lease is
-reported and released when the spider closes. Needs Scrapy 2.13 or newer on its (default) asyncio reactor.
+(at most `EGRESS_MAX_WAIT` seconds in all, default 600); once the spider starts closing (`CLOSESPIDER_TIMEOUT`, a
+signal, `engine.close_spider`) a waiting request is dropped within half a second (`IgnoreRequest`, counted in
+`egress/dropped_closing`), so the crawl can close. Exceptions are reported as `failed`. Every lease is reported and
+released when the spider closes. Needs Scrapy 2.13 or newer on its (default) asyncio reactor.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import urllib.parse
 from typing import Any, Dict, Optional, Tuple
 
 from scrapy import Request, signals
-from scrapy.exceptions import NotConfigured
+from scrapy.exceptions import IgnoreRequest, NotConfigured
 from scrapy.http import Response
 
 from ._client import AsyncDiscoveryClient, AsyncLease
@@ -107,6 +109,9 @@ class EgressProxyMiddleware:
                 return held
             waited = 0.0
             while True:
+                if self._closing():
+                    self.stats.inc_value("egress/dropped_closing")
+                    raise IgnoreRequest("the spider is closing: no new lease is taken")
                 try:
                     lease = await self.client.lease(
                         url, selector=self.selector, ttl=self.ttl, session=key[1], pool=self.pool
@@ -117,13 +122,34 @@ class EgressProxyMiddleware:
                     if waited + wait > self.max_wait:
                         raise
                     self.stats.inc_value(f"egress/waits/{refused.reason or 'unavailable'}")
-                    await asyncio.sleep(wait)
+                    await self._wait_unless_closing(wait)
                     waited += wait
             self.stats.inc_value("egress/leases")
             held = _Held(lease)
             self.held[key] = held
             self.by_id[lease.id] = key
             return held
+
+    def _closing(self) -> bool:
+        """Whether the engine has started closing the spider: it waits for every request in progress, ours too."""
+        engine = getattr(self.crawler, "engine", None)
+        if engine is None:
+            return False
+        slot = getattr(engine, "_slot", None)
+        return getattr(slot, "closing", None) is not None or getattr(engine, "running", True) is False
+
+    async def _wait_unless_closing(self, seconds: float) -> None:
+        """Sleeps `seconds`, looking every half second whether the spider is closing; then drops the request."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while True:
+            if self._closing():
+                self.stats.inc_value("egress/dropped_closing")
+                raise IgnoreRequest("the spider is closing: no proxy is waited for any more")
+            left = until - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(0.5, left))
 
     def _forget(self, key: _Key) -> Optional[_Held]:
         held = self.held.pop(key, None)
