@@ -66,18 +66,35 @@ fn the_cluster_role_grants_exactly_what_the_operator_uses() {
         granted.iter().all(|(group, resource, verb)| group != "*" && resource != "*" && verb != "*"),
         "no wildcards"
     );
-    // In the operator's own namespace: the Lease, the patch of its own Pod's leader label and the ended-leases
-    // ConfigMap, nothing else.
+    // In the operator's own namespace: the Lease (watched), its own Pod's leader label, the list of its peers for a
+    // handover, and the ended-leases ConfigMap, nothing else.
     let leader = grants(find(&rbac, "Role"));
-    let expected: BTreeSet<(String, String, String)> = ["get", "create", "update", "patch"]
+    let expected: BTreeSet<(String, String, String)> = ["get", "list", "watch", "update", "create"]
         .iter()
         .map(|verb| ("coordination.k8s.io".to_owned(), "leases".to_owned(), (*verb).to_owned()))
-        .chain(std::iter::once((String::new(), "pods".to_owned(), "patch".to_owned())))
+        .chain(["list", "patch"].iter().map(|verb| (String::new(), "pods".to_owned(), (*verb).to_owned())))
         .chain(
             ["get", "patch", "create"].iter().map(|verb| (String::new(), "configmaps".to_owned(), (*verb).to_owned())),
         )
         .collect();
     assert_eq!(leader, expected);
+}
+
+/// A rolling restart or a drain is make-before-break: a surge pod first, never fewer than the replicas, one pod
+/// disrupted at a time, and time to hand over.
+#[test]
+fn rollouts_and_drains_keep_a_replica_serving() {
+    let deployment = documents(&deploy().join("default/deployment.yaml"));
+    let spec = &find(&deployment, "Deployment")["spec"];
+    assert_eq!(spec["strategy"]["rollingUpdate"]["maxUnavailable"], 0);
+    assert_eq!(spec["strategy"]["rollingUpdate"]["maxSurge"], 1);
+    let grace = spec["template"]["spec"]["terminationGracePeriodSeconds"].as_u64().expect("a grace period");
+    // The handover waits up to 20 s for a successor, then needs a few seconds more.
+    assert!(grace >= 30, "{grace}");
+    let budget = documents(&deploy().join("default/pdb.yaml"));
+    let budget = find(&budget, "PodDisruptionBudget");
+    assert_eq!(budget["spec"]["maxUnavailable"], 1);
+    assert_eq!(budget["spec"]["selector"], spec["selector"]);
 }
 
 #[test]

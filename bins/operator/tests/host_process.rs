@@ -14,7 +14,8 @@ use std::time::Duration;
 use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::{
-    LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually, http_get,
+    LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually,
+    eventually_every, http_get,
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
@@ -213,7 +214,9 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
     let (leader, follower) = if leader_is_first { (&mut first, &mut second) } else { (&mut second, &mut first) };
 
     // The follower refuses leases with 503 and a reason.
-    let refused = DiscoveryClient::new(&follower.discovery_url, Some(env.token.clone())).expect("client");
+    let refused = DiscoveryClient::new(&follower.discovery_url, Some(env.token.clone()))
+        .expect("client")
+        .failover_budget(Duration::ZERO);
     match refused.lease(LeaseOptions::for_target("example.com")).await {
         Err(ClientError::Unavailable { reason, .. }) => assert_eq!(reason, "not-serving"),
         other => panic!("the follower must refuse leases, got {:?}", other.map(|lease| lease.id().to_owned())),
@@ -227,10 +230,18 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
         .await
         .expect("release");
 
-    // Leadership moves when the leader stops.
+    // Leadership moves when the leader stops: it releases the Lease, and the follower, watching it, takes it at once
+    // (not when the 15 s term would have run out).
     assert!(leader.terminate(Duration::from_secs(30)).await, "the leader stops on SIGTERM");
-    eventually("the follower to take over", WAIT, || async { (role(follower).await == Some("leader")).then_some(()) })
-        .await;
+    let stopped = std::time::Instant::now();
+    eventually_every("the follower to take over", WAIT, Duration::from_millis(50), || async {
+        let role = role(follower).await;
+        (role == Some("leader")).then_some(()).ok_or_else(|| format!("{role:?}"))
+    })
+    .await;
+    let takeover = stopped.elapsed();
+    println!("takeover after a graceful stop: {} ms", takeover.as_millis());
+    assert!(takeover < Duration::from_secs(3), "the follower took {takeover:?} to lead");
     let taken_over = env.discovery(follower, 1).await;
     taken_over
         .lease(LeaseOptions::for_target("example.com"))

@@ -1,9 +1,27 @@
 /** The discovery API client and the lease it hands out. */
 
-import { DecodeError, DiscoveryError, TransportError, errorFor, type Problem } from './errors.js';
+import { DecodeError, DiscoveryError, TransportError, Unavailable, errorFor, type Problem } from './errors.js';
 
 /** How long one call may take, unless the client is given another timeout. */
 export const DEFAULT_TIMEOUT_MS = 10_000;
+
+/**
+ * How long a call keeps retrying while the discovery Service has no serving replica (the operator changing leader:
+ * a rolling restart, a drain, a crash): refused or dropped connections and `not-serving` answers. Twice the shipped
+ * Lease duration, the bound of a takeover after a leader is killed.
+ */
+export const DEFAULT_FAILOVER_BUDGET_MS = 30_000;
+
+const FIRST_PAUSE_MS = 50;
+const MAX_PAUSE_MS = 250;
+
+/** Socket errors of a Service without a serving replica: refused, or closed or reset before an answer. */
+const NO_REPLICA = new Set(['ECONNREFUSED', 'ECONNRESET', 'EPIPE', 'UND_ERR_SOCKET', 'UND_ERR_CLOSED']);
+
+function noReplica(error: unknown): boolean {
+  const code = (error as { cause?: { code?: string } }).cause?.code;
+  return typeof code === 'string' && NO_REPLICA.has(code);
+}
 
 /** Outcomes a report may carry. */
 export const OUTCOMES = ['ok', 'banned', 'throttled', 'failed'] as const;
@@ -90,6 +108,11 @@ export interface ClientOptions {
   timeoutMs?: number;
   /** The `fetch` to use (default: the global one). */
   fetch?: typeof fetch;
+  /**
+   * How long each call keeps retrying while no replica serves, in milliseconds (default 30 s; 0 turns retrying off).
+   * A lease whose answer was lost when its leader was killed stays held, unknown to the caller, until its TTL.
+   */
+  failoverBudgetMs?: number;
 }
 
 type Json = Record<string, unknown>;
@@ -370,6 +393,7 @@ export class DiscoveryClient {
   readonly baseUrl: string;
   #headers: Record<string, string>;
   #timeoutMs: number;
+  #failoverBudgetMs: number;
   #fetch: typeof fetch;
 
   constructor(baseUrl: string, options: ClientOptions = {}) {
@@ -382,14 +406,33 @@ export class DiscoveryClient {
       this.#headers.authorization = `Bearer ${options.token}`;
     }
     this.#timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    this.#failoverBudgetMs = options.failoverBudgetMs ?? DEFAULT_FAILOVER_BUDGET_MS;
+    if (!Number.isFinite(this.#failoverBudgetMs) || this.#failoverBudgetMs < 0) {
+      throw new RangeError(`failoverBudgetMs must be a number of milliseconds, not ${options.failoverBudgetMs}`);
+    }
     this.#fetch = options.fetch ?? globalThis.fetch;
     if (typeof this.#fetch !== 'function') {
       throw new TypeError('no fetch: Node 18 or newer has one; pass options.fetch elsewhere');
     }
   }
 
-  /** @internal One call: the JSON of a success, or the typed error of a failure. */
+  /** @internal One call: the JSON of a success, or the typed error of a failure; retried during a change of leader. */
   async call(method: string, path: string, body: Json | undefined, query?: Record<string, string | undefined>): Promise<unknown> {
+    const deadline = Date.now() + this.#failoverBudgetMs;
+    let pause = FIRST_PAUSE_MS;
+    for (;;) {
+      try {
+        return await this.#callOnce(method, path, body, query);
+      } catch (error) {
+        const retry = error instanceof TransportError ? noReplica(error.cause) : error instanceof Unavailable && error.reason === 'not-serving';
+        if (!retry || Date.now() + pause > deadline) throw error;
+      }
+      await new Promise((resolve) => setTimeout(resolve, pause));
+      pause = Math.min(pause * 2, MAX_PAUSE_MS);
+    }
+  }
+
+  async #callOnce(method: string, path: string, body: Json | undefined, query?: Record<string, string | undefined>): Promise<unknown> {
     const url = new URL(this.baseUrl + path);
     for (const [key, value] of Object.entries(query ?? {})) {
       if (value) url.searchParams.set(key, value);

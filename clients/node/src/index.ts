@@ -4,6 +4,7 @@
  */
 
 export {
+  DEFAULT_FAILOVER_BUDGET_MS,
   DEFAULT_TIMEOUT_MS,
   DiscoveryClient,
   Lease,

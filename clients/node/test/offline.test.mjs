@@ -151,3 +151,43 @@ test('an admin clears cooldowns by target and proxy', async () => {
   assert.equal(request.url.pathname, '/v1/cooldowns');
   assert.deepEqual(Object.fromEntries(request.url.searchParams), { target: 'www.example.com', proxy: 'crawl/eu-1' });
 });
+
+/** A fetch that plays `answers` in turn: an error code to fail with (as undici does), or [status, body]. */
+function changingLeader(answers) {
+  const seen = [];
+  const fetch = async () => {
+    seen.push(1);
+    const answer = answers[Math.min(seen.length, answers.length) - 1];
+    if (typeof answer === 'string') {
+      throw new TypeError('fetch failed', { cause: Object.assign(new Error(answer), { code: answer }) });
+    }
+    const [status, body] = answer;
+    return new Response(JSON.stringify(body), { status, headers: { 'content-type': 'application/json' } });
+  };
+  return { fetch, seen };
+}
+
+const NOT_SERVING = [503, { status: 503, reason: 'not-serving', detail: 'handing over' }];
+
+test('a change of leader is waited out within the failover budget', async () => {
+  const { fetch, seen } = changingLeader(['ECONNREFUSED', 'UND_ERR_SOCKET', NOT_SERVING, [201, LEASE]]);
+  const lease = await new egress.DiscoveryClient('http://discovery', { fetch }).lease('example.com');
+  assert.equal(lease.id, LEASE.id);
+  assert.equal(seen.length, 4);
+});
+
+test('past the budget, or for other answers, the error is thrown at once', async () => {
+  let { fetch, seen } = changingLeader([NOT_SERVING]);
+  let error = await new egress.DiscoveryClient('http://discovery', { fetch, failoverBudgetMs: 300 }).lease('example.com').catch((error) => error);
+  assert.ok(error instanceof egress.Unavailable && error.reason === 'not-serving', String(error));
+  assert.ok(seen.length >= 3, `${seen.length} attempts`);
+  ({ fetch, seen } = changingLeader(['ECONNREFUSED']));
+  error = await new egress.DiscoveryClient('http://discovery', { fetch, failoverBudgetMs: 0 }).lease('example.com').catch((error) => error);
+  assert.ok(error instanceof egress.TransportError, String(error));
+  assert.equal(seen.length, 1);
+  ({ fetch, seen } = changingLeader([[503, { status: 503, reason: 'none-healthy', detail: 'no proxy' }], [201, LEASE]]));
+  error = await new egress.DiscoveryClient('http://discovery', { fetch }).lease('example.com').catch((error) => error);
+  assert.ok(error instanceof egress.Unavailable && error.reason === 'none-healthy', String(error));
+  assert.equal(seen.length, 1, 'an answer about the fleet is the caller\'s to act on');
+  assert.throws(() => new egress.DiscoveryClient('http://discovery', { failoverBudgetMs: -1 }), RangeError);
+});

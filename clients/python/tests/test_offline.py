@@ -129,3 +129,67 @@ def test_an_admin_clears_cooldowns_by_target_and_proxy() -> None:
     request = seen[-1]
     assert request.method == "DELETE" and request.url.path == "/v1/cooldowns"
     assert dict(request.url.params) == {"target": "www.example.com", "proxy": "crawl/eu-1"}
+
+
+def _changing_leader(answers: list) -> tuple:
+    """A transport that plays `answers` in turn: an exception to raise, or a (status, body) to answer."""
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        answer = answers[min(len(seen), len(answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        status, body = answer
+        return httpx.Response(status, json=body)
+
+    return httpx.MockTransport(handler), seen
+
+
+NOT_SERVING = (503, {"status": 503, "reason": "not-serving", "detail": "handing over"})
+
+
+def test_a_change_of_leader_is_waited_out_within_the_budget() -> None:
+    refused = httpx.ConnectError("connection refused")
+    dropped = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    transport, seen = _changing_leader([refused, dropped, NOT_SERVING, (201, LEASE)])
+    lease = DiscoveryClient("http://discovery", "t", transport=transport).lease("example.com")
+    assert lease.id == LEASE["id"] and len(seen) == 4
+
+
+def test_past_the_budget_or_for_other_answers_the_error_is_raised() -> None:
+    transport, seen = _changing_leader([NOT_SERVING])
+    with pytest.raises(egress_client.Unavailable) as raised:
+        DiscoveryClient("http://discovery", "t", transport=transport, failover_budget=0.3).lease("example.com")
+    assert raised.value.reason == "not-serving" and len(seen) >= 3
+    transport, seen = _changing_leader([httpx.ConnectError("refused")])
+    with pytest.raises(egress_client.TransportError):
+        DiscoveryClient("http://discovery", "t", transport=transport, failover_budget=0).lease("example.com")
+    assert len(seen) == 1
+    none_healthy = (503, {"status": 503, "reason": "none-healthy", "detail": "no proxy"})
+    transport, seen = _changing_leader([none_healthy, (201, LEASE)])
+    with pytest.raises(egress_client.Unavailable):
+        DiscoveryClient("http://discovery", "t", transport=transport).lease("example.com")
+    assert len(seen) == 1, "an answer about the fleet is the caller's to act on"
+
+
+def test_the_async_client_waits_out_a_change_of_leader_too() -> None:
+    import asyncio
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if len(seen) == 1:
+            raise httpx.ConnectError("refused")
+        if len(seen) == 2:
+            return httpx.Response(NOT_SERVING[0], json=NOT_SERVING[1])
+        return httpx.Response(201, json=LEASE)
+
+    async def lease() -> str:
+        client = egress_client.AsyncDiscoveryClient("http://discovery", "t", transport=httpx.MockTransport(handler))
+        taken = await client.lease("example.com")
+        await client.aclose()
+        return taken.id
+
+    assert asyncio.run(lease()) == LEASE["id"] and len(seen) == 3

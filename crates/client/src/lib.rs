@@ -11,6 +11,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! While the operator changes leader (a rolling restart, a drain, a crash), the discovery Service briefly has no
+//! replica that serves: a call retries refused and reset connections and `not-serving` answers, quickly, for up to
+//! [`DEFAULT_FAILOVER_BUDGET`] (see [`DiscoveryClient::failover_budget`]) before it returns the error.
+//!
 //! Errors are typed: no eligible proxy is [`ClientError::Unavailable`] with the server's reason and `Retry-After`,
 //! a named proxy that is cooling down or full is [`ClientError::Conflict`], a revoked lease is
 //! [`ClientError::Gone`].
@@ -244,6 +248,47 @@ struct Inner {
     base: String,
     token: Option<String>,
     http: Client<HttpConnector, Full<Bytes>>,
+    failover_budget: Duration,
+}
+
+/// How long a call keeps retrying while no replica serves: the shipped Lease duration (15 s, the bound of a takeover
+/// after a leader is killed) twice over.
+pub const DEFAULT_FAILOVER_BUDGET: Duration = Duration::from_secs(30);
+
+/// The first pause between retries during a change of leader; it doubles up to [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
+const MAX_RETRY_PAUSE: Duration = Duration::from_millis(250);
+
+/// Whether a failed request met a Service without a serving replica: the connection was refused, or closed or reset
+/// before an answer (a replica that stopped or was killed).
+fn no_replica(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if let Some(error) = error.downcast_ref::<hyper_util::client::legacy::Error>()
+            && error.is_connect()
+        {
+            return true;
+        }
+        if let Some(error) = error.downcast_ref::<hyper::Error>()
+            && (error.is_incomplete_message() || error.is_canceled() || error.is_closed())
+        {
+            return true;
+        }
+        if let Some(error) = error.downcast_ref::<std::io::Error>()
+            && matches!(
+                error.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// A client; cloning shares its connection pool.
@@ -297,10 +342,45 @@ impl DiscoveryClient {
             return Err(ClientError::InvalidUrl(base_url.to_owned()));
         }
         let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build_http();
-        Ok(Self(Arc::new(Inner { base, token, http })))
+        Ok(Self(Arc::new(Inner { base, token, http, failover_budget: DEFAULT_FAILOVER_BUDGET })))
     }
 
+    /// How long each call keeps retrying while the discovery Service has no serving replica (refused or reset
+    /// connections, `not-serving` answers), [`DEFAULT_FAILOVER_BUDGET`] unless set; `Duration::ZERO` turns retrying
+    /// off. A lease whose answer was lost when its leader was killed stays held (unknown to the caller) until its TTL.
+    #[must_use]
+    pub fn failover_budget(self, budget: Duration) -> Self {
+        let inner = &self.0;
+        Self(Arc::new(Inner {
+            base: inner.base.clone(),
+            token: inner.token.clone(),
+            http: inner.http.clone(),
+            failover_budget: budget,
+        }))
+    }
+
+    /// One call, retried during a change of leader within the failover budget.
     async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Result<(StatusCode, Bytes), ClientError> {
+        let body = body.map(|body| Bytes::from(body.to_string()));
+        let started = tokio::time::Instant::now();
+        let mut pause = FIRST_RETRY_PAUSE;
+        loop {
+            let (result, retry) = self.call_once(method.clone(), path, body.clone()).await;
+            if !retry || started.elapsed() + pause > self.0.failover_budget {
+                return result;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        }
+    }
+
+    /// One attempt, and whether it met no serving replica (so it may be retried).
+    async fn call_once(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> (Result<(StatusCode, Bytes), ClientError>, bool) {
         let mut request = Request::builder().method(method).uri(format!("{}{path}", self.0.base));
         if let Some(token) = &self.0.token {
             request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
@@ -308,12 +388,18 @@ impl DiscoveryClient {
         let body = match body {
             Some(body) => {
                 request = request.header(header::CONTENT_TYPE, "application/json");
-                Full::new(Bytes::from(body.to_string()))
+                Full::new(body)
             }
             None => Full::new(Bytes::new()),
         };
-        let request = request.body(body).map_err(|error| transport(&error))?;
-        let response = self.0.http.request(request).await.map_err(|error| transport(&error))?;
+        let request = match request.body(body) {
+            Ok(request) => request,
+            Err(error) => return (Err(transport(&error)), false),
+        };
+        let response = match self.0.http.request(request).await {
+            Ok(response) => response,
+            Err(error) => return (Err(transport(&error)), no_replica(&error)),
+        };
         let status = response.status();
         let retry_after = response
             .headers()
@@ -321,15 +407,20 @@ impl DiscoveryClient {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes = response.into_body().collect().await.map_err(|error| transport(&error))?.to_bytes();
+        let bytes = match response.into_body().collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(error) => return (Err(transport(&error)), false),
+        };
         if status.is_success() {
-            return Ok((status, bytes));
+            return (Ok((status, bytes)), false);
         }
         let problem: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         let detail =
             problem["detail"].as_str().map_or_else(|| String::from_utf8_lossy(&bytes).into_owned(), str::to_owned);
         let reason = problem["reason"].as_str().unwrap_or_default().to_owned();
-        Err(match status {
+        // A follower, or a leader handing over: the Service sends the next connection to the leader.
+        let retry = status == StatusCode::SERVICE_UNAVAILABLE && reason == "not-serving";
+        let error = match status {
             StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
             StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },
             StatusCode::TOO_MANY_REQUESTS => ClientError::QuotaExceeded { reason, detail, retry_after },
@@ -339,7 +430,8 @@ impl DiscoveryClient {
             StatusCode::FORBIDDEN => ClientError::Forbidden(detail),
             StatusCode::BAD_REQUEST => ClientError::BadRequest(detail),
             other => ClientError::Status { status: other.as_u16(), detail },
-        })
+        };
+        (Err(error), retry)
     }
 
     /// Healthy proxies, optionally filtered by a label selector, with their cooldown for `target`.
@@ -547,12 +639,89 @@ mod tests {
                 let _ = stream.read(&mut buffer).await;
             }
         });
-        let client = DiscoveryClient::new(&format!("http://{address}"), None).expect("client");
+        let client =
+            DiscoveryClient::new(&format!("http://{address}"), None).expect("client").failover_budget(Duration::ZERO);
         let error = client.proxies(None, None).await.expect_err("no answer");
         server.abort();
         let ClientError::Transport(text) = error else { panic!("{error:?}") };
         assert!(text.starts_with("client error (SendRequest): "), "{text}");
         assert!(text.contains("connection closed before message completed"), "{text}");
+    }
+
+    /// Answers each request on its own connection with the next of `answers` (status, body), closing after each;
+    /// counts the requests.
+    async fn answering(
+        listener: tokio::net::TcpListener,
+        answers: Vec<(u16, &'static str)>,
+    ) -> (tokio::task::JoinHandle<()>, Arc<std::sync::atomic::AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = count.clone();
+        let server = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut buffer = [0; 4096];
+                let _ = stream.read(&mut buffer).await;
+                let index = counted.fetch_add(1, Ordering::SeqCst);
+                let (status, body) = answers[index.min(answers.len() - 1)];
+                let answer = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                     connection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(answer.as_bytes()).await;
+            }
+        });
+        (server, count)
+    }
+
+    const NOT_SERVING: (u16, &str) = (503, r#"{"status":503,"reason":"not-serving","detail":"handing over"}"#);
+    const EMPTY: (u16, &str) = (200, r#"{"proxies":[]}"#);
+
+    #[tokio::test]
+    async fn a_change_of_leader_is_waited_out_within_the_budget() {
+        // Nobody listens at first (the Service has no endpoint), then a follower refuses twice, then the leader serves.
+        let address = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.local_addr().expect("address")
+        };
+        let client = DiscoveryClient::new(&format!("http://{address}"), None).expect("client");
+        let started = std::time::Instant::now();
+        let call = tokio::spawn(async move { client.proxies(None, None).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let listener = tokio::net::TcpListener::bind(address).await.expect("the same port again");
+        let (server, count) = answering(listener, vec![NOT_SERVING, NOT_SERVING, EMPTY]).await;
+        let proxies = call.await.expect("the call").expect("served once the leader is back");
+        assert!(proxies.is_empty());
+        assert_eq!(count.load(Ordering::SeqCst), 3, "two refusals, then the answer");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn past_the_budget_the_refusal_is_returned_and_other_errors_are_never_retried() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (server, count) = answering(listener, vec![NOT_SERVING]).await;
+        let client = DiscoveryClient::new(&format!("http://{address}"), None)
+            .expect("client")
+            .failover_budget(Duration::from_millis(400));
+        let started = std::time::Instant::now();
+        match client.proxies(None, None).await {
+            Err(ClientError::Unavailable { reason, .. }) => assert_eq!(reason, "not-serving"),
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(count.load(Ordering::SeqCst) >= 3, "{count:?}");
+        server.abort();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (server, count) =
+            answering(listener, vec![(503, r#"{"status":503,"reason":"none-healthy","detail":"no proxy"}"#)]).await;
+        let client = DiscoveryClient::new(&format!("http://{address}"), None).expect("client");
+        assert!(matches!(client.proxies(None, None).await, Err(ClientError::Unavailable { .. })));
+        assert_eq!(count.load(Ordering::SeqCst), 1, "an answer about the fleet is the caller's to act on");
+        server.abort();
     }
 
     #[test]

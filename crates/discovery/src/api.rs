@@ -137,9 +137,11 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Ca
     }
     if let Some(reason) = state.gate.refusal() {
         state.metrics.not_serving();
+        // Only for a moment, while the leader changes: the client may retry at once, on a new connection.
         return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-serving", "Not serving", reason)
             .with_reason("not-serving")
-            .with_retry_after(Duration::from_secs(5)));
+            .with_retry_after(Duration::from_secs(1))
+            .closing_connection());
     }
     Ok(Caller { scope, tenant: identity.tenant, quota: identity.quota })
 }

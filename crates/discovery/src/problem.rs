@@ -28,6 +28,8 @@ pub struct Problem {
     pub retry_after_seconds: Option<u64>,
     #[serde(skip)]
     authenticate: bool,
+    #[serde(skip)]
+    close: bool,
 }
 
 impl Problem {
@@ -41,6 +43,7 @@ impl Problem {
             reason: None,
             retry_after_seconds: None,
             authenticate: false,
+            close: false,
         }
     }
 
@@ -58,6 +61,7 @@ impl Problem {
     pub fn unauthorized(detail: impl Into<String>) -> Self {
         Self {
             authenticate: true,
+            close: true,
             ..Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Authentication required", detail)
         }
     }
@@ -73,6 +77,13 @@ impl Problem {
         self
     }
 
+    /// Closes the connection after this answer (`Connection: close`), so the client's next request opens a new one,
+    /// which the Service may route elsewhere.
+    pub fn closing_connection(mut self) -> Self {
+        self.close = true;
+        self
+    }
+
     /// Adds a retry hint (rounded up to whole seconds, at least one).
     pub fn with_retry_after(mut self, after: Duration) -> Self {
         self.retry_after_seconds =
@@ -85,7 +96,7 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let retry = self.retry_after_seconds;
-        let authenticate = self.authenticate;
+        let (authenticate, close) = (self.authenticate, self.close);
         let mut response = (status, Json(self)).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
@@ -94,8 +105,11 @@ impl IntoResponse for Problem {
         }
         if authenticate {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"egress-discovery\""));
-            // A client without a valid token gets no connection to keep: holding many open costs it a reconnect
-            // (and a place in its address's unauthenticated-connection cap) each time.
+        }
+        // A client without a valid token gets no connection to keep: holding many open costs it a reconnect (and a
+        // place in its address's unauthenticated-connection cap) each time. A replica that does not serve leases
+        // sends its client back through the Service, to the replica that does.
+        if close {
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response

@@ -68,19 +68,37 @@ pub fn seed_from_status(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey)
     if verdicts.get(key).is_some() {
         return;
     }
-    let Some(status) = proxy.status.as_ref() else { return };
-    let Some(health) = status.health.as_ref() else { return };
+    if let Some(verdict) = status_verdict(proxy, key) {
+        verdicts.set(key.clone(), verdict);
+    }
+}
+
+/// On a replica that does not lead (and so probes nothing), keeps the verdict of `key` equal to the one the leader
+/// wrote in the Proxy's status, so the replica that takes over serves the fleet's health at once, without a window
+/// in which it knows no proxy to be healthy.
+pub fn follow_status(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) {
+    let Some(verdict) = status_verdict(proxy, key) else { return };
+    let current = verdicts.get(key);
+    if current.is_none_or(|current| current.healthy != verdict.healthy || current.egress_ip != verdict.egress_ip) {
+        verdicts.set(key.clone(), verdict);
+    }
+}
+
+/// The verdict the Proxy's status records for exactly the endpoint of `key`.
+fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
+    let status = proxy.status.as_ref()?;
+    let health = status.health.as_ref()?;
     // The recorded verdict is about the published endpoint; during a replacement the new instance starts unknown.
     let published = match proxy.spec.mode {
         ProxyMode::External => proxy.spec.endpoint.clone(),
         ProxyMode::Managed => status.endpoint.as_ref().map(Endpoint::from),
     };
     if published.as_ref() != Some(&key.endpoint) || status.previous_instance.is_some() {
-        return;
+        return None;
     }
     let since = health.last_transition_time.as_ref().map_or_else(SystemTime::now, system_time);
     let egress_ip = status.egress_ip.as_deref().and_then(|ip| ip.parse().ok());
-    verdicts.set(key.clone(), CurrentVerdict { healthy: health.healthy, since, last_error: None, egress_ip });
+    Some(CurrentVerdict { healthy: health.healthy, since, last_error: None, egress_ip })
 }
 
 /// The verdict for `endpoint` of the Proxy `namespace/name`.

@@ -26,6 +26,6 @@ pub use feed::{
     AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedPool, GuardedProxy, PoolFeed,
     ProxyFeed, SecretIndex, auth_secret_of, reference_of,
 };
-pub use health::{ProbeKey, ProxyVerdicts, Verdict, seed_from_status, verdict_of};
+pub use health::{ProbeKey, ProxyVerdicts, Verdict, follow_status, seed_from_status, verdict_of};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};

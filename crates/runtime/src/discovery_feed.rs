@@ -157,6 +157,8 @@ impl LeaseDrain for DiscoveryDrain {
 struct Records {
     feed: ProxyFeed,
     verdicts: ProxyVerdicts,
+    /// Whether this replica leads: while it does not, verdicts follow the leader's, from the status.
+    leading: tokio::sync::watch::Receiver<bool>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
     secrets: SecretIndex,
@@ -167,6 +169,13 @@ impl Records {
         let stored = self.feed.proxy(reference);
         let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
         self.secrets.set(reference, proxy.and_then(auth_secret_of));
+        if let Some(proxy) = proxy
+            && !*self.leading.borrow()
+            && let Some(endpoint) = proxy.effective_endpoint()
+        {
+            let key = ProbeKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any(), endpoint);
+            egress_reconcile::follow_status(&self.verdicts, proxy, &key);
+        }
         match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials)) {
             Some(record) => self.discovery.upsert(record),
             None => self.discovery.remove(&id_of(reference)),
@@ -205,11 +214,13 @@ fn id_of(reference: &ObjectRef<GuardedProxy>) -> String {
     format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name)
 }
 
-/// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass.
+/// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass. While `leading` is
+/// false the verdicts follow the Proxies' status (the leader's probes), so a replica that takes over serves at once.
 pub async fn run_discovery_feed(
     feed: ProxyFeed,
     pools: PoolFeed,
     verdicts: ProxyVerdicts,
+    leading: tokio::sync::watch::Receiver<bool>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
     pool_metrics: PoolMetrics,
@@ -219,8 +230,14 @@ pub async fn run_discovery_feed(
     let mut pool_changes = pools.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
     let mut verdict_changes = verdicts.subscribe();
-    let mut records =
-        Records { feed, verdicts, credentials: credentials.clone(), discovery, secrets: SecretIndex::default() };
+    let mut records = Records {
+        feed,
+        verdicts,
+        leading,
+        credentials: credentials.clone(),
+        discovery,
+        secrets: SecretIndex::default(),
+    };
     let work = async move {
         // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass; and for the pools', so
         // a lease asked for by pool is never refused as unknown by a replica that reports ready.

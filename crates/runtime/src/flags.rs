@@ -37,6 +37,18 @@ pub struct Cli {
     /// The namespace of the leader-election Lease (default: the pod's namespace from POD_NAMESPACE, else `default`).
     #[arg(long, env = "EGRESS_LEADER_ELECTION_NAMESPACE")]
     pub leader_election_namespace: Option<String>,
+    /// How long the leader Lease is valid after each renewal (renewed every third of it). A crashed leader is
+    /// replaced about this long after its last renewal; shorter means faster takeover but more writes to the
+    /// apiserver, and a leader cut off from the apiserver for two thirds of it steps down.
+    #[arg(long, env = "EGRESS_LEADER_ELECTION_LEASE_DURATION", default_value = "15s")]
+    pub leader_election_lease_duration: String,
+    /// On SIGTERM the leader keeps serving until another replica (a pod matching `--peer-selector` in its namespace)
+    /// is Ready, then hands the Lease over; it waits at most this long (`0`: hand over at once).
+    #[arg(long, env = "EGRESS_HANDOFF_TIMEOUT", default_value = "20s")]
+    pub handoff_timeout: String,
+    /// The label selector of this Deployment's pods, which a stopping leader looks among for a successor.
+    #[arg(long, env = "EGRESS_PEER_SELECTOR", default_value = "app.kubernetes.io/name=egress-operator")]
+    pub peer_selector: String,
     /// The discovery tokens file (`read <token>` / `lease <token>` lines); required unless `--discovery-auth=none`.
     #[arg(long, env = "EGRESS_DISCOVERY_TOKENS")]
     pub discovery_tokens: Option<PathBuf>,
@@ -138,6 +150,12 @@ pub struct Settings {
     pub leader_elect: bool,
     /// The namespace of the leader Lease.
     pub leader_election_namespace: String,
+    /// How long the leader Lease is valid after each renewal.
+    pub lease_duration: Duration,
+    /// How long a stopping leader waits for a Ready successor.
+    pub handoff_timeout: Duration,
+    /// The label selector of the peer pods.
+    pub peer_selector: String,
     /// The bearer-token file, or `None` with `--discovery-auth=none`.
     pub discovery_tokens: Option<PathBuf>,
     /// The name of the lease-key Secret, in `leader_election_namespace`.
@@ -258,6 +276,17 @@ impl Cli {
         let check_timeout = duration("provider-check-timeout", &self.provider_check_timeout);
         // 0 is allowed: a replaced instance is then deleted as soon as its successor serves, leases or not.
         let drain_timeout = duration("drain-timeout", &self.drain_timeout);
+        let lease_duration = duration("leader-election-lease-duration", &self.leader_election_lease_duration);
+        let handoff_timeout = duration("handoff-timeout", &self.handoff_timeout);
+        if lease_duration.is_some_and(|lease| !(Duration::from_secs(3)..=Duration::from_secs(300)).contains(&lease)) {
+            problems.push("--leader-election-lease-duration must be from 3s to 5m".into());
+        }
+        if handoff_timeout.is_some_and(|timeout| timeout > Duration::from_secs(600)) {
+            problems.push("--handoff-timeout must be at most 10m".into());
+        }
+        if self.peer_selector.trim().is_empty() {
+            problems.push("--peer-selector must not be empty (it finds this Deployment's other pods)".into());
+        }
         if gc_interval.is_some_and(|interval| interval < Duration::from_secs(10)) {
             problems.push("--gc-interval must be at least 10s".into());
         }
@@ -397,6 +426,9 @@ impl Cli {
             health_addr: health_addr.expect("checked above"),
             leader_elect: self.leader_elect,
             leader_election_namespace: namespace,
+            lease_duration: lease_duration.expect("checked above"),
+            handoff_timeout: handoff_timeout.expect("checked above"),
+            peer_selector: self.peer_selector.trim().to_owned(),
             discovery_tokens: match self.discovery_auth {
                 DiscoveryAuth::Tokens => self.discovery_tokens.clone(),
                 DiscoveryAuth::None => None,

@@ -8,7 +8,9 @@
 
 mod discovery_feed;
 pub mod durable;
+pub mod election;
 mod flags;
+mod handoff;
 pub mod role_label;
 mod run;
 mod telemetry;

@@ -118,7 +118,9 @@ pub async fn run(settings: Settings) -> Result<()> {
         Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
     };
 
+    // `stop`: discovery refuses and the leader's label goes; `servers_stop`: the servers stop, last of all.
     let (stop_sender, stop) = watch::channel(false);
+    let (servers_stop_sender, servers_stop) = watch::channel(false);
     let (leader_sender, leader) = watch::channel(!settings.leader_elect);
 
     // The one Proxy store, the one credential store and the one verdict store, kept on every replica: discovery
@@ -164,6 +166,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         feed.clone(),
         pools.clone(),
         verdicts.clone(),
+        leader.clone(),
         credentials.clone(),
         discovery.clone(),
         pool_metrics.clone(),
@@ -172,7 +175,8 @@ pub async fn run(settings: Settings) -> Result<()> {
     tokio::spawn(egress_discovery::run_expiry(discovery.clone(), Duration::from_secs(1), until_true(stop.clone())));
 
     let drain: Arc<dyn LeaseDrain> = Arc::new(crate::discovery_feed::DiscoveryDrain(discovery.clone()));
-    let servers = serve_all(&settings, registry, server_metrics, discovery, leader.clone(), stop.clone()).await?;
+    let servers =
+        serve_all(&settings, registry, server_metrics, discovery.clone(), leader.clone(), servers_stop.clone()).await?;
 
     // The leader's Pod carries the label the discovery Service selects; a restarted process first removes the one
     // its previous incarnation may have left.
@@ -187,42 +191,42 @@ pub async fn run(settings: Settings) -> Result<()> {
     let election = if settings.leader_elect {
         let pod_name = std::env::var("POD_NAME").ok().filter(|name| !name.is_empty());
         if let Some(pod_name) = &pod_name {
-            yield_after_crash(&client, &settings.leader_election_namespace, pod_name, stop.clone()).await;
+            yield_after_crash(
+                &client,
+                &settings.leader_election_namespace,
+                pod_name,
+                settings.lease_duration,
+                stop.clone(),
+            )
+            .await;
         }
         let identity = election_identity(pod_name);
-        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "egress-operator")
-            .with_namespace(settings.leader_election_namespace.clone())
-            .with_identity(identity.clone())
-            .with_duration(LEASE_SECONDS)
-            .with_grace(5)
-            .build()
-            .await
-            .context("setting up leader election")?;
-        let (mut changes, handle) = manager.watch().await;
+        let config = crate::election::ElectionConfig {
+            name: "egress-operator".into(),
+            namespace: settings.leader_election_namespace.clone(),
+            identity: identity.clone(),
+            lease_duration: settings.lease_duration,
+        };
+        // A candidate competes only once it can serve: its stores synced, so a takeover answers at once.
+        let synced = discovery_ready(discovery.clone());
+        let election = crate::election::Election::start(client.clone(), config, synced);
+        let mut changes = election.leading();
         let forward = leader_sender.clone();
-        let watcher_stop = stop.clone();
         let ended = ended.clone();
         tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    changed = changes.changed() => {
-                        if changed.is_err() { break; }
-                        let leading = *changes.borrow_and_update();
-                        info!(identity = %identity, leading, "leadership changed");
-                        if leading {
-                            // The previous leader's ended leases first, so none of their IDs is adopted.
-                            restore_ended(&ended).await;
-                        }
-                        let _ = forward.send(leading);
-                    }
-                    () = until_true(watcher_stop.clone()) => break,
+            // Until the election ends (its sender is dropped): after a release, it says so.
+            while changes.changed().await.is_ok() {
+                let leading = *changes.borrow_and_update();
+                info!(identity = %identity, leading, "leadership changed");
+                if leading {
+                    // The previous leader's ended leases first, so none of their IDs is adopted.
+                    restore_ended(&ended).await;
                 }
+                let _ = forward.send(leading);
             }
-            // Dropping the receiver makes the lease manager release the Lease.
-            drop(changes);
             let _ = forward.send(false);
         });
-        Some(handle)
+        Some(election)
     } else {
         None
     };
@@ -242,10 +246,13 @@ pub async fn run(settings: Settings) -> Result<()> {
         pool_signals,
         pool_wakes,
     };
-    let leading_loop = lead_while_elected(parts, settings, leader, stop.clone());
+    let (retire_sender, retire) = watch::channel(false);
+    let handoff = (settings.handoff_timeout, settings.peer_selector.clone());
+    let leading_now = leader.clone();
+    let leading_loop = lead_while_elected(parts, settings, leader, retire);
     let leading = tokio::spawn(leading_loop);
 
-    // Until SIGTERM, unless the leader election ends first: then this replica could never lead again while still
+    // Until SIGTERM, unless the leader election dies first: then this replica could never lead again while still
     // looking healthy, so it stops everything and exits non-zero for the Deployment to restart it.
     let mut election = election;
     let failure = election_failure(&mut election, shutdown_signal()).await;
@@ -253,27 +260,43 @@ pub async fn run(settings: Settings) -> Result<()> {
         tracing::error!("{failure}; stopping so that the process is restarted");
         election = None;
     }
-    let _ = stop_sender.send(true);
+    // Make-before-break: a stopping leader keeps serving until another replica is Ready to take over.
+    if election.is_some()
+        && *leading_now.borrow()
+        && let Some(pod) = crate::role_label::PodIdentity::from_env()
+        && !handoff.0.is_zero()
+    {
+        info!("stopping while leading: serving until another replica is ready to take over");
+        crate::handoff::wait_for_successor(&client, &pod, &handoff.1, handoff.0).await;
+    }
+    // The controllers and probes stop first (their reconciles finish); discovery keeps serving meanwhile.
+    let _ = retire_sender.send(true);
     let _ = leading.await;
-    // Discovery answers nothing more: the leases ended so far go to the next leader before the Lease does.
+    // Now discovery refuses (each refusal closes its connection, so the client's retry goes through the Service),
+    // and the leases ended so far go to the next leader before the Lease does.
+    let _ = stop_sender.send(true);
     match tokio::time::timeout(ENDED_FLUSH_TIMEOUT, ended.flush()).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => warn!("{error:#}"),
         Err(_) => warn!("writing the ended leases took over {ENDED_FLUSH_TIMEOUT:?}; the next leader may adopt some"),
     }
-    // Out of the discovery Service before the Lease goes to another replica.
+    // Released (no holder), so a waiting replica takes it within milliseconds instead of at its expiry.
+    let mut holder = election.as_ref().map(crate::election::Election::holder);
+    if let Some(election) = election
+        && let Err(error) = election.release().await
+    {
+        warn!(%error, "the leader election task failed");
+    }
     if let Some(labeller) = labeller
         && tokio::time::timeout(crate::role_label::REMOVE_TIMEOUT, labeller).await.is_err()
     {
         warn!("the leader label could not be removed in time; the next leader's start-up replaces the endpoint");
     }
-    if let Some(handle) = election {
-        match handle.await {
-            Ok(Ok(_)) => info!("leader Lease released"),
-            Ok(Err(error)) => warn!(%error, "releasing the leader Lease failed"),
-            Err(error) => warn!(%error, "the leader election task failed"),
-        }
+    // Answer (with a refusal that sends clients to the Service again) until another replica holds the Lease, briefly.
+    if let Some(holder) = holder.as_mut() {
+        let _ = tokio::time::timeout(HANDOFF_LINGER, holder.wait_for(Option::is_some)).await;
     }
+    let _ = servers_stop_sender.send(true);
     for server in servers {
         let _ = server.await;
     }
@@ -283,6 +306,17 @@ pub async fn run(settings: Settings) -> Result<()> {
             info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// How long a replica that handed over keeps answering (with refusals that send clients elsewhere) while waiting to
+/// see the next holder.
+const HANDOFF_LINGER: Duration = Duration::from_secs(2);
+
+/// Resolves once discovery's stores have synced.
+async fn discovery_ready(discovery: Arc<Discovery>) {
+    while !discovery.ready() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -303,35 +337,34 @@ async fn restore_ended(ended: &crate::durable::EndedLeases) {
     }
 }
 
-/// Waits for `shutdown` or for the leader-election task to end. Returns why the process must stop with an error
-/// (the election ended, failed or died: this replica could never lead again), or `None` for a shutdown.
-async fn election_failure<T, E: std::fmt::Display>(
-    election: &mut Option<tokio::task::JoinHandle<Result<T, E>>>,
+/// Waits for `shutdown` or for the leader-election task to die. Returns why the process must stop with an error
+/// (this replica could never lead again), or `None` for a shutdown.
+async fn election_failure(
+    election: &mut Option<crate::election::Election>,
     shutdown: impl Future<Output = ()>,
 ) -> Option<String> {
-    let election_ended = async {
+    let died = async {
         match election.as_mut() {
-            Some(handle) => handle.await,
+            Some(election) => election.failed().await,
             None => std::future::pending().await,
         }
     };
     tokio::select! {
         () = shutdown => None,
-        ended = election_ended => Some(match ended {
-            Ok(Ok(_)) => "the leader election ended on its own".to_owned(),
-            Ok(Err(error)) => format!("the leader election failed: {error}"),
-            Err(error) => format!("the leader election task died: {error}"),
-        }),
+        error = died => Some(format!("the leader election task died: {error}")),
     }
 }
-
-/// How long the leader's Lease is valid after each renewal.
-const LEASE_SECONDS: u64 = 15;
 
 /// When this pod's previous process held the Lease (it crashed: the container was restarted), waits until that
 /// Lease has expired and a little more before competing for it, so a healthy peer takes over rather than the process
 /// that just crashed. With no peer this costs nothing: nobody could have taken the Lease sooner.
-async fn yield_after_crash(client: &Client, namespace: &str, pod_name: &str, stop: watch::Receiver<bool>) {
+async fn yield_after_crash(
+    client: &Client,
+    namespace: &str,
+    pod_name: &str,
+    lease_duration: Duration,
+    stop: watch::Receiver<bool>,
+) {
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(client.clone(), namespace);
     let Ok(Some(lease)) = leases.get_opt("egress-operator").await else { return };
     let Some(spec) = lease.spec else { return };
@@ -339,7 +372,7 @@ async fn yield_after_crash(client: &Client, namespace: &str, pod_name: &str, sto
         return;
     }
     let renewed = spec.renew_time.map(|time| SystemTime::from(time.0)).unwrap_or_else(SystemTime::now);
-    let duration = Duration::from_secs(spec.lease_duration_seconds.map_or(LEASE_SECONDS, |s| s.max(0) as u64));
+    let duration = spec.lease_duration_seconds.map_or(lease_duration, |s| Duration::from_secs(s.max(0) as u64));
     let expires_in = (renewed + duration).duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
     // The peer wakes at the expiry and takes the Lease within about a second.
     let wait = expires_in.min(duration) + Duration::from_secs(3);
@@ -579,20 +612,8 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn an_election_that_ends_for_any_reason_but_shutdown_is_a_failure() {
-        let ended: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { Ok(()) });
-        let failure = election_failure(&mut Some(ended), std::future::pending()).await;
-        assert_eq!(failure.as_deref(), Some("the leader election ended on its own"));
-        let failed: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { Err("forbidden".into()) });
-        let failure = election_failure(&mut Some(failed), std::future::pending()).await;
-        assert_eq!(failure.as_deref(), Some("the leader election failed: forbidden"));
-        let died: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(async { panic!("boom") });
-        let failure = election_failure(&mut Some(died), std::future::pending()).await.expect("a failure");
-        assert!(failure.starts_with("the leader election task died"), "{failure}");
-        // A shutdown is no failure, with or without an election.
-        let running: tokio::task::JoinHandle<Result<(), String>> = tokio::spawn(std::future::pending());
-        assert_eq!(election_failure(&mut Some(running), async {}).await, None);
-        assert_eq!(election_failure::<(), String>(&mut None, async {}).await, None);
+    async fn without_an_election_only_a_shutdown_ends_the_wait() {
+        assert_eq!(election_failure(&mut None, async {}).await, None);
     }
 
     #[test]

@@ -235,14 +235,46 @@ fn relative_path(from: &Path, to: &Path) -> PathBuf {
     path
 }
 
-/// A stand-in for kube-proxy: a loopback listener that forwards each connection to one ready endpoint of a
-/// Service, picked per connection (round-robin) from its EndpointSlices as they are now. With no ready endpoint a
-/// connection is closed at once, as a rejected one would be.
+/// A stand-in for kube-proxy: a loopback listener that forwards each connection to one endpoint of a Service,
+/// picked per connection (round-robin) from its EndpointSlices as they are now: the ready endpoints, or, when none is
+/// ready, the ones still serving while they terminate (kube-proxy's rule since Kubernetes 1.28, KEP-1669). With no
+/// such endpoint a connection is closed at once, as a rejected one would be.
 pub struct ServiceProxy {
     address: SocketAddr,
     endpoints: Arc<Mutex<Vec<SocketAddr>>>,
     connections: Arc<Mutex<Vec<SocketAddr>>>,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// The addresses a Service routes to: ready endpoints, else serving terminating ones.
+fn routed(slices: &[Arc<EndpointSlice>], port_name: &str) -> Vec<SocketAddr> {
+    let (mut ready, mut terminating): (BTreeSet<SocketAddr>, BTreeSet<SocketAddr>) = Default::default();
+    for slice in slices {
+        let port = slice
+            .ports
+            .iter()
+            .flatten()
+            .find(|port| port.name.as_deref() == Some(port_name))
+            .and_then(|port| port.port)
+            .and_then(|port| u16::try_from(port).ok());
+        let Some(port) = port else { continue };
+        for endpoint in slice.endpoints.iter().flatten() {
+            let conditions = endpoint.conditions.clone().unwrap_or_default();
+            let set = if conditions.ready == Some(true) {
+                &mut ready
+            } else if conditions.serving == Some(true) && conditions.terminating == Some(true) {
+                &mut terminating
+            } else {
+                continue;
+            };
+            for address in &endpoint.addresses {
+                if let Ok(ip) = address.parse::<Ipv4Addr>() {
+                    set.insert(SocketAddr::new(ip.into(), port));
+                }
+            }
+        }
+    }
+    if ready.is_empty() { terminating.into_iter().collect() } else { ready.into_iter().collect() }
 }
 
 impl ServiceProxy {
@@ -257,28 +289,7 @@ impl ServiceProxy {
         let watch = tokio::spawn(async move {
             let mut stream = reflector(writer, watcher(slices, config)).default_backoff().touched_objects().boxed();
             while stream.next().await.is_some() {
-                let mut ready: BTreeSet<SocketAddr> = BTreeSet::new();
-                for slice in reader.state() {
-                    let port = slice
-                        .ports
-                        .iter()
-                        .flatten()
-                        .find(|port| port.name.as_deref() == Some(port_name.as_str()))
-                        .and_then(|port| port.port)
-                        .and_then(|port| u16::try_from(port).ok());
-                    let Some(port) = port else { continue };
-                    for endpoint in slice.endpoints.iter().flatten() {
-                        if endpoint.conditions.as_ref().and_then(|conditions| conditions.ready) != Some(true) {
-                            continue;
-                        }
-                        for address in &endpoint.addresses {
-                            if let Ok(ip) = address.parse::<Ipv4Addr>() {
-                                ready.insert(SocketAddr::new(ip.into(), port));
-                            }
-                        }
-                    }
-                }
-                *kept.lock().expect("endpoints") = ready.into_iter().collect();
+                *kept.lock().expect("endpoints") = routed(&reader.state(), &port_name);
             }
         });
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
@@ -331,6 +342,43 @@ impl Drop for ServiceProxy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn slice(endpoints: &[(&str, bool, bool, bool)]) -> Arc<EndpointSlice> {
+        use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+        Arc::new(EndpointSlice {
+            address_type: "IPv4".into(),
+            endpoints: Some(
+                endpoints
+                    .iter()
+                    .map(|(address, ready, serving, terminating)| Endpoint {
+                        addresses: vec![(*address).into()],
+                        conditions: Some(EndpointConditions {
+                            ready: Some(*ready),
+                            serving: Some(*serving),
+                            terminating: Some(*terminating),
+                        }),
+                        ..Endpoint::default()
+                    })
+                    .collect(),
+            ),
+            ports: Some(vec![EndpointPort {
+                name: Some("discovery".into()),
+                port: Some(8090),
+                ..EndpointPort::default()
+            }]),
+            metadata: Default::default(),
+        })
+    }
+
+    #[test]
+    fn terminating_endpoints_serve_only_while_none_is_ready() {
+        let address = |ip: &str| SocketAddr::new(ip.parse().expect("ip"), 8090);
+        let draining = slice(&[("10.0.0.1", false, true, true), ("10.0.0.3", false, false, true)]);
+        assert_eq!(routed(std::slice::from_ref(&draining), "discovery"), [address("10.0.0.1")]);
+        let both = slice(&[("10.0.0.1", false, true, true), ("10.0.0.2", true, true, false)]);
+        assert_eq!(routed(&[both], "discovery"), [address("10.0.0.2")]);
+        assert!(routed(&[draining], "metrics").is_empty());
+    }
 
     #[test]
     fn relative_paths_climb_to_the_common_root() {

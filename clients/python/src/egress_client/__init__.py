@@ -1,7 +1,7 @@
 """A client for the egress-operator discovery API: lease proxies for a site, reuse them, report what the site did,
 and release them. Sync (`DiscoveryClient`) and async (`AsyncDiscoveryClient`), on httpx."""
 
-from ._client import AsyncDiscoveryClient, AsyncLease, DiscoveryClient, Lease
+from ._client import DEFAULT_FAILOVER_BUDGET, AsyncDiscoveryClient, AsyncLease, DiscoveryClient, Lease
 from ._errors import (
     BadRequest,
     Conflict,
@@ -20,6 +20,7 @@ from ._models import OUTCOMES, CooldownInfo, LeasedProxy, ProxyInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_FAILOVER_BUDGET",
     "OUTCOMES",
     "AsyncDiscoveryClient",
     "AsyncLease",

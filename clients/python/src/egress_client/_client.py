@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import time
 from typing import Any, Dict, Generator, List, Mapping, Optional, Tuple
 
 import httpx
@@ -12,6 +14,45 @@ from ._models import CooldownInfo, LeaseState, ProxyInfo, lease_body, parse_time
 
 #: How long one call may take, unless the client is given another timeout.
 DEFAULT_TIMEOUT = 10.0
+
+#: How long a call keeps retrying while the discovery Service has no serving replica (the operator changing leader:
+#: a rolling restart, a drain, a crash): refused or dropped connections and `not-serving` answers. Twice the shipped
+#: Lease duration, the bound of a takeover after a leader is killed.
+DEFAULT_FAILOVER_BUDGET = 30.0
+
+_FIRST_PAUSE = 0.05
+_MAX_PAUSE = 0.25
+
+
+def _no_replica(error: httpx.HTTPError) -> bool:
+    """The request met a Service without a serving replica: refused, or closed or reset before an answer."""
+    return isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+
+
+def _not_serving(response: httpx.Response) -> bool:
+    """A follower's or a handing-over leader's refusal: the next connection goes to the leader."""
+    if response.status_code != 503:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("reason") == "not-serving"
+
+
+class _Retry:
+    """The retry schedule of one call during a change of leader."""
+
+    def __init__(self, budget: float):
+        self._deadline = time.monotonic() + budget
+        self.pause = _FIRST_PAUSE
+
+    def next_pause(self) -> Optional[float]:
+        """The pause before the next attempt, or None when the budget is spent."""
+        if time.monotonic() + self.pause > self._deadline:
+            return None
+        pause, self.pause = self.pause, min(self.pause * 2, _MAX_PAUSE)
+        return pause
 
 
 def _headers(token: Optional[str]) -> Dict[str, str]:
@@ -151,10 +192,14 @@ class DiscoveryClient:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         transport: Optional[httpx.BaseTransport] = None,
+        failover_budget: float = DEFAULT_FAILOVER_BUDGET,
     ):
+        """`failover_budget`: seconds each call keeps retrying while no replica serves (0 turns retrying off); a
+        lease whose answer was lost when its leader was killed stays held, unknown to the caller, until its TTL."""
         self._http = httpx.Client(
             base_url=_check_base(base_url), headers=_headers(token), timeout=timeout, transport=transport
         )
+        self._failover_budget = failover_budget
 
     def close(self) -> None:
         """Closes the connections."""
@@ -167,11 +212,20 @@ class DiscoveryClient:
         self.close()
 
     def _call(self, method: str, path: str, body: Optional[Dict[str, Any]], params: Optional[Dict[str, str]] = None) -> Any:
-        try:
-            response = self._http.request(method, path, json=body, params=params)
-        except httpx.HTTPError as error:
-            raise TransportError(f"{method} {path}: {error}") from error
-        return _answer(response)
+        retry = _Retry(self._failover_budget)
+        while True:
+            try:
+                response = self._http.request(method, path, json=body, params=params)
+            except httpx.HTTPError as error:
+                pause = retry.next_pause() if _no_replica(error) else None
+                if pause is None:
+                    raise TransportError(f"{method} {path}: {error}") from error
+                time.sleep(pause)
+                continue
+            pause = retry.next_pause() if _not_serving(response) else None
+            if pause is None:
+                return _answer(response)
+            time.sleep(pause)
 
     def lease(
         self,
@@ -321,10 +375,13 @@ class AsyncDiscoveryClient:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         transport: Optional[httpx.AsyncBaseTransport] = None,
+        failover_budget: float = DEFAULT_FAILOVER_BUDGET,
     ):
+        """`failover_budget` as for the sync client."""
         self._http = httpx.AsyncClient(
             base_url=_check_base(base_url), headers=_headers(token), timeout=timeout, transport=transport
         )
+        self._failover_budget = failover_budget
 
     async def aclose(self) -> None:
         """Closes the connections."""
@@ -339,11 +396,20 @@ class AsyncDiscoveryClient:
     async def _call(
         self, method: str, path: str, body: Optional[Dict[str, Any]], params: Optional[Dict[str, str]] = None
     ) -> Any:
-        try:
-            response = await self._http.request(method, path, json=body, params=params)
-        except httpx.HTTPError as error:
-            raise TransportError(f"{method} {path}: {error}") from error
-        return _answer(response)
+        retry = _Retry(self._failover_budget)
+        while True:
+            try:
+                response = await self._http.request(method, path, json=body, params=params)
+            except httpx.HTTPError as error:
+                pause = retry.next_pause() if _no_replica(error) else None
+                if pause is None:
+                    raise TransportError(f"{method} {path}: {error}") from error
+                await asyncio.sleep(pause)
+                continue
+            pause = retry.next_pause() if _not_serving(response) else None
+            if pause is None:
+                return _answer(response)
+            await asyncio.sleep(pause)
 
     def lease(
         self,
