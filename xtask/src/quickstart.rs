@@ -69,7 +69,17 @@ pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     if let Some(dir) = inside {
         let binary = target_dir().join("debug").join("egress-operator");
-        return runtime.block_on(demo(binary, exit, &dir));
+        return runtime.block_on(async {
+            let mut signals = Signals::new()?;
+            // A signal at any step drops the demo, whose parts stop their processes and remove their files.
+            tokio::select! {
+                result = demo(binary, exit, &dir) => result,
+                signal = signals.next() => {
+                    println!("[quickstart] {signal}: stopping (the node agent stops the operator pods with SIGTERM)");
+                    Ok(())
+                }
+            }
+        });
     }
     let network = podnet::PodNetwork::create()?;
     let dir = tempfile::Builder::new().prefix("egress-quickstart-").tempdir()?;
@@ -81,7 +91,114 @@ pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
     }
     let mut child = tokio::process::Command::from(inner);
     runtime.block_on(async {
+        // SIGTERM, SIGINT or SIGHUP here stops the demo inside, then this process removes the network namespace and
+        // the shared directory (both on drop).
+        let mut signals = Signals::new()?;
         let mut child = child.kill_on_drop(false).spawn().context("starting the demo in its network namespace")?;
+        let pid = child.id().context("the demo's process ID")?;
+        let signal = tokio::select! {
+            result = outside(&mut child, &dir, &network, exit) => return result,
+            signal = signals.next() => signal,
+        };
+        println!("[quickstart] {signal}: stopping the demo");
+        let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        match tokio::time::timeout(Duration::from_secs(120), child.wait()).await {
+            Ok(status) => {
+                status?;
+            }
+            Err(_) => {
+                child.kill().await?;
+                bail!("the demo did not stop within 120 s of SIGTERM; killed it");
+            }
+        }
+        println!("[quickstart] stopped");
+        Ok(())
+    })
+}
+
+/// `kill -TERM` of a running `cargo xtask quickstart` (the outer process, as a user or a service manager sends it)
+/// stops the whole demo and leaves no process, network namespace or file; run by `cargo xtask test`.
+pub fn check_sigterm_cleans_up() -> Result<()> {
+    use std::io::BufRead;
+    let before = crate::leftovers::Snapshot::take();
+    let mut child = std::process::Command::new(std::env::current_exe().context("finding the xtask binary")?)
+        .arg("quickstart")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the quickstart")?;
+    let stdout = child.stdout.take().context("the quickstart's output")?;
+    let (lines, running) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("  | {line}");
+            if line.starts_with("Running until Ctrl-C") {
+                let _ = lines.send(());
+            }
+        }
+    });
+    if running.recv_timeout(Duration::from_secs(300)).is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("the quickstart did not reach `Running until Ctrl-C` within 300 s");
+    }
+    let started = Instant::now();
+    run_command(std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]))?;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            bail!("the quickstart did not stop within 150 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    if !status.success() {
+        bail!("the quickstart ended with {status} after SIGTERM");
+    }
+    println!("quickstart: stopped {:.1} s after SIGTERM", started.elapsed().as_secs_f64());
+    crate::leftovers::assert_none_since(&before, "`kill -TERM` of the quickstart", Duration::from_secs(20))?;
+    println!("quickstart: nothing left behind (processes, network namespaces, temp files)");
+    Ok(())
+}
+
+/// The termination signals, registered once (from then on they no longer end the process by themselves).
+struct Signals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+            hangup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next one to arrive, by name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+            _ = self.hangup.recv() => "SIGHUP",
+        }
+    }
+}
+
+/// The outside part: waits for the demo to be ready, prints how to reach it, checks the EndpointSlice through the
+/// forwarded kubeconfig, and waits for the demo to end.
+async fn outside(
+    child: &mut tokio::process::Child,
+    dir: &tempfile::TempDir,
+    network: &podnet::PodNetwork,
+    exit: bool,
+) -> Result<()> {
+    {
         let ready = loop {
             if let Some(status) = child.try_wait()? {
                 bail!("the demo ended before it was ready ({status})");
@@ -133,16 +250,12 @@ pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
         } else {
             println!("\nRunning until Ctrl-C (try: kubectl --kubeconfig {} get px,pods -A)", kubeconfig.display());
         }
-        // Ctrl-C reaches the demo too (same terminal); wait for it to stop.
-        let status = tokio::select! {
-            status = child.wait() => status?,
-            _ = tokio::signal::ctrl_c() => child.wait().await?,
-        };
+        let status = child.wait().await?;
         if !status.success() {
             bail!("the demo ended with {status}");
         }
         Ok(())
-    })
+    }
 }
 
 /// Forwards a fresh loopback port to the Unix socket `socket`; returns the port's address.
@@ -367,7 +480,8 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     } else {
-        tokio::signal::ctrl_c().await?;
+        // Until a signal: the caller stops the demo then.
+        std::future::pending::<()>().await;
     }
     println!("[quickstart] stopping (the node agent stops the operator pods with SIGTERM)");
     drop(installation);

@@ -4,14 +4,18 @@
 //! the kvm boot test's guest image are made beside the Rust build), then formatting, lints and
 //! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
 //! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
-//! `cargo xtask quickstart --exit`.
+//! `cargo xtask quickstart --exit`, then a quickstart stopped with SIGTERM; and at the very end, a check that no
+//! process, network namespace or temp entry the run made is left.
+
+use std::time::Duration;
 
 use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, guest, node, packages, podnet, python};
+use crate::{crdgen, envtest, guest, leftovers, node, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
+    let before = leftovers::Snapshot::take();
     packages::ensure_installed()?;
     // The control plane's Go build (minutes on a fresh machine, nothing on a warm one) runs beside the Rust build,
     // which does not need it: each fills the cores the other leaves idle (a big crate or a link compiling alone,
@@ -42,8 +46,11 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     // The README's first command is a promise too: run it as a user would, to the end of its demo.
     if cargo_test_args.is_empty() {
         crate::quickstart::run_built(true, None)?;
+        // And so is stopping it: SIGTERM leaves nothing behind.
+        crate::quickstart::check_sigterm_cleans_up()?;
     }
-    Ok(())
+    // Nothing this run started outlives it (a daemonized QEMU of libvirtd's once ran on for 90 minutes).
+    leftovers::assert_none_since(&before, "`cargo xtask test`", Duration::from_secs(20))
 }
 
 /// Formatting, lints, the CRD drift check and the test build: everything before the tests that needs no control

@@ -97,7 +97,8 @@ impl Drop for Process {
 /// A shell that removes a directory tree and a family of shared-memory segments once the pipe from this process
 /// closes: on drop, or when the test process ends in any way (a test binary that leaks its cluster into a static
 /// never runs destructors). It waits a few seconds first, so the [`Process`] wrappers, which give their processes
-/// 2 s to stop, have finished writing there.
+/// 2 s to stop, have finished writing there, and tries again for ten seconds while a late wrapper still writes an exit
+/// file into a directory being removed (`rm -rf` then fails to remove the directory, and left it behind before).
 pub(crate) struct Janitor {
     pipe: Option<ChildStdin>,
     shell: Option<Child>,
@@ -106,8 +107,7 @@ pub(crate) struct Janitor {
 impl Janitor {
     /// Removes `dir` and the files in `/dev/shm` whose names start with `shm_prefix` (when not empty).
     pub(crate) fn spawn(dir: &Path, shm_prefix: &str) -> Result<Self> {
-        let script =
-            r#"trap '' INT HUP TERM; cat >/dev/null; sleep 3; rm -rf "$1"; [ -z "$2" ] || rm -f /dev/shm/"$2"*"#;
+        let script = r#"trap '' INT HUP TERM; cat >/dev/null; sleep 3; for try in 1 2 3 4 5 6 7 8 9 10; do rm -rf "$1"; [ -e "$1" ] || break; sleep 1; done; [ -z "$2" ] || rm -f /dev/shm/"$2"*"#;
         let mut shell = Command::new("sh")
             .arg("-c")
             .arg(script)

@@ -28,6 +28,27 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     LOCK.lock().await
 }
 
+/// Kills the QEMU that libvirtd starts to probe its capabilities (`-daemonize`, so reparented to init) when the daemon
+/// was stopped before it killed the probe itself: left alone, it ran on for hours after the tests.
+fn kill_orphaned_capability_probes() {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+        let Ok(command) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let command = String::from_utf8_lossy(&command);
+        let orphan = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_owned))
+            })
+            .is_some_and(|parent| parent == "1");
+        let qemu = command.split('\0').next().is_some_and(|program| program.contains("qemu-system"));
+        if orphan && qemu && command.contains("capabilities.monitor.sock") {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+    }
+}
+
 /// What the names of the tests' pools start with.
 pub const POOL_PREFIX: &str = "egress-test-";
 
@@ -138,6 +159,7 @@ impl Libvirtd {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            kill_orphaned_capability_probes();
         }
     }
 
