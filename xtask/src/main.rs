@@ -74,6 +74,9 @@ enum Command {
         /// Internal: run the demo in this network namespace, reporting through this directory.
         #[arg(long, hide = true)]
         inside: Option<PathBuf>,
+        /// Internal: the operator is built already (by `cargo xtask test`'s test build); skip set-up and build.
+        #[arg(long, hide = true)]
+        built: bool,
     },
     /// Run the benchmarks (health, lease, discovery, fleet; all without a name) and print their figures.
     Bench {
@@ -100,7 +103,8 @@ fn main() -> ExitCode {
         }
         Command::GuestImage => guest::ensure_built().map(|path| println!("{}", path.display())),
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
-        Command::Quickstart { exit, inside } => quickstart::run(exit, inside),
+        Command::Quickstart { exit, inside, built: false } => quickstart::run(exit, inside),
+        Command::Quickstart { exit, inside, built: true } => quickstart::run_built(exit, inside),
         Command::E2e { kind, cargo_test_args } => e2e::run_suite(kind, &cargo_test_args),
         Command::Bench { name, sizes } => bench::run_benches(name.as_deref(), &sizes),
     };

@@ -121,8 +121,9 @@ pub fn run_built(exit: bool, inside: Option<PathBuf>) -> Result<()> {
 pub fn check_sigterm_cleans_up() -> Result<()> {
     use std::io::BufRead;
     let before = crate::leftovers::Snapshot::take();
+    // As built for the tests, like the `--exit` run before it (a `cargo build -p` would rebuild for a minute).
     let mut child = std::process::Command::new(std::env::current_exe().context("finding the xtask binary")?)
-        .arg("quickstart")
+        .args(["quickstart", "--built"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting the quickstart")?;
