@@ -4,8 +4,11 @@
 //! `cargo xtask test` provides the rest: a venv with the Python client's pinned test dependencies (named by
 //! `EGRESS_PYTHON`) and the Node client's modules (`clients/node/node_modules`, from its lock file).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use egress_api::{Proxy, ProxyPhase};
@@ -29,6 +32,11 @@ struct Live {
 
 impl Live {
     async fn start(prefix: &str) -> Live {
+        Self::start_with(prefix, None).await
+    }
+
+    /// Three Proxies with `cooldown` as their `spec.cooldown`.
+    async fn start_with(prefix: &str, cooldown: Option<egress_api::CooldownSpec>) -> Live {
         let ns = egress_testenv::namespace(prefix).await;
         let mut squids = Vec::new();
         for _ in 0..PROXIES {
@@ -50,9 +58,8 @@ impl Live {
         let mut names = Vec::new();
         for (index, squid) in squids.iter().enumerate() {
             let name = format!("{prefix}-{index}");
-            api.create(&PostParams::default(), &Proxy::new(&name, common::external(squid.address(), 1)))
-                .await
-                .expect("create");
+            let spec = egress_api::ProxySpec { cooldown, ..common::external(squid.address(), 1) };
+            api.create(&PostParams::default(), &Proxy::new(&name, spec)).await.expect("create");
             names.push(name);
         }
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -143,4 +150,159 @@ async fn the_node_client_passes_its_tests_against_a_live_operator() {
     let (output, text) = run(command, "node --test").await;
     assert!(output.status.success(), "the Node tests failed:\n{text}");
     assert!(text.contains("# fail 0") && text.contains("# skipped 0"), "every Node test ran and passed:\n{text}");
+}
+
+/// A site of `PAGES` pages that answers 403 to each address on every `every`-th request from it: it bans every proxy
+/// now and then. Counts the pages it served and the bans it answered.
+struct BanningSite {
+    address: std::net::SocketAddr,
+    bans: Arc<AtomicU32>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+const PAGES: usize = 200;
+
+impl BanningSite {
+    async fn start(every: u32) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let served: Arc<std::sync::Mutex<HashMap<std::net::IpAddr, u32>>> = Arc::default();
+        let bans = Arc::new(AtomicU32::new(0));
+        let counted = bans.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, peer)) = listener.accept().await {
+                let (served, bans) = (served.clone(), counted.clone());
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buffer = [0; 2048];
+                    while !request.windows(4).any(|window| window == b"\r\n\r\n") {
+                        match stream.read(&mut buffer).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(read) => request.extend_from_slice(&buffer[..read]),
+                        }
+                    }
+                    let count = {
+                        let mut served = served.lock().expect("served");
+                        let count = served.entry(peer.ip()).or_default();
+                        *count += 1;
+                        *count
+                    };
+                    let status = if count % every == 0 {
+                        bans.fetch_add(1, Ordering::SeqCst);
+                        "403 Forbidden"
+                    } else {
+                        "200 OK"
+                    };
+                    let answer = format!("HTTP/1.1 {status}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok");
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        Self { address, bans, task }
+    }
+}
+
+impl Drop for BanningSite {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// `host:port` of a lease's proxy URL (`http://[user:password@]host:port`).
+fn proxy_address(url: &str) -> std::net::SocketAddr {
+    let authority = url.trim_start_matches("http://").trim_end_matches('/');
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    host.parse().unwrap_or_else(|error| panic!("{url}: {error}"))
+}
+
+/// One crawler: keeps a lease on a proxy for the site while the site serves through it, reports each success (which
+/// ends a ban streak) and each ban (then leases again), until every page is fetched.
+async fn crawl_pages(
+    discovery: DiscoveryClient,
+    site: std::net::SocketAddr,
+    pages: Arc<std::sync::Mutex<Vec<usize>>>,
+    fetched: Arc<AtomicU32>,
+    deadline: tokio::time::Instant,
+) -> Result<(), String> {
+    let target = format!("site-{}.example", site.port());
+    let mut held: Option<egress_client::LeaseGuard> = None;
+    loop {
+        let Some(page) = pages.lock().expect("pages").pop() else { return Ok(()) };
+        let lease = match held.take() {
+            Some(lease) => lease,
+            None => loop {
+                match discovery.lease(egress_client::LeaseOptions::for_target(&target)).await {
+                    Ok(lease) => break lease,
+                    Err(egress_client::ClientError::Unavailable { retry_after, .. }) => {
+                        if tokio::time::Instant::now() >= deadline {
+                            pages.lock().expect("pages").push(page);
+                            return Err(format!("no proxy for {target} before the deadline"));
+                        }
+                        let wait = retry_after.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(2));
+                        tokio::time::sleep(wait).await;
+                    }
+                    Err(error) => return Err(format!("lease: {error}")),
+                }
+            },
+        };
+        let url = format!("http://{site}/page/{page}");
+        let status = egress_testenv::get_through_proxy(proxy_address(lease.proxy_url()), &url, None)
+            .await
+            .map_err(|error| format!("{url}: {error:#}"))?;
+        match status {
+            200 => {
+                fetched.fetch_add(1, Ordering::SeqCst);
+                lease.report_counts(1, 0).await.map_err(|error| format!("report: {error}"))?;
+                held = Some(lease);
+            }
+            403 => {
+                pages.lock().expect("pages").push(page);
+                lease
+                    .report(egress_client::Outcome::Banned, Some(403))
+                    .await
+                    .map_err(|error| format!("report: {error}"))?;
+                lease.release().await.map_err(|error| format!("release: {error}"))?;
+            }
+            other => return Err(format!("{url} answered {other}")),
+        }
+    }
+}
+
+/// A site that bans each proxy on every 40th request from it, crawled by three crawlers over three proxies: with the
+/// default cooldown (10 minutes) the crawl stopped at 195 of 200 pages until its 180 s deadline, every proxy cooling
+/// down; with a 30 s first-ban cooldown in the Proxies' spec, it fetches all 200.
+#[tokio::test]
+async fn a_small_fleet_with_a_30_s_cooldown_crawls_a_site_that_bans_every_proxy() {
+    let cooldown = egress_api::CooldownSpec { base_seconds: Some(30), ..egress_api::CooldownSpec::default() };
+    let live = Live::start_with("small", Some(cooldown)).await;
+    let discovery = DiscoveryClient::new(&live.operator.discovery_url, Some(TOKEN.into())).expect("client");
+    let listed = discovery.proxies(None, None).await.expect("proxies");
+    assert!(
+        listed.iter().all(|proxy| proxy.cooldown_policy.is_some_and(|policy| policy.base_seconds == 30)),
+        "every proxy lists its 30 s policy: {listed:?}"
+    );
+    let site = BanningSite::start(40).await;
+    let pages = Arc::new(std::sync::Mutex::new((0..PAGES).collect::<Vec<_>>()));
+    let fetched = Arc::new(AtomicU32::new(0));
+    let started = std::time::Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    let crawlers: Vec<_> = (0..PROXIES)
+        .map(|_| tokio::spawn(crawl_pages(discovery.clone(), site.address, pages.clone(), fetched.clone(), deadline)))
+        .collect();
+    let mut failures = Vec::new();
+    for crawler in crawlers {
+        if let Err(error) = crawler.await.expect("crawler") {
+            failures.push(error);
+        }
+    }
+    let (fetched, bans) = (fetched.load(Ordering::SeqCst), site.bans.load(Ordering::SeqCst));
+    eprintln!(
+        "small fleet: {fetched} of {PAGES} pages through {PROXIES} proxies with a 30 s first-ban cooldown in {:.1} s, \
+         {bans} bans",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    assert_eq!(fetched as usize, PAGES, "the whole site");
+    assert!(bans as usize >= PROXIES, "every proxy was banned at least once: {bans}");
 }

@@ -562,7 +562,7 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     let (banned_ns, banned_name) = banned_proxy.split_once('/').expect("namespace/name");
     let kept = Api::<Proxy>::namespaced(client.clone(), banned_ns).get(banned_name).await.expect("banned Proxy");
     let kept = kept.status.map(|status| status.cooldowns).unwrap_or_default();
-    assert!(kept.iter().any(|cooldown| cooldown.site == "banned.example" && cooldown.streak == 1), "{kept:?}");
+    assert!(kept.iter().any(|cooldown| cooldown.target() == "banned.example" && cooldown.streak == 1), "{kept:?}");
 
     let pods = operator_pods(&client).await;
     let leader = pods.iter().find(|pod| is_leader(pod)).expect("a leader").clone();
@@ -1714,7 +1714,7 @@ async fn two_tenants_share_the_fleet_and_one_cannot_ban_a_site_for_the_other() {
     })
     .await;
     assert_eq!(
-        (kept[0].site.as_str(), kept[0].streak, kept[0].tenants.clone()),
+        (kept[0].target(), kept[0].streak, kept[0].tenants.clone()),
         ("tenants.example", 1, vec!["team-a".to_owned()])
     );
 

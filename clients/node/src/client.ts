@@ -60,6 +60,8 @@ export interface ProxyInfo {
   /** For the asked target: the share of reported requests the proxy served, and over how many. */
   successRate?: number;
   reported?: number;
+  /** How long a site's ban cools it down: `baseSeconds` after the first ban in a row, times `factor`, at most `maxSeconds`. */
+  cooldownPolicy?: { baseSeconds: number; factor: number; maxSeconds: number };
 }
 
 /** A live cooldown: `proxy` is not leased for `target` until `until`. */

@@ -19,7 +19,25 @@ pub struct CrdFile {
 
 /// Every CRD this crate defines.
 pub fn definitions() -> Vec<CustomResourceDefinition> {
-    vec![Proxy::crd(), ProxyPool::crd(), ProviderHealth::crd()]
+    vec![Proxy::crd(), with_metadata_name(ProxyPool::crd()), ProviderHealth::crd()]
+}
+
+/// `metadata.name` in the root schema (a CRD may describe `name` and `generateName` there), so the pool's name-length
+/// rule can name that field in its error instead of `<nil>`.
+fn with_metadata_name(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaProps;
+    for version in &mut crd.spec.versions {
+        if let Some(root) = version.schema.as_mut().and_then(|schema| schema.open_api_v3_schema.as_mut()) {
+            let name = JSONSchemaProps { type_: Some("string".into()), ..JSONSchemaProps::default() };
+            let metadata = JSONSchemaProps {
+                type_: Some("object".into()),
+                properties: Some([("name".to_owned(), name)].into()),
+                ..JSONSchemaProps::default()
+            };
+            root.properties.get_or_insert_with(Default::default).insert("metadata".into(), metadata);
+        }
+    }
+    crd
 }
 
 /// Every CRD rendered as the file `crds/<group>_<plural>.yaml`.

@@ -83,6 +83,8 @@ pub const DEFAULT_JITTER_PERCENT: i32 = 10;
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = kube::core::Rule::new("size(self.metadata.name) <= 58")
         .message("a ProxyPool's name must be at most 58 characters: members are named <pool>-<ordinal> and carry the pool's name as a label value")
+        .field_path(".metadata.name")
+        .reason(kube::core::Reason::FieldValueInvalid)
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = crate::proxy::without_nullable)]
@@ -179,6 +181,9 @@ pub struct ProxyTemplateSpec {
     /// Destinations members refuse on top of their provider's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub destinations: Option<ProxyDestinations>,
+    /// How long a site's ban keeps a member from being leased for that site (as a Proxy's `spec.cooldown`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cooldown: Option<crate::CooldownSpec>,
 }
 
 fn default_port() -> i32 {
@@ -196,6 +201,7 @@ impl Default for ProxyTemplateSpec {
             health_check: HealthCheck::default(),
             max_leases: None,
             destinations: None,
+            cooldown: None,
         }
     }
 }
@@ -443,6 +449,7 @@ impl ProxyPoolSpec {
             health_check: template.health_check.clone(),
             max_leases: template.max_leases,
             destinations: template.destinations.clone(),
+            cooldown: template.cooldown,
             ..ProxySpec::new(ProxyMode::Managed)
         }
     }

@@ -152,6 +152,34 @@ pub struct ProxySpec {
     /// narrow the policy; widening it is for whoever writes the operator's providers file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub destinations: Option<ProxyDestinations>,
+
+    /// How long a site's ban keeps this proxy from being leased for that site. Fields left unset come from the
+    /// provider's `cooldown` in the providers file, then the operator's default (600 s, doubling, at most a day).
+    /// Changing it replaces nothing: it applies to the next ban.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cooldown: Option<CooldownSpec>,
+}
+
+/// A ban cooldown policy: `baseSeconds` after the first ban in a row, multiplied by `factor` for each further one
+/// (1 keeps it flat), never more than `maxSeconds`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.baseSeconds) || !has(self.maxSeconds) || self.maxSeconds >= self.baseSeconds")
+    .message("cooldown.maxSeconds must be at least cooldown.baseSeconds")
+    .field_path(".maxSeconds"))]
+pub struct CooldownSpec {
+    /// The cooldown after the first ban in a row, in seconds (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub base_seconds: Option<u32>,
+    /// What each further ban in a row multiplies the cooldown by (default 2; 1 keeps it flat).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10))]
+    pub factor: Option<u32>,
+    /// The longest cooldown, in seconds (default 86,400).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 604800))]
+    pub max_seconds: Option<u32>,
 }
 
 /// A Proxy's additions to its provider's destination policy.
@@ -413,6 +441,7 @@ impl ProxySpec {
             max_leases: None,
             max_age: None,
             destinations: None,
+            cooldown: None,
         }
     }
 
@@ -475,13 +504,18 @@ pub struct ProxyStatus {
     pub cooldowns: Vec<CooldownStatus>,
 }
 
-/// A proxy's cooldown for one site.
+/// A proxy's cooldown for one target (site).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CooldownStatus {
-    /// The site, as leases name it (its registrable domain by default).
+    /// The target, as leases and the discovery API name it (a site's registrable domain by default).
+    #[serde(default)]
     #[schemars(length(max = 2048))]
-    pub site: String,
+    pub target: String,
+    /// Deprecated: the name `target` had before; read from statuses older operators wrote, never written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
+    pub site: Option<String>,
     /// When the proxy may be leased for the site again.
     pub until: Time,
     /// How many bans in a row led to this cooldown; the next one in a row doubles it.
@@ -491,6 +525,13 @@ pub struct CooldownStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16), inner(length(max = 63)))]
     pub tenants: Vec<String>,
+}
+
+impl CooldownStatus {
+    /// The target: `target`, or the deprecated `site` of a status an older operator wrote.
+    pub fn target(&self) -> &str {
+        if self.target.is_empty() { self.site.as_deref().unwrap_or_default() } else { &self.target }
+    }
 }
 
 /// The life-cycle phase of a proxy.

@@ -186,6 +186,26 @@ async fn rule_timeout_below_interval() {
 }
 
 #[tokio::test]
+async fn a_cooldown_policy_is_bounded_and_its_maximum_not_below_its_base() {
+    let (_ns, api) = proxies("cooldown").await;
+    assert_rejected(
+        apply(&api, "inverted", with(external(), "cooldown", json!({ "baseSeconds": 600, "maxSeconds": 60 }))).await,
+        "cooldown.maxSeconds must be at least cooldown.baseSeconds",
+    );
+    assert_rejected(
+        apply(&api, "zero", with(external(), "cooldown", json!({ "baseSeconds": 0 }))).await,
+        "spec.cooldown.baseSeconds",
+    );
+    assert_rejected(
+        apply(&api, "steep", with(external(), "cooldown", json!({ "factor": 11 }))).await,
+        "spec.cooldown.factor",
+    );
+    let policy = json!({ "baseSeconds": 30, "factor": 1, "maxSeconds": 30 });
+    let accepted = assert_accepted(apply(&api, "flat", with(external(), "cooldown", policy)).await);
+    assert_eq!(accepted.spec.cooldown.and_then(|cooldown| cooldown.base_seconds), Some(30));
+}
+
+#[tokio::test]
 async fn max_age_must_be_a_positive_duration() {
     let (_ns, api) = proxies("max-age").await;
     assert_rejected(
@@ -444,6 +464,8 @@ async fn pool_rules_each_refuse_with_their_message() {
     );
     let long = "p".repeat(59);
     assert_rejected(apply_pool(&api, &long, pool(1)).await, "at most 58 characters");
+    // With the field it is about, not `<nil>`.
+    assert_rejected(apply_pool(&api, &long, pool(1)).await, "metadata.name: Invalid value");
     assert_accepted(apply_pool(&api, &"p".repeat(58), pool(1)).await);
     // A template carries no mode, endpoint or maxAge: created as kubectl does (strict field validation), the
     // apiserver names the field it does not know.

@@ -200,6 +200,22 @@ pub struct ProxyInfo {
     pub success_rate: Option<f64>,
     /// For the asked target: how many reported requests that share is over.
     pub reported: Option<u64>,
+    /// How long a site's ban cools it down.
+    #[serde(default)]
+    pub cooldown_policy: Option<CooldownPolicyInfo>,
+}
+
+/// A proxy's ban cooldown policy: `base_seconds` after the first ban in a row, times `factor` for each further one,
+/// at most `max_seconds`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CooldownPolicyInfo {
+    /// The first ban's cooldown.
+    pub base_seconds: u64,
+    /// What each further ban in a row multiplies it by.
+    pub factor: u32,
+    /// The longest cooldown.
+    pub max_seconds: u64,
 }
 
 /// A live cooldown as the API lists it.

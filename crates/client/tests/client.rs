@@ -23,6 +23,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         credentials: Some(("crawler".into(), "secret".into())),
         cooldowns: Vec::new(),
         pool: None,
+        cooldown: None,
     }
 }
 

@@ -36,6 +36,7 @@ async fn discovery_server() -> SocketAddr {
             credentials: None,
             cooldowns: Vec::new(),
             pool: None,
+            cooldown: None,
         })
         .collect::<Vec<_>>();
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));

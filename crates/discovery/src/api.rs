@@ -277,6 +277,9 @@ struct ProxyEntry {
     pool: Option<String>,
     active_leases: u32,
     max_leases: u32,
+    /// How long a ban cools it down for a site, when it has a policy of its own (the operator always gives one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cooldown_policy: Option<CooldownPolicyEntry>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cooling_down_until: Option<String>,
     /// With `target`: the share of requests reported through this proxy for that site that it served.
@@ -285,6 +288,21 @@ struct ProxyEntry {
     /// With `target`: how many requests that share is over.
     #[serde(skip_serializing_if = "Option::is_none")]
     reported: Option<u64>,
+}
+
+/// A proxy's ban cooldown policy, as the API shows it.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CooldownPolicyEntry {
+    base_seconds: u64,
+    factor: u32,
+    max_seconds: u64,
+}
+
+impl From<egress_lease::CooldownPolicy> for CooldownPolicyEntry {
+    fn from(policy: egress_lease::CooldownPolicy) -> Self {
+        Self { base_seconds: policy.base.as_secs(), factor: policy.factor, max_seconds: policy.max.as_secs() }
+    }
 }
 
 async fn list_proxies(
@@ -332,6 +350,7 @@ async fn list_proxies(
             pool: record.pool.as_deref().and_then(|pool| pool.split_once('/')).map(|(_, name)| name.to_owned()),
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
+            cooldown_policy: record.cooldown.map(CooldownPolicyEntry::from),
             cooling_down_until: load.as_ref().and_then(|load| load.cooling_down_until).map(timestamp),
             success_rate: load.as_ref().and_then(|load| load.outcomes).and_then(|outcomes| outcomes.success_rate()),
             reported: load.as_ref().and_then(|load| load.outcomes).map(|outcomes| outcomes.total()),

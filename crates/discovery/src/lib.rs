@@ -66,6 +66,8 @@ pub struct ProxyRecord {
     pub cooldowns: Vec<Cooldown>,
     /// The pool it is a member of (`namespace/name`), when it has one.
     pub pool: Option<String>,
+    /// Its ban cooldown policy (the Proxy's, else its provider's), when it has one of its own.
+    pub cooldown: Option<egress_lease::CooldownPolicy>,
 }
 
 /// One pool of proxies, as the discovery API needs it to answer leases asked for by pool.
@@ -248,6 +250,7 @@ impl Discovery {
                 || previous.endpoint() != endpoint
                 || previous.egress_ip != record.egress_ip
                 || previous.pool != record.pool
+                || previous.cooldown != record.cooldown
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
         if store_changed {
@@ -259,6 +262,7 @@ impl Discovery {
                 endpoint,
                 egress_ip: record.egress_ip.clone(),
                 pool: record.pool.clone(),
+                cooldown: record.cooldown,
             });
         }
         if cooldowns_changed && !record.cooldowns.is_empty() {

@@ -138,6 +138,15 @@ pub fn document() -> Value {
                     "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
                     "pool": { "type": "string", "description": "the name of the ProxyPool it is a member of, in its namespace" },
                     "coolingDownUntil": { "type": "string", "format": "date-time" },
+                    "cooldownPolicy": {
+                        "type": "object",
+                        "description": "How long a site's ban cools this proxy down: baseSeconds after the first ban in a row, times factor for each further one, at most maxSeconds",
+                        "properties": {
+                            "baseSeconds": { "type": "integer" },
+                            "factor": { "type": "integer" },
+                            "maxSeconds": { "type": "integer" }
+                        }
+                    },
                     "successRate": { "type": "number", "minimum": 0, "maximum": 1, "description": "with target: the share of requests reported through this proxy for that site (in the last hour of reports) that it served" },
                     "reported": { "type": "integer", "description": "with target: how many reported requests successRate is over" }
                 }}]},

@@ -36,6 +36,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         credentials: Some(("crawler".into(), "p@ss".into())),
         cooldowns: Vec::new(),
         pool: None,
+        cooldown: None,
     }
 }
 
@@ -1134,4 +1135,23 @@ async fn tenants_have_their_own_leases_sessions_cooldowns_and_quotas() {
     let (status, _, _) =
         server.call("POST", &format!("/v1/leases/{b_id}/report"), Some(B_LEASE), Some(r#"{"ok":1}"#)).await;
     assert_eq!(status, 200);
+}
+
+#[tokio::test]
+async fn a_proxy_with_a_cooldown_policy_of_its_own_shows_it_and_a_ban_follows_it() {
+    let policy =
+        egress_lease::CooldownPolicy { base: Duration::from_secs(30), factor: 3, max: Duration::from_secs(300) };
+    let server = Server::start(vec![ProxyRecord { cooldown: Some(policy), ..record("a", 2) }], true).await;
+    let (status, _, body) = server.call("GET", "/v1/proxies", Some(READ), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["proxies"][0]["cooldownPolicy"], json!({ "baseSeconds": 30, "factor": 3, "maxSeconds": 300 }));
+    let (status, lease) = server.lease(json!({ "target": "shop.example" })).await;
+    assert_eq!(status, 201, "{lease}");
+    let id = lease["id"].as_str().expect("id");
+    let (status, _, banned) =
+        server.call("POST", &format!("/v1/leases/{id}/report"), Some(LEASE), Some(r#"{"outcome":"banned"}"#)).await;
+    assert_eq!(status, 200, "{banned}");
+    let until: jiff::Timestamp = banned["cooldownUntil"].as_str().expect("cooldownUntil").parse().expect("a time");
+    let wait = until.duration_since(jiff::Timestamp::now()).as_secs();
+    assert!((28..=31).contains(&wait), "a 30 s cooldown, not the default 600 s: {wait} s");
 }

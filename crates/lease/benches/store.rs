@@ -20,6 +20,7 @@ fn run(proxies: usize) -> Duration {
             endpoint: format!("10.0.{}.{}:3128", index / 256, index % 256),
             egress_ip: None,
             pool: None,
+            cooldown: None,
         });
     }
     let now = SystemTime::now();

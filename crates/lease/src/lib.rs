@@ -44,6 +44,34 @@ pub struct ProxyInfo {
     pub egress_ip: Option<String>,
     /// The pool it is a member of (the operator uses `namespace/name`), when it has one.
     pub pool: Option<String>,
+    /// How long a site's ban cools it down; `None`: the store's ([`LeaseConfig::cooldown`]).
+    pub cooldown: Option<CooldownPolicy>,
+}
+
+/// How long a ban cools a proxy down for a site: `base` after the first ban in a row, multiplied by `factor` for each
+/// further one, never more than `max`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CooldownPolicy {
+    /// The cooldown after the first ban in a row.
+    pub base: Duration,
+    /// What each further ban in a row multiplies it by (1 keeps it flat).
+    pub factor: u32,
+    /// The longest cooldown.
+    pub max: Duration,
+}
+
+impl CooldownPolicy {
+    /// The cooldown after the `streak`-th ban in a row.
+    pub fn after(&self, streak: u32) -> Duration {
+        let mut cooldown = self.base;
+        for _ in 1..streak {
+            if cooldown >= self.max {
+                break;
+            }
+            cooldown = cooldown.saturating_mul(self.factor.max(1));
+        }
+        cooldown.min(self.max)
+    }
 }
 
 /// A lease that ended before its last expiry, as kept elsewhere ([`LeaseStore::ended_leases`]): its IDs are
@@ -286,10 +314,8 @@ pub struct LeaseConfig {
     pub default_ttl: Duration,
     /// The longest TTL a request may ask for.
     pub max_ttl: Duration,
-    /// The cooldown after the first ban in a row; it doubles for each further one.
-    pub cooldown_base: Duration,
-    /// The longest cooldown.
-    pub cooldown_cap: Duration,
+    /// The ban cooldown of proxies whose info names none (10 minutes, doubling, at most a day).
+    pub cooldown: CooldownPolicy,
     /// How targets are compared.
     pub target_mode: TargetMode,
     /// The most cooldown entries kept; the ones closest to being forgotten go first beyond it.
@@ -311,8 +337,7 @@ impl Default for LeaseConfig {
         Self {
             default_ttl: Duration::from_secs(300),
             max_ttl: Duration::from_secs(3600),
-            cooldown_base: Duration::from_secs(600),
-            cooldown_cap: Duration::from_secs(86_400),
+            cooldown: CooldownPolicy { base: Duration::from_secs(600), factor: 2, max: Duration::from_secs(86_400) },
             target_mode: TargetMode::RegistrableDomain,
             max_cooldowns: 1_000_000,
             throttle_default: Duration::from_secs(60),

@@ -227,10 +227,10 @@ impl InMemoryLeaseStore {
         requested.unwrap_or(self.config.default_ttl).clamp(Duration::from_secs(1), self.config.max_ttl)
     }
 
-    /// The cooldown after the `streak`-th ban in a row.
-    fn cooldown_for(&self, streak: u32) -> Duration {
-        let factor = 1_u32.checked_shl(streak.saturating_sub(1)).unwrap_or(u32::MAX);
-        self.config.cooldown_base.saturating_mul(factor).min(self.config.cooldown_cap)
+    /// The cooldown of `proxy` after the `streak`-th ban in a row, by its own policy or the store's.
+    fn cooldown_for(&self, inner: &Inner, proxy: &str, streak: u32) -> Duration {
+        let policy = inner.proxies.get(proxy).and_then(|state| state.info.cooldown).unwrap_or(self.config.cooldown);
+        policy.after(streak)
     }
 
     /// Checks every internal invariant: no proxy above its cap, active counts equal the live leases, no lease on an
@@ -531,7 +531,7 @@ impl Inner {
         until: SystemTime,
         streak: u32,
     ) {
-        let forget_at = until + store.cooldown_for(streak.saturating_add(1));
+        let forget_at = until + store.cooldown_for(self, &proxy, streak.saturating_add(1));
         self.sequence += 1;
         let started = self.sequence;
         let key = (proxy, target);
@@ -861,7 +861,7 @@ impl LeaseStore for InMemoryLeaseStore {
             Some(Outcome::Banned) => {
                 counted.banned += 1;
                 let streak = inner.cooldowns.get(&key).map_or(0, |cooldown| cooldown.streak).saturating_add(1);
-                let until = (now + self.cooldown_for(streak)).max(running_until.unwrap_or(now));
+                let until = (now + self.cooldown_for(&inner, &proxy, streak)).max(running_until.unwrap_or(now));
                 inner.set_cooldown(self, proxy.clone(), target.clone(), until, streak);
                 inner.reported_by(&key, owner, true, running_until.is_some());
                 changed = true;
@@ -989,7 +989,8 @@ impl LeaseStore for InMemoryLeaseStore {
             }) {
                 continue;
             }
-            let forget_at = cooldown.until + self.cooldown_for(cooldown.streak.saturating_add(1));
+            let forget_at =
+                cooldown.until + self.cooldown_for(&inner, &cooldown.proxy, cooldown.streak.saturating_add(1));
             if forget_at <= now {
                 continue;
             }

@@ -35,8 +35,23 @@ pub struct ProviderConfig {
     pub name: String,
     /// Where this provider's proxies may connect, beyond the defaults (`destinations: {allow, deny}`).
     pub destinations: DestinationPolicy,
+    /// How long a site's ban cools its proxies down (`cooldown: {baseSeconds, factor, maxSeconds}`), where a Proxy
+    /// sets nothing of its own.
+    pub cooldown: CooldownSettings,
     /// The type-specific settings.
     pub settings: ProviderSettings,
+}
+
+/// A ban cooldown policy, any part of which may be left to the next level (a Proxy's `spec.cooldown`, then its
+/// provider's, then the operator's 600 s, doubling, at most 86,400 s).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CooldownSettings {
+    /// The cooldown after the first ban in a row, in seconds (1 to 86,400).
+    pub base_seconds: Option<u32>,
+    /// What each further ban in a row multiplies it by (1 to 10).
+    pub factor: Option<u32>,
+    /// The longest cooldown, in seconds (1 to 604,800).
+    pub max_seconds: Option<u32>,
 }
 
 /// The settings block of one provider type.
@@ -490,10 +505,15 @@ impl Walker {
     }
 
     fn provider(&mut self, path: &str, value: &Value) -> Option<ProviderConfig> {
-        let node = self.mapping(path, value, &["name", "type", "destinations", "kubernetes", "gcp", "kvm"])?;
+        let node =
+            self.mapping(path, value, &["name", "type", "destinations", "cooldown", "kubernetes", "gcp", "kvm"])?;
         let destinations = match node.map.get("destinations") {
             None | Some(Value::Null) => DestinationPolicy::default(),
             Some(value) => self.destinations(&node.child("destinations"), value),
+        };
+        let cooldown = match node.map.get("cooldown") {
+            None | Some(Value::Null) => CooldownSettings::default(),
+            Some(value) => self.cooldown(&node.child("cooldown"), value),
         };
         let name = self.identifier(&node, "name", true);
         let kind = self.string(&node, "type", true);
@@ -526,7 +546,24 @@ impl Walker {
             "gcp" => ProviderSettings::Gcp(self.gcp(&block_path, block)?),
             _ => ProviderSettings::Kvm(self.kvm(&block_path, block)?),
         };
-        Some(ProviderConfig { name: name?, destinations, settings })
+        Some(ProviderConfig { name: name?, destinations, cooldown, settings })
+    }
+
+    fn cooldown(&mut self, path: &str, value: &Value) -> CooldownSettings {
+        let Some(node) = self.mapping(path, value, &["baseSeconds", "factor", "maxSeconds"]) else {
+            return CooldownSettings::default();
+        };
+        let settings = CooldownSettings {
+            base_seconds: self.integer(&node, "baseSeconds", 1, 86_400),
+            factor: self.integer(&node, "factor", 1, 10),
+            max_seconds: self.integer(&node, "maxSeconds", 1, 604_800),
+        };
+        if let (Some(base), Some(max)) = (settings.base_seconds, settings.max_seconds)
+            && max < base
+        {
+            self.problem(node.child("maxSeconds"), format!("{max} is less than baseSeconds ({base})"));
+        }
+        settings
     }
 
     fn destinations(&mut self, path: &str, value: &Value) -> DestinationPolicy {

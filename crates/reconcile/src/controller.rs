@@ -984,7 +984,8 @@ mod tests {
         written.status = Some(ProxyStatus {
             phase: Some(ProxyPhase::Ready),
             cooldowns: vec![CooldownStatus {
-                site: "example.com".into(),
+                target: "example.com".into(),
+                site: None,
                 until: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
                 streak: 3,
                 tenants: Vec::new(),

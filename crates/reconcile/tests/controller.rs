@@ -642,7 +642,7 @@ async fn cooldowns_in_the_status_are_kept_by_the_reconciler_and_cost_it_nothing(
     let unhealthy = wait_for(&harness.proxies(), "p", "Unhealthy", |p| phase(p) == Some(ProxyPhase::Unhealthy)).await;
     let kept = &unhealthy.status.as_ref().expect("status").cooldowns;
     assert_eq!(kept.len(), 1, "{kept:?}");
-    assert_eq!((kept[0].site.as_str(), kept[0].streak), ("example.com", 5));
+    assert_eq!((kept[0].target(), kept[0].streak), ("example.com", 5));
     let owners: Vec<String> = unhealthy
         .managed_fields()
         .iter()

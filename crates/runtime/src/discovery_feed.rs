@@ -26,9 +26,31 @@ use tracing::{Instrument, debug, info_span};
 /// How many Proxies a resync handles before it lets other tasks run.
 const YIELD_EVERY: usize = 256;
 
+/// The ban cooldown policy of every provider, by name, from the providers file.
+pub type ProviderCooldowns = std::collections::HashMap<String, egress_provider::config::CooldownSettings>;
+
+/// A Proxy's ban cooldown policy: each part from its `spec.cooldown`, else its provider's, else the operator's
+/// default (600 s, doubling, at most a day).
+pub fn cooldown_policy(proxy: &Proxy, providers: &ProviderCooldowns) -> egress_lease::CooldownPolicy {
+    let default = egress_lease::LeaseConfig::default().cooldown;
+    let own = proxy.spec.cooldown.unwrap_or_default();
+    let provider = proxy.spec.provider.as_ref().and_then(|name| providers.get(name)).copied().unwrap_or_default();
+    let seconds = |value: u32| std::time::Duration::from_secs(u64::from(value));
+    let base = own.base_seconds.or(provider.base_seconds).map_or(default.base, seconds);
+    let factor = own.factor.or(provider.factor).unwrap_or(default.factor);
+    // A maximum below the base (from two different levels) is raised to it.
+    let max = own.max_seconds.or(provider.max_seconds).map_or(default.max, seconds).max(base);
+    egress_lease::CooldownPolicy { base, factor, max }
+}
+
 /// The record discovery shows for a Proxy, or `None` when it has nothing to show (no endpoint yet, being deleted,
 /// or invalid).
-pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &CredentialStore) -> Option<ProxyRecord> {
+pub fn proxy_record(
+    proxy: &Proxy,
+    verdicts: &ProxyVerdicts,
+    credentials: &CredentialStore,
+    cooldowns: &ProviderCooldowns,
+) -> Option<ProxyRecord> {
     if proxy.metadata.deletion_timestamp.is_some() {
         return None;
     }
@@ -54,6 +76,7 @@ pub fn proxy_record(proxy: &Proxy, verdicts: &ProxyVerdicts, credentials: &Crede
         healthy,
         cooldowns: crate::durable::cooldowns_of(proxy),
         pool: pool_of(proxy).map(|pool| format!("{namespace}/{pool}")),
+        cooldown: Some(cooldown_policy(proxy, cooldowns)),
         namespace,
         name,
     })
@@ -159,6 +182,8 @@ struct Records {
     verdicts: ProxyVerdicts,
     /// Whether this replica leads: while it does not, verdicts follow the leader's, from the status.
     leading: tokio::sync::watch::Receiver<bool>,
+    /// The providers' ban cooldown policies.
+    cooldowns: Arc<ProviderCooldowns>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
     secrets: SecretIndex,
@@ -176,7 +201,7 @@ impl Records {
             let key = ProbeKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any(), endpoint);
             egress_reconcile::follow_status(&self.verdicts, proxy, &key);
         }
-        match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials)) {
+        match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.cooldowns)) {
             Some(record) => self.discovery.upsert(record),
             None => self.discovery.remove(&id_of(reference)),
         }
@@ -216,11 +241,13 @@ fn id_of(reference: &ObjectRef<GuardedProxy>) -> String {
 
 /// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass. While `leading` is
 /// false the verdicts follow the Proxies' status (the leader's probes), so a replica that takes over serves at once.
+#[allow(clippy::too_many_arguments, reason = "the stores, signals and settings it joins")]
 pub async fn run_discovery_feed(
     feed: ProxyFeed,
     pools: PoolFeed,
     verdicts: ProxyVerdicts,
     leading: tokio::sync::watch::Receiver<bool>,
+    cooldowns: Arc<ProviderCooldowns>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
     pool_metrics: PoolMetrics,
@@ -234,6 +261,7 @@ pub async fn run_discovery_feed(
         feed,
         verdicts,
         leading,
+        cooldowns,
         credentials: credentials.clone(),
         discovery,
         secrets: SecretIndex::default(),
@@ -275,4 +303,41 @@ pub async fn run_discovery_feed(
         }
     };
     work.instrument(info_span!("discovery_feed")).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use egress_api::{CooldownSpec, ProxyMode, ProxySpec};
+    use egress_provider::config::CooldownSettings;
+
+    use super::*;
+
+    #[test]
+    fn each_part_of_the_cooldown_policy_comes_from_the_proxy_then_its_provider_then_the_default() {
+        let providers: ProviderCooldowns =
+            [("small".to_owned(), CooldownSettings { base_seconds: Some(30), factor: Some(3), max_seconds: None })]
+                .into();
+        let proxy = |provider: Option<&str>, cooldown: Option<CooldownSpec>| {
+            Proxy::new(
+                "p",
+                ProxySpec { provider: provider.map(str::to_owned), cooldown, ..ProxySpec::new(ProxyMode::Managed) },
+            )
+        };
+        let secs = Duration::from_secs;
+        let policy = cooldown_policy(&proxy(None, None), &providers);
+        assert_eq!((policy.base, policy.factor, policy.max), (secs(600), 2, secs(86_400)));
+        let policy = cooldown_policy(&proxy(Some("small"), None), &providers);
+        assert_eq!((policy.base, policy.factor, policy.max), (secs(30), 3, secs(86_400)));
+        let own = CooldownSpec { base_seconds: None, factor: Some(1), max_seconds: Some(120) };
+        let policy = cooldown_policy(&proxy(Some("small"), Some(own)), &providers);
+        assert_eq!((policy.base, policy.factor, policy.max), (secs(30), 1, secs(120)));
+        // A maximum below the base, from two levels, is raised to the base.
+        let own = CooldownSpec { base_seconds: Some(900), factor: None, max_seconds: None };
+        let low =
+            [("low".to_owned(), CooldownSettings { max_seconds: Some(60), ..CooldownSettings::default() })].into();
+        let policy = cooldown_policy(&proxy(Some("low"), Some(own)), &low);
+        assert_eq!((policy.base, policy.max), (secs(900), secs(900)));
+    }
 }

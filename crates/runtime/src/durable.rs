@@ -48,7 +48,8 @@ pub fn cooldown_status(cooldowns: &[Cooldown]) -> Vec<CooldownStatus> {
         .filter_map(|cooldown| {
             let until = Timestamp::try_from(cooldown.until).ok()?;
             Some(CooldownStatus {
-                site: cooldown.target.clone(),
+                target: cooldown.target.clone(),
+                site: None,
                 until: Time(until),
                 streak: cooldown.streak,
                 tenants: cooldown.reporters.iter().take(16).cloned().collect(),
@@ -66,7 +67,7 @@ pub fn cooldowns_of(proxy: &Proxy) -> Vec<Cooldown> {
         .flat_map(|status| &status.cooldowns)
         .map(|kept| Cooldown {
             proxy: id.clone(),
-            target: kept.site.clone(),
+            target: kept.target().to_owned(),
             until: SystemTime::from(kept.until.0),
             streak: kept.streak,
             reporters: kept.tenants.clone(),
@@ -348,8 +349,12 @@ mod tests {
         let json = serde_json::to_value(&proxy.status).expect("json");
         assert_eq!(
             json["cooldowns"][0],
-            serde_json::json!({"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]})
+            serde_json::json!({"target": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]})
         );
+        // A status an older operator wrote names the target `site`: still read.
+        let older = serde_json::json!({"cooldowns": [{"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]}]});
+        proxy.status = Some(serde_json::from_value(older).expect("an older status"));
+        assert_eq!(cooldowns_of(&proxy), cooldowns);
     }
 
     #[test]

@@ -162,11 +162,14 @@ pub async fn run(settings: Settings) -> Result<()> {
             .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
             .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone()))),
     );
+    let provider_cooldowns: crate::discovery_feed::ProviderCooldowns =
+        settings.providers.providers.iter().map(|provider| (provider.name.clone(), provider.cooldown)).collect();
     tokio::spawn(run_discovery_feed(
         feed.clone(),
         pools.clone(),
         verdicts.clone(),
         leader.clone(),
+        Arc::new(provider_cooldowns),
         credentials.clone(),
         discovery.clone(),
         pool_metrics.clone(),

@@ -94,6 +94,8 @@ class ProxyInfo:
     #: For the asked target: the share of reported requests the proxy served, and over how many.
     success_rate: Optional[float] = None
     reported: Optional[int] = None
+    #: How long a site's ban cools it down: `{"baseSeconds", "factor", "maxSeconds"}`.
+    cooldown_policy: Optional[Dict[str, int]] = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ProxyInfo":
@@ -115,6 +117,7 @@ class ProxyInfo:
                 cooling_down_until=parse_time(cooling) if cooling is not None else None,
                 success_rate=body.get("successRate"),
                 reported=body.get("reported"),
+                cooldown_policy=body.get("cooldownPolicy"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise DecodeError(f"not a proxy: {body!r}") from error

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::*;
-use crate::{Selector, TargetMode};
+use crate::{CooldownPolicy, Selector, TargetMode};
 
 fn t(seconds: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + seconds)
@@ -20,6 +20,7 @@ fn proxy(id: &str, max: u32) -> ProxyInfo {
         endpoint: format!("{id}:3128"),
         egress_ip: None,
         pool: None,
+        cooldown: None,
     }
 }
 
@@ -180,19 +181,13 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     store.check_invariants().expect("invariants");
 }
 
-#[test]
-fn cooldown_cap_and_memory_bound() {
-    let config = LeaseConfig {
-        cooldown_base: Duration::from_secs(100),
-        cooldown_cap: Duration::from_secs(250),
-        ..LeaseConfig::default()
-    };
-    let store = InMemoryLeaseStore::new(config);
-    store.upsert_proxy(proxy("a", 5));
+/// The cooldowns of `proxy`'s bans in a row, each reported when the one before ended.
+fn ban_cooldowns(store: &InMemoryLeaseStore, proxy: &str, bans: usize) -> (Vec<u64>, SystemTime) {
     let mut now = t(0);
     let mut cooldowns = Vec::new();
-    for _ in 0..4 {
-        let lease = store.lease(&request("example.com"), now).expect("lease");
+    for _ in 0..bans {
+        let request = LeaseRequest { proxy: Some(proxy.into()), ..request("example.com") };
+        let lease = store.lease(&request, now).expect("lease");
         let until = store
             .report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), now)
             .expect("report")
@@ -201,10 +196,36 @@ fn cooldown_cap_and_memory_bound() {
         cooldowns.push(until.duration_since(now).expect("future").as_secs());
         now = until;
     }
+    (cooldowns, now)
+}
+
+#[test]
+fn cooldown_cap_and_memory_bound() {
+    let policy = CooldownPolicy { base: Duration::from_secs(100), factor: 2, max: Duration::from_secs(250) };
+    let store = InMemoryLeaseStore::new(LeaseConfig { cooldown: policy, ..LeaseConfig::default() });
+    store.upsert_proxy(proxy("a", 5));
+    let (cooldowns, now) = ban_cooldowns(&store, "a", 4);
     assert_eq!(cooldowns, [100, 200, 250, 250]);
     assert_eq!(store.sizes().1, 1);
     store.expire(now + Duration::from_secs(10_000));
     assert_eq!(store.sizes(), (0, 0, 0, 0, 0), "nothing outlives its usefulness");
+}
+
+#[test]
+fn a_proxy_with_a_cooldown_policy_of_its_own_follows_it() {
+    let store = InMemoryLeaseStore::new(LeaseConfig::default());
+    let short = CooldownPolicy { base: Duration::from_secs(30), factor: 3, max: Duration::from_secs(300) };
+    let flat = CooldownPolicy { base: Duration::from_secs(45), factor: 1, max: Duration::from_secs(45) };
+    store.upsert_proxy(ProxyInfo { cooldown: Some(short), ..proxy("short", 5) });
+    store.upsert_proxy(ProxyInfo { cooldown: Some(flat), ..proxy("flat", 5) });
+    store.upsert_proxy(proxy("default", 5));
+    assert_eq!(ban_cooldowns(&store, "short", 4).0, [30, 90, 270, 300]);
+    assert_eq!(ban_cooldowns(&store, "flat", 3).0, [45, 45, 45]);
+    assert_eq!(ban_cooldowns(&store, "default", 3).0, [600, 1200, 2400], "the store's: 10 minutes, doubling");
+    // A huge streak neither overflows nor passes the maximum.
+    assert_eq!(short.after(u32::MAX), Duration::from_secs(300));
+    assert_eq!(LeaseConfig::default().cooldown.after(40), Duration::from_secs(86_400));
+    store.check_invariants().expect("invariants");
 }
 
 #[test]
@@ -690,11 +711,15 @@ fn random_step(
     }
 }
 
+/// 5 s, doubling, at most a day: cooldowns that end within a random run.
+fn short_cooldowns() -> CooldownPolicy {
+    CooldownPolicy { base: Duration::from_secs(5), ..LeaseConfig::default().cooldown }
+}
+
 #[test]
 fn invariants_hold_under_random_operations() {
     for seed in 1..=20_u64 {
-        let store =
-            InMemoryLeaseStore::new(LeaseConfig { cooldown_base: Duration::from_secs(5), ..LeaseConfig::default() });
+        let store = InMemoryLeaseStore::new(LeaseConfig { cooldown: short_cooldowns(), ..LeaseConfig::default() });
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut leases = Vec::new();
         for step in 0..2_000_u64 {
@@ -708,10 +733,8 @@ fn invariants_hold_under_random_operations() {
 
 #[test]
 fn invariants_hold_under_concurrent_operations() {
-    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig {
-        cooldown_base: Duration::from_secs(5),
-        ..LeaseConfig::default()
-    }));
+    let store =
+        Arc::new(InMemoryLeaseStore::new(LeaseConfig { cooldown: short_cooldowns(), ..LeaseConfig::default() }));
     for index in 0..8 {
         store.upsert_proxy(proxy(&format!("p{index}"), 2));
     }

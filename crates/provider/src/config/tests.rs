@@ -377,3 +377,43 @@ providers:
     );
     assert!(found[5].starts_with("providers[0].kubernetes.clusterNetworks[1]: \"nope\""), "{}", found[5]);
 }
+
+#[test]
+fn a_cooldown_policy_parses_in_part_and_its_mistakes_are_named() {
+    let config = parse(
+        r#"
+providers:
+  - name: small-fleet
+    type: kubernetes
+    cooldown: { baseSeconds: 30, factor: 3 }
+  - name: plain
+    type: kubernetes
+"#,
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let small = config.get("small-fleet").expect("small-fleet");
+    assert_eq!(small.cooldown, CooldownSettings { base_seconds: Some(30), factor: Some(3), max_seconds: None });
+    assert_eq!(config.get("plain").expect("plain").cooldown, CooldownSettings::default());
+    let found = problems(
+        r#"
+providers:
+  - name: a
+    type: kubernetes
+    cooldown: { baseSeconds: 0, factor: 11, maxSeconds: 700000, grow: 2 }
+  - name: b
+    type: kubernetes
+    cooldown: { baseSeconds: 600, maxSeconds: 60 }
+"#,
+    );
+    let expected = [
+        "providers[0].cooldown.grow: unknown field (expected one of: baseSeconds, factor, maxSeconds)",
+        "providers[0].cooldown.baseSeconds: 0 is out of range (1 to 86400)",
+        "providers[0].cooldown.factor: 11 is out of range (1 to 10)",
+        "providers[0].cooldown.maxSeconds: 700000 is out of range (1 to 604800)",
+        "providers[1].cooldown.maxSeconds: 60 is less than baseSeconds (600)",
+    ];
+    assert_eq!(found.len(), expected.len(), "{found:#?}");
+    for want in expected {
+        assert!(found.iter().any(|problem| problem.contains(want)), "{want:?} not in {found:#?}");
+    }
+}
