@@ -29,7 +29,8 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
 }
 
 /// Kills the QEMU that libvirtd starts to probe its capabilities (`-daemonize`, so reparented to init) when the daemon
-/// was stopped before it killed the probe itself: left alone, it ran on for hours after the tests.
+/// was stopped before it killed the probe itself: left alone, it ran on for hours after the tests (`cargo xtask
+/// test`'s leftovers check found one).
 fn kill_orphaned_capability_probes() {
     let Ok(entries) = std::fs::read_dir("/proc") else { return };
     for entry in entries.flatten() {
@@ -43,7 +44,10 @@ fn kill_orphaned_capability_probes() {
             })
             .is_some_and(|parent| parent == "1");
         let qemu = command.split('\0').next().is_some_and(|program| program.contains("qemu-system"));
-        if orphan && qemu && command.contains("capabilities.monitor.sock") {
+        // The probe: `-machine none`, its QMP socket in libvirt's QEMU state directory (`capabilities.monitor.sock`
+        // in older libvirt, `qmp-XXXXXX/qmp.monitor` in newer).
+        let probe = command.contains("-machine\0none") && command.contains("/var/lib/libvirt/qemu/");
+        if orphan && qemu && probe {
             let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         }
     }
