@@ -231,6 +231,14 @@ async fn outside(
             "proxies:     inside the network namespace, e.g. `ip netns exec {} curl -x <proxy URL> ...`",
             network.name()
         );
+        // The proxies answer only inside the namespace, and the discovery Service answers there too: a crawler run
+        // there reaches both.
+        println!(
+            "crawl:       ip netns exec {} env EGRESS_URL={} EGRESS_TOKEN={} <your crawler>",
+            network.name(),
+            ready["discoveryInside"].as_str().unwrap_or_default(),
+            ready["token"].as_str().unwrap_or("")
+        );
         let endpoints =
             output(std::process::Command::new(&kubectl).arg(format!("--kubeconfig={}", kubeconfig.display())).args([
                 "get",
@@ -468,6 +476,7 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         "token": token,
         "readToken": read_token,
         "leader": leader,
+        "discoveryInside": installation.discovery.url(),
     });
     let ready_path = dir.join(READY_FILE);
     fs::write(dir.join("ready.tmp"), ready.to_string())?;

@@ -44,3 +44,28 @@ def test_the_built_wheel_installs_into_a_clean_venv_and_imports() -> None:
             cwd=pathlib.Path(tmp),
         )
         assert out.split() == ["0.1.0", "DiscoveryClient", "True"], out
+
+
+def test_the_documented_install_from_a_checkout_works_in_a_clean_venv() -> None:
+    """`pip install "./clients/python[scrapy]"`, as docs/clients.md says (the package is not on an index): pip builds
+    it with its declared backend and installs Scrapy with it; here with no index, from the wheelhouse."""
+    project = pathlib.Path(__file__).parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = pathlib.Path(tmp) / "clean"
+        run(sys.executable, "-m", "venv", str(clean), cwd=pathlib.Path(tmp))
+        # A copy, so the build leaves nothing in the checkout.
+        checkout = pathlib.Path(tmp) / "python"
+        subprocess.run(["cp", "-r", str(project), str(checkout)], check=True)
+        run(
+            str(clean / "bin/pip"), "install", "--quiet", "--no-index", "--find-links", WHEELHOUSE, f"{checkout}[scrapy]",
+            cwd=pathlib.Path(tmp),
+        )
+        out = run(
+            str(clean / "bin/python"),
+            "-c",
+            "import scrapy, egress_client.scrapy as m; print(m.EgressProxyMiddleware.__name__, scrapy.__version__)",
+            cwd=pathlib.Path(tmp),
+        )
+        name, version = out.split()
+        major, minor = (int(part) for part in version.split(".")[:2])
+        assert name == "EgressProxyMiddleware" and (major, minor) >= (2, 13), out

@@ -152,3 +152,42 @@ def test_a_request_waiting_for_a_proxy_is_dropped_once_the_spider_closes() -> No
     else:
         raise AssertionError("a request while closing is dropped")
     assert asked == []
+
+
+def test_hosts_of_one_site_share_one_lease_as_they_share_its_cooldowns() -> None:
+    """The server names the site (the registrable domain): after the first lease for `www.shop.example`, requests to
+    `img.shop.example` go through the same lease, and a second lease taken at the same time for another host of the
+    site is released, not kept beside it."""
+    leased, released = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST" and path == "/v1/leases":
+            leased.append(json.loads(request.content)["target"])
+            return httpx.Response(201, json={**lease_answer(f"l{len(leased)}.x", 600), "target": "shop.example"})
+        if request.method == "DELETE":
+            released.append(path)
+            return httpx.Response(204)
+        return httpx.Response(404, json={"detail": "unexpected " + path})
+
+    settings = Settings({"EGRESS_URL": "http://discovery", "EGRESS_TOKEN": "token-1"})
+    middleware = EgressProxyMiddleware(Crawler(), settings)
+    middleware.client = AsyncDiscoveryClient("http://discovery", "token-1", transport=httpx.MockTransport(handler))
+
+    async def crawl() -> list:
+        # Two hosts at once: each takes a lease before either knows the site.
+        first, second = Request("https://www.shop.example/1"), Request("https://cdn.shop.example/2")
+        await asyncio.gather(middleware.process_request(first), middleware.process_request(second))
+        later = Request("https://img.shop.example/3")
+        await middleware.process_request(later)
+        return [first.meta["egress_lease"], second.meta["egress_lease"], later.meta["egress_lease"]]
+
+    ids = asyncio.run(crawl())
+    assert len(set(ids)) == 1, ids
+    # One lease kept; one more only if the two hosts asked at once, and that one released.
+    assert len(leased) in (1, 2) and len(released) == len(leased) - 1, (leased, released)
+    assert f"/v1/leases/{ids[0]}" not in released
+    assert set(middleware.held) == {("shop.example", None)}
+    # A host of another site is its own.
+    assert middleware._site_of("shop.example.org") == "shop.example.org"
+    assert middleware._site_of("a.b.shop.example") == "shop.example"

@@ -11,9 +11,10 @@ Settings (only `EGRESS_URL` is required)::
     EGRESS_THROTTLE_CODES = [429]          # reported `throttled` with the answer's Retry-After
     EGRESS_SESSION_META = "egress_session" # request.meta key: one lease per (site, session)
 
-One lease is kept per (site, session) and reused for every request to that site until it nears its expiry (then it
-is renewed; a renew that says the proxy's instance was replaced switches to the new URL) or the site bans or
-throttles it. `meta['download_slot']` is the proxy, so Scrapy's per-slot concurrency caps the load on each proxy.
+One lease is kept per (site, session), the site as the server names it (the registrable domain: `www.shop.example`
+and `img.shop.example` share one lease, as they share cooldowns), and reused for every request to that site until
+it nears its expiry (then it is renewed; a renew that says the proxy's instance was replaced switches to the new
+URL) or the site bans or throttles it. `meta['download_slot']` is the proxy, so Scrapy's per-slot concurrency caps the load on each proxy.
 Served requests are reported in batches (`EGRESS_REPORT_EVERY`, default 20). On a ban or throttle the request is
 scheduled again on a new lease (`dont_filter`, at most `EGRESS_MAX_RETRIES` times, default 5). When no proxy can
 be leased now (503 with Retry-After) the request waits that long, without blocking the reactor, instead of failing
@@ -78,6 +79,10 @@ class EgressProxyMiddleware:
         self.held: Dict[_Key, _Held] = {}
         self.by_id: Dict[str, _Key] = {}
         self.locks: Dict[_Key, asyncio.Lock] = {}
+        #: Host name -> the site the server says it belongs to (its registrable domain, or the host itself in the
+        #: operator's exact-host mode), learned from the first lease for the host: `www.shop.example` and
+        #: `img.shop.example` share one lease, as they share the server's cooldowns.
+        self.sites: Dict[str, str] = {}
 
     @classmethod
     def from_crawler(cls, crawler: Any) -> "EgressProxyMiddleware":
@@ -88,7 +93,17 @@ class EgressProxyMiddleware:
     def _key(self, request: Request) -> _Key:
         host = urllib.parse.urlsplit(request.url).hostname or ""
         session = request.meta.get(self.session_meta)
-        return (host, str(session) if session is not None else None)
+        return (self._site_of(host), str(session) if session is not None else None)
+
+    def _site_of(self, host: str) -> str:
+        """The site `host` belongs to, as far as the server has said: learned for this host, or a site the server
+        named for another host that this one is a subdomain of (a registrable domain's subdomains share it)."""
+        site = self.sites.get(host)
+        if site is None:
+            named = set(self.sites.values())
+            parts = host.split(".")
+            site = next((".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in named), host)
+        return site
 
     async def _lease_for(self, key: _Key, url: str) -> _Held:
         lock = self.locks.setdefault(key, asyncio.Lock())
@@ -125,6 +140,15 @@ class EgressProxyMiddleware:
                     await self._wait_unless_closing(wait)
                     waited += wait
             self.stats.inc_value("egress/leases")
+            site = lease.target
+            if site != key[0]:
+                # The host belongs to a site the server names otherwise: keep the lease under the site, and use the
+                # one already held there, if any, instead of a second.
+                self.sites[key[0]] = site
+                key = (site, key[1])
+                if key in self.held:
+                    await lease.release()
+                    return self.held[key]
             held = _Held(lease)
             self.held[key] = held
             self.by_id[lease.id] = key
