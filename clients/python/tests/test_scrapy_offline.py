@@ -191,3 +191,40 @@ def test_hosts_of_one_site_share_one_lease_as_they_share_its_cooldowns() -> None
     # A host of another site is its own.
     assert middleware._site_of("shop.example.org") == "shop.example.org"
     assert middleware._site_of("a.b.shop.example") == "shop.example"
+
+
+def test_answers_in_flight_on_a_dropped_lease_are_still_reported_on_it() -> None:
+    """Two requests sent on one lease; the first is answered 403, so the lease is reported banned and released, and
+    the second then answers 200: that success is counted on the dropped lease and reported there (the server counts
+    a report on an ended lease against its proxy), not lost."""
+    reports = []
+    leases = iter(["l1.first", "l2.second"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST" and path == "/v1/leases":
+            return httpx.Response(201, json=lease_answer(next(leases), 600))
+        if path.endswith("/report"):
+            reports.append((path, json.loads(request.content)))
+            return httpx.Response(200, json={})
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(404, json={"detail": "unexpected " + path})
+
+    crawler = Crawler()
+    middleware = EgressProxyMiddleware(crawler, Settings({"EGRESS_URL": "http://discovery", "EGRESS_TOKEN": "t"}))
+    middleware.client = AsyncDiscoveryClient("http://discovery", "t", transport=httpx.MockTransport(handler))
+
+    async def crawl() -> None:
+        first, second = Request("https://example.com/1"), Request("https://example.com/2")
+        await middleware.process_request(first)
+        await middleware.process_request(second)
+        assert first.meta["egress_lease"] == second.meta["egress_lease"] == "l1.first"
+        await middleware.process_response(first, Response("https://example.com/1", status=403, request=first))
+        await middleware.process_response(second, Response("https://example.com/2", status=200, request=second))
+        await middleware.spider_closed()
+
+    asyncio.run(crawl())
+    paths = [(path, body.get("outcome"), body.get("ok")) for path, body in reports]
+    assert paths == [("/v1/leases/l1.first/report", "banned", None), ("/v1/leases/l1.first/report", None, 1)], paths
+    assert crawler.stats.values.get("egress/answered_after_drop") == 1

@@ -78,6 +78,10 @@ class EgressProxyMiddleware:
             raise ValueError(f"EGRESS_LEASE_TTL must be from 1 to 3600 seconds, not {self.ttl}")
         self.held: Dict[_Key, _Held] = {}
         self.by_id: Dict[str, _Key] = {}
+        #: Leases dropped (after a ban or throttle) while requests were still in flight on them, by each of their
+        #: IDs: what those requests answer is still counted and reported on the dropped lease (the server counts a
+        #: report on an ended lease against its proxy until the lease would have expired).
+        self.dropped: Dict[str, _Held] = {}
         self.locks: Dict[_Key, asyncio.Lock] = {}
         #: Host name -> the site the server says it belongs to (its registrable domain, or the host itself in the
         #: operator's exact-host mode), learned from the first lease for the host: `www.shop.example` and
@@ -175,9 +179,14 @@ class EgressProxyMiddleware:
                 return
             await asyncio.sleep(min(0.5, left))
 
-    def _forget(self, key: _Key) -> Optional[_Held]:
+    def _forget(self, key: _Key, in_flight: bool = False) -> Optional[_Held]:
+        """Stops using the lease of `key`; with `in_flight`, keeps counting what requests already sent on it answer."""
         held = self.held.pop(key, None)
         if held is not None:
+            if in_flight:
+                now = datetime.datetime.now(datetime.timezone.utc)
+                self.dropped = {i: h for i, h in self.dropped.items() if h.lease.expires_at > now}
+                self.dropped.update({i: held for i, k in self.by_id.items() if k == key})
             self.by_id = {lease_id: k for lease_id, k in self.by_id.items() if k != key}
         return held
 
@@ -226,7 +235,7 @@ class EgressProxyMiddleware:
             # answer the same), and every such request goes again on another lease.
             if found is not None:
                 key, held = found
-                self._forget(key)
+                self._forget(key, in_flight=True)
                 if response.status in self.ban_codes:
                     outcome, extra = "banned", {}
                     self.stats.inc_value("egress/bans")
@@ -238,14 +247,19 @@ class EgressProxyMiddleware:
                 # the proxy (or its address, which other proxies may share), not the session. They are released,
                 # and their sessions lease anew.
                 for other in [k for k, h in self.held.items() if k[0] == key[0] and _same_exit(h.lease, held.lease)]:
-                    sibling = self._forget(other)
+                    sibling = self._forget(other, in_flight=True)
                     if sibling is not None:
                         await self._flush(sibling, release=True)
             again = self._again(request)
             return again if again is not None else response
         if found is None:
-            return response
-        held = found[1]
+            # An answer on a lease dropped while it was in flight: counted on that lease all the same.
+            held = self.dropped.get(request.meta.get(LEASE_META, ""))
+            if held is None:
+                return response
+            self.stats.inc_value("egress/answered_after_drop")
+        else:
+            held = found[1]
         held.ok += 1
         if held.ok + held.failed >= self.report_every:
             await self._flush(held)
@@ -253,8 +267,9 @@ class EgressProxyMiddleware:
 
     async def process_exception(self, request: Request, exception: BaseException, spider: Any = None) -> None:
         found = self._held_of(request)
-        if found is not None:
-            found[1].failed += 1
+        held = found[1] if found is not None else self.dropped.get(request.meta.get(LEASE_META, ""))
+        if held is not None:
+            held.failed += 1
             self.stats.inc_value("egress/failed")
         return None
 
@@ -264,6 +279,11 @@ class EgressProxyMiddleware:
             if held is None:
                 continue
             await self._flush(held, release=True)
+        # What answered on dropped leases since their last report (each lease once, under any of its IDs).
+        for held in {id(h): h for h in self.dropped.values()}.values():
+            if held.ok or held.failed:
+                await self._flush(held)
+        self.dropped.clear()
         await self.client.aclose()
 
 
