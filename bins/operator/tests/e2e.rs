@@ -1057,7 +1057,13 @@ async fn a_rolling_restart_under_crawler_load_fails_no_request_and_leaves_no_gap
     })
     .await;
     let rolled = Instant::now();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // And the new leader keeps granting: 40 more leases (about a second's worth) before the crawlers stop.
+    let granted = grants.at.lock().expect("grants").len();
+    eventually("40 more leases after the rollout", WAIT, || async {
+        (grants.at.lock().expect("grants").len() >= granted + 40).then_some(())
+    })
+    .await;
+    let ended = Instant::now();
     stop.store(true, Ordering::SeqCst);
     for crawler in crawlers {
         crawler.await.expect("crawler");
@@ -1065,7 +1071,7 @@ async fn a_rolling_restart_under_crawler_load_fails_no_request_and_leaves_no_gap
     let at = grants.at.lock().expect("grants").clone();
     let failures = grants.failures.lock().expect("grants").clone();
     let during = at.iter().filter(|at| **at >= started && **at <= rolled).count();
-    let gap = longest_gap(&at, started, rolled + Duration::from_secs(3));
+    let gap = longest_gap(&at, started, ended);
     let holder = cluster.installation.lease_holder_with(&client).await.expect("the Lease").expect("a holder");
     eprintln!(
         "e2e rollout: `kubectl rollout restart` under 8 crawlers leasing every 200 ms took {:.1} s: {} leases in \
