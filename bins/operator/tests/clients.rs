@@ -103,31 +103,55 @@ async fn run(mut command: Command, what: &'static str) -> (Output, String) {
     (output, text)
 }
 
-#[tokio::test]
-async fn the_python_client_passes_its_tests_against_a_live_operator() {
-    let python = match std::env::var_os("EGRESS_PYTHON") {
+/// The interpreter of the venv `cargo xtask test` made with the Python client's pinned test dependencies.
+fn python() -> PathBuf {
+    match std::env::var_os("EGRESS_PYTHON") {
         Some(python) => PathBuf::from(python),
         None => panic!(
             "EGRESS_PYTHON is not set: run this through `cargo xtask test`, which makes the venv with the Python \
              client's pinned test dependencies and names its interpreter there"
         ),
-    };
-    let live = Live::start("py").await;
+    }
+}
+
+/// Runs pytest in `clients/python` with `args` against `live`, and returns what it printed; fails on a failure or
+/// a skipped test.
+async fn pytest(live: &Live, args: &[&str], env: &[(&str, &str)]) -> String {
+    let python = python();
     let root = clients_dir("python");
     let mut command = Command::new(&python);
     command
-        .args(["-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider", "tests"])
+        .args(["-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider"])
+        .args(args)
         .current_dir(&root)
         .env("PYTHONPATH", root.join("src"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .env(
             "EGRESS_WHEELHOUSE",
             python.parent().and_then(Path::parent).map(|venv| venv.join("wheelhouse")).unwrap_or_default(),
-        );
+        )
+        .envs(env.iter().copied());
     live.env(&mut command);
     let (output, text) = run(command, "pytest").await;
     assert!(output.status.success(), "pytest failed:\n{text}");
     assert!(!text.contains("skipped"), "every live test ran:\n{text}");
+    text
+}
+
+#[tokio::test]
+async fn the_python_client_passes_its_tests_against_a_live_operator() {
+    let live = Live::start("py").await;
+    // The refusals crawl needs a fleet of its own (below).
+    pytest(&live, &["tests", "--ignore=tests/test_scrapy_refusals.py"], &[]).await;
+}
+
+/// `clients/python/tests/test_scrapy_refusals.py`: a Scrapy crawl of a site refusing 8 % of requests, on three
+/// proxies with a 10 s first-ban cooldown, reports every refusal and never sends through a refused proxy.
+#[tokio::test]
+async fn a_scrapy_crawl_of_a_site_refusing_8_percent_reports_every_refusal() {
+    let cooldown = egress_api::CooldownSpec { base_seconds: Some(10), ..egress_api::CooldownSpec::default() };
+    let live = Live::start_with("scrapyref", Some(cooldown)).await;
+    pytest(&live, &["tests/test_scrapy_refusals.py"], &[("EGRESS_REFUSALS_FLEET", "1")]).await;
 }
 
 #[tokio::test]

@@ -1,55 +1,85 @@
-"""A Scrapy crawl through egress-operator proxies, run in a process of its own by test_scrapy.py (Twisted's reactor
-starts once per process): `python crawl.py <start URL> <pages> <output JSON>`. Settings come from the environment."""
+"""A Scrapy crawl through egress-operator proxies, run in a process of its own by the live Scrapy tests (Twisted's
+reactor starts once per process): `python crawl.py <start URL> <output JSON>`. Settings come from the environment:
+`EGRESS_URL`, `EGRESS_TOKEN`, and `CRAWL_SETTINGS`, a JSON object of Scrapy settings over the defaults below."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import scrapy
+from scrapy import signals
 from scrapy.crawler import CrawlerProcess
+
+from egress_client.scrapy import PROXY_META
 
 
 class SiteSpider(scrapy.Spider):
     name = "site"
 
-    def __init__(self, start: str, **kwargs):
+    def __init__(self, start: str, sessions: int, **kwargs):
         super().__init__(**kwargs)
         self.start_urls = [start]
+        self.sessions = sessions
         self.pages: list = []
+        self.opened = self.closed = 0.0
+        self.reason = ""
+
+    @classmethod
+    def from_crawler(cls, crawler, *args, **kwargs):
+        spider = super().from_crawler(crawler, *args, **kwargs)
+        crawler.signals.connect(spider.on_opened, signal=signals.spider_opened)
+        crawler.signals.connect(spider.on_closed, signal=signals.spider_closed)
+        return spider
+
+    def on_opened(self, spider) -> None:
+        self.opened = time.monotonic()
+
+    def on_closed(self, spider, reason) -> None:
+        self.closed, self.reason = time.monotonic(), reason
 
     def parse(self, response):
-        self.pages.append({"url": response.url, "status": response.status, "proxy": response.meta.get("download_slot")})
-        # Four crawl sessions, each with a lease of its own per site.
+        self.pages.append({"url": response.url, "status": response.status, "proxy": response.meta.get(PROXY_META)})
+        # Crawl sessions, each with a lease of its own per site.
         for index, href in enumerate(response.css("a::attr(href)").getall()):
-            yield response.follow(href, self.parse, meta={"egress_session": str(index % 4)})
+            yield response.follow(href, self.parse, meta={"egress_session": str(index % self.sessions)})
 
 
 def main() -> None:
     start, output = sys.argv[1], sys.argv[2]
-    process = CrawlerProcess(
-        settings={
-            "DOWNLOADER_MIDDLEWARES": {"egress_client.scrapy.EgressProxyMiddleware": 700},
-            "EGRESS_URL": os.environ["EGRESS_URL"],
-            "EGRESS_TOKEN": os.environ["EGRESS_TOKEN"],
-            "EGRESS_REPORT_EVERY": 10,
-            "CONCURRENT_REQUESTS": 8,
-            # Per slot, and a slot is a proxy: long enough that the crawl outlasts the site's Retry-After.
-            "DOWNLOAD_DELAY": 0.05,
-            "RANDOMIZE_DOWNLOAD_DELAY": False,
-            "ROBOTSTXT_OBEY": False,
-            "RETRY_HTTP_CODES": [500, 502, 503, 504, 522, 524, 408],
-            "LOG_LEVEL": "INFO",
-            "TELNETCONSOLE_ENABLED": False,
-        }
-    )
+    settings = {
+        "ADDONS": {"egress_client.scrapy.EgressAddon": 100},
+        "EGRESS_URL": os.environ["EGRESS_URL"],
+        "EGRESS_TOKEN": os.environ["EGRESS_TOKEN"],
+        "EGRESS_REPORT_EVERY": 10,
+        "CONCURRENT_REQUESTS": 8,
+        # Per site (the host): long enough that the crawl outlasts the site's Retry-After.
+        "DOWNLOAD_DELAY": 0.05,
+        "RANDOMIZE_DOWNLOAD_DELAY": False,
+        "ROBOTSTXT_OBEY": False,
+        "RETRY_HTTP_CODES": [500, 502, 503, 504, 522, 524, 408],
+        "LOG_LEVEL": "INFO",
+        "TELNETCONSOLE_ENABLED": False,
+    }
+    settings.update(json.loads(os.environ.get("CRAWL_SETTINGS", "{}")))
+    process = CrawlerProcess(settings=settings)
     crawler = process.create_crawler(SiteSpider)
-    process.crawl(crawler, start=start)
+    process.crawl(crawler, start=start, sessions=int(os.environ.get("CRAWL_SESSIONS", "4")))
     process.start()
     stats = {key: value for key, value in crawler.stats.get_stats().items() if isinstance(value, (int, float, str))}
+    spider = crawler.spider
     with open(output, "w") as out:
-        json.dump({"pages": crawler.spider.pages, "stats": stats}, out)
+        json.dump(
+            {
+                "pages": spider.pages,
+                "stats": stats,
+                "reason": spider.reason,
+                "closed_after": spider.closed - spider.opened,
+            },
+            out,
+        )
 
 
 if __name__ == "__main__":

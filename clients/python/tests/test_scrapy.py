@@ -6,41 +6,27 @@ the site, bring throttled proxies back after the Retry-After, and reuse its leas
 from __future__ import annotations
 
 import http.server
-import json
 import os
-import pathlib
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
-import httpx
 import pytest
+from livecrawl import api_requests, crawl, metric
 
 from egress_client import DiscoveryClient
 
 URL = os.environ.get("EGRESS_URL", "")
 TOKEN = os.environ.get("EGRESS_TOKEN", "")
-METRICS = os.environ.get("EGRESS_METRICS", "")
 PAGES = 200
 RETRY_AFTER = 2
 
 pytestmark = pytest.mark.skipif(not URL, reason="needs a live operator: run through `cargo xtask test`")
 
 
-def api_requests() -> float:
-    """Every request the discovery API has answered, from the operator's own metrics."""
-    text = httpx.get(f"{METRICS}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("egress_discovery_requests_total{")
-    )
-
-
 class Site:
     """The origin: an index linking every page, each page answered according to who fetched it."""
 
-    def __init__(self, banned: str):
+    def __init__(self, banned: str, links: str = "/page/"):
         self.banned = banned
         self.log: list = []  # (time, client address, path, status)
         self.lock = threading.Lock()
@@ -63,7 +49,7 @@ class Site:
                             status, headers = 429, {"Retry-After": str(RETRY_AFTER)}
                     site.log.append((time.monotonic(), client, self.path, status))
                 if self.path == "/":
-                    body = "".join(f'<a href="/page/{i}">{i}</a>' for i in range(PAGES))
+                    body = "".join(f'<a href="{links}{i}">{i}</a>' for i in range(PAGES))
                 else:
                     body = f"<p>{self.path}</p>" if status == 200 else "no"
                 data = f"<html><body>{body}</body></html>".encode()
@@ -86,18 +72,7 @@ def test_a_scrapy_crawl_fetches_every_page_and_never_through_a_cooling_proxy() -
     assert len(set(addresses)) >= 3 and None not in addresses, addresses
     site = Site(banned=addresses[0])
     before = api_requests()
-    with tempfile.TemporaryDirectory() as tmp:
-        output = pathlib.Path(tmp) / "crawl.json"
-        here = pathlib.Path(__file__).parent
-        done = subprocess.run(
-            [sys.executable, str(here / "crawl.py"), site.url, str(output)],
-            env={**os.environ, "PYTHONPATH": str(here.parent / "src")},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-4000:]
-        result = json.loads(output.read_text())
+    result = crawl(site.url)
     site.server.shutdown()
     api_calls = api_requests() - before
     pages = {page["url"] for page in result["pages"] if page["status"] == 200}
@@ -131,3 +106,36 @@ def test_a_scrapy_crawl_fetches_every_page_and_never_through_a_cooling_proxy() -
     assert stats.get("egress/bans", 0) >= 1 and stats.get("egress/throttles", 0) >= 1, stats
     assert back and all(back.values()), f"throttled proxies came back after the Retry-After: {back}"
     assert calls_per_page < 1, f"{api_calls} discovery API calls for {PAGES} pages"
+
+
+def test_a_crawl_waiting_for_proxies_closes_within_5_s_of_closespider_timeout_and_releases_its_leases() -> None:
+    """Every proxy cooling down for `closing.test` (banned there 10 minutes), so its pages wait for a lease; the
+    index came through a lease of its own site. CLOSESPIDER_TIMEOUT must still close the spider at once, and every
+    lease the crawl held be released."""
+    target = "http://closing.test/"
+    with DiscoveryClient(URL, TOKEN) as client:
+        for proxy in client.proxies():
+            with client.lease(target, proxy=f"{proxy.namespace}/{proxy.name}") as lease:
+                lease.report(outcome="banned", status_code=403)
+        assert all(proxy.cooling_down_until is not None for proxy in client.proxies(target=target)), "every proxy cools down"
+    site = Site(banned="none", links=target + "page/")
+    timeout = 3
+    result = crawl(site.url, {"CLOSESPIDER_TIMEOUT": timeout}, timeout=120)
+    site.server.shutdown()
+    stats = result["stats"]
+    took = result["closed_after"] - timeout
+    print(
+        f"scrapy close: {result['reason']} {took:.2f} s after CLOSESPIDER_TIMEOUT, "
+        f"{stats.get('egress/dropped_closing', 0)} waiting requests dropped, {stats.get('egress/leases', 0)} leases, "
+        "leases released"
+    )
+    assert result["reason"] == "closespider_timeout", result["reason"]
+    assert took <= 5, f"closed {took:.1f} s after the timeout"
+    assert stats.get("egress/leases", 0) >= 1 and stats.get("egress/dropped_closing", 0) >= 1, stats
+    assert [page["url"] for page in result["pages"]] == [site.url], "only the index was fetched"
+    # Nothing else holds a lease now (the tests run one at a time, and each releases its own). The gauge is
+    # refreshed every second or so: once it reads 0 after the crawl's grants, none of them is held.
+    deadline = time.monotonic() + 10
+    while metric("egress_discovery_leases_active") != 0:
+        assert time.monotonic() < deadline, "every lease the crawl held was released"
+        time.sleep(0.2)
