@@ -1157,7 +1157,10 @@ fn settled(proxy: &Proxy) -> bool {
     ready
         && proxy.metadata.deletion_timestamp.is_none()
         && status.previous_instance.is_none()
-        && status.instance.is_some_and(|instance| instance.spec_hash == proxy.desired_spec_hash())
+        // On the provider's fingerprint as the instance recorded it (the shipped providers allow the test origin).
+        && status.instance.is_some_and(|instance| {
+            instance.spec_hash == proxy.desired_spec_hash_with(instance.provider_fingerprint.as_deref())
+        })
 }
 
 fn is_ready(proxy: &Proxy) -> bool {

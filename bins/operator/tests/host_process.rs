@@ -445,3 +445,124 @@ async fn traces_reach_an_otlp_collector() {
     collector.task.abort();
     assert_no_forbidden(&operator);
 }
+
+fn socket(url: &str) -> std::net::SocketAddr {
+    url.trim_start_matches("http://").trim_end_matches('/').parse().unwrap_or_else(|_| panic!("proxy URL {url:?}"))
+}
+
+/// A provider's `destinations.allow` gains a second origin (the providers file changed and the operator restarted,
+/// as a ConfigMap edit and a rollout do): every running proxy serves it within 60 s, replaced make-before-break,
+/// and a lease held on each proxy crawling the first origin through it meanwhile (renewing, following the
+/// replacement as a client does) is never refused.
+#[tokio::test]
+async fn a_destinations_allow_change_reaches_every_running_proxy_and_refuses_no_held_lease() {
+    let env = Env::new("e2e-dest").await;
+    let second = LocalOrigin::start().await.expect("second origin");
+    let mut operator = env.operator(false).await;
+    let names = ["dest-a", "dest-b"];
+    for name in names {
+        env.create(name).await;
+    }
+    env.wait_phase(&names, ProxyPhase::Ready).await;
+    let discovery = env.discovery(&operator, names.len()).await;
+    let first = env.origin.url();
+    let mut held = Vec::new();
+    for name in names {
+        let options = LeaseOptions::for_target("held.example")
+            .proxy(format!("{}/{name}", env.ns.name()))
+            .ttl(Duration::from_secs(120));
+        let lease = discovery.lease(options).await.expect("a lease on the proxy");
+        // Denied by default (a loopback address the providers file does not allow), the first origin served.
+        let proxy = socket(lease.proxy_url());
+        assert_eq!(egress_testenv::get_through_proxy(proxy, &second.url(), None).await.ok(), Some(403), "{name}");
+        assert_eq!(egress_testenv::get_through_proxy(proxy, &first, None).await.ok(), Some(200), "{name}");
+        held.push(lease.id().to_owned());
+        // The new process owns the lease from here on (below); the guard would release it through this one.
+        std::mem::forget(lease);
+    }
+
+    // The providers file allows the second origin too; the operator restarts with it.
+    operator.kill();
+    let mut options = env.options(false);
+    options.providers_yaml = options.providers_yaml.replace(
+        &env.origin.destinations_yaml(),
+        &format!("{{ allow: [\"{}\", \"{}\"] }}", env.origin.allow_rule(), second.allow_rule()),
+    );
+    let changed = std::time::Instant::now();
+    let restarted = OperatorProcess::start(&binary(), &env.kubeconfig, &options).await.expect("the operator starts");
+    let client = DiscoveryClient::new(&restarted.discovery_url, Some(env.token.clone())).expect("client");
+    let mut leases = Vec::new();
+    for id in &held {
+        let lease = eventually("the held lease, on the new process", WAIT, || {
+            let (client, id) = (client.clone(), id.clone());
+            async move { client.resume(&id, Some(Duration::from_secs(120))).await.ok() }
+        })
+        .await;
+        leases.push(lease);
+    }
+    let proxies = env.ns.api::<Proxy>();
+    let (mut requests, mut refused, mut serving_after) = (0_u32, Vec::new(), None);
+    let mut last_renew = std::time::Instant::now();
+    let mut pace = tokio::time::interval(Duration::from_millis(200));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while changed.elapsed() < WAIT && serving_after.is_none() {
+        pace.tick().await;
+        // Crawling the first origin through every held lease, as its holder does.
+        for lease in &leases {
+            let url = lease.proxy_url().to_owned();
+            match egress_testenv::get_through_proxy(socket(&url), &first, None).await {
+                Ok(200) => {}
+                Ok(status) => refused.push(format!("{url}: HTTP {status}")),
+                Err(error) => refused.push(format!("{url}: {error:#}")),
+            }
+            requests += 1;
+        }
+        if last_renew.elapsed() >= Duration::from_secs(1) {
+            last_renew = std::time::Instant::now();
+            for lease in &mut leases {
+                lease.renew(Some(Duration::from_secs(120))).await.expect("renew answers (200, not 404 or 410)");
+            }
+        }
+        // Every Proxy's published endpoint serves the second origin.
+        let mut serving = 0;
+        for name in names {
+            let proxy = proxies.get(name).await.expect("get");
+            let Some(endpoint) = proxy.effective_endpoint() else { continue };
+            let Ok(address) = endpoint.address().parse() else { continue };
+            if egress_testenv::get_through_proxy(address, &second.url(), None).await.ok() == Some(200) {
+                serving += 1;
+            }
+        }
+        if serving == names.len() {
+            serving_after = Some(changed.elapsed());
+        }
+    }
+    let events = kube::Api::<k8s_openapi::api::core::v1::Event>::namespaced(env.ns.client(), env.ns.name())
+        .list(&Default::default())
+        .await
+        .expect("events");
+    let causes: Vec<String> = events
+        .items
+        .iter()
+        .filter(|event| event.reason.as_deref() == Some("Replacing"))
+        .filter_map(|event| event.message.clone())
+        .collect();
+    let Some(serving_after) = serving_after else {
+        panic!("not every proxy serves the second origin; Replacing events: {causes:?}\n{}", restarted.log());
+    };
+    eprintln!(
+        "e2e: destinations allow change: every proxy serves the new origin {serving_after:.1?} after the restart with \
+         it; {requests} requests through held leases, {} refused; Replacing: {causes:?}",
+        refused.len()
+    );
+    assert!(serving_after <= Duration::from_secs(60), "took {serving_after:?}");
+    assert!(refused.is_empty(), "held leases refused: {refused:?}");
+    assert!(
+        causes.iter().filter(|cause| cause.contains("destination policy changed")).count() >= names.len(),
+        "each Proxy says why it was replaced: {causes:?}"
+    );
+    for lease in leases {
+        lease.release().await.expect("release");
+    }
+    assert_no_forbidden(&restarted);
+}

@@ -23,6 +23,13 @@ const HASH_LEN: usize = 16;
 /// hash, so editing them never replaces an instance. The result is 16 lowercase hex characters, valid as a label
 /// value and in instance names.
 pub fn spec_hash(spec: &ProxySpec, rotate_token: Option<&str>) -> String {
+    spec_hash_with(spec, rotate_token, None)
+}
+
+/// [`spec_hash`] with the provider's instance fingerprint (its destination policy's digest) mixed in when it has
+/// one: instances bake the provider's policy in, so a changed policy must change the hash that names them. Without
+/// a fingerprint the hash is [`spec_hash`]'s, so fleets of providers with the default policy keep theirs.
+pub fn spec_hash_with(spec: &ProxySpec, rotate_token: Option<&str>, provider_fingerprint: Option<&str>) -> String {
     let mut encoder = Encoder(Sha256::new());
     encoder.0.update(ENCODING_VERSION);
     encoder.field("provider", spec.provider.as_deref());
@@ -44,6 +51,9 @@ pub fn spec_hash(spec: &ProxySpec, rotate_token: Option<&str>) -> String {
     let deny = spec.destinations.as_ref().map(|destinations| destinations.deny.as_slice()).unwrap_or_default();
     if !deny.is_empty() {
         encoder.field("destinations.deny", Some(&deny.join("\n")));
+    }
+    if let Some(fingerprint) = provider_fingerprint {
+        encoder.field("provider.fingerprint", Some(fingerprint));
     }
     let digest = encoder.0.finalize();
     let mut hex = String::with_capacity(HASH_LEN);

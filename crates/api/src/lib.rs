@@ -18,7 +18,7 @@ pub mod pool;
 pub mod provider_health;
 pub mod proxy;
 
-pub use hash::spec_hash;
+pub use hash::{spec_hash, spec_hash_with};
 pub use pool::{
     Autoscale, ProxyPool, ProxyPoolSpec, ProxyPoolStatus, ProxyTemplate, ProxyTemplateSpec, Recycle, ScalingDecision,
     SpreadEntry, SpreadStatus, TemplateMetadata,

@@ -582,8 +582,12 @@ pub struct InstanceStatus {
     /// The instance's address, once it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip: Option<String>,
-    /// The spec hash the instance was created for.
+    /// The spec hash the instance was created for (with the provider's fingerprint mixed in, when it had one).
     pub spec_hash: String,
+    /// The provider's instance fingerprint (a digest of its destination policy) the instance was created with;
+    /// absent when the provider had none (the default policy). A provider whose policy changes rolls its proxies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_fingerprint: Option<String>,
     /// When the provider created the instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<Time>,
@@ -663,16 +667,25 @@ impl Proxy {
         (annotation, rotations, replacements)
     }
 
-    /// Why the desired instance differs from one created for `instance_hash`, for the `Replacing` Event: a
-    /// self-healing replacement, a `maxAge` rotation or the `rotate` annotation being set, when the hash says so
+    /// Why the desired instance differs from one created for `instance_hash` with the provider fingerprint
+    /// `instance_fingerprint`, for the `Replacing` Event: the provider's destination policy changed (the current
+    /// spec with the instance's fingerprint hashes as the instance does, but the provider now has `fingerprint`);
+    /// a self-healing replacement, a `maxAge` rotation or the `rotate` annotation being set, when the hash says so
     /// (each is the current spec with one of them undone); otherwise a change of the spec or of the annotation.
-    pub fn replacement_cause(&self, instance_hash: &str) -> &'static str {
+    pub fn replacement_cause(
+        &self,
+        instance_hash: &str,
+        instance_fingerprint: Option<&str>,
+        fingerprint: Option<&str>,
+    ) -> &'static str {
         let (annotation, rotations, replacements) = self.rotation_parts();
         let was = |annotation: Option<&str>, rotations: u32, replacements: u32| {
-            crate::spec_hash(&self.spec, rotation_token(annotation, rotations, replacements).as_deref())
-                == instance_hash
+            let token = rotation_token(annotation, rotations, replacements);
+            crate::spec_hash_with(&self.spec, token.as_deref(), instance_fingerprint) == instance_hash
         };
-        if replacements > 0 && was(annotation, rotations, replacements - 1) {
+        if instance_fingerprint != fingerprint && was(annotation, rotations, replacements) {
+            "the provider's destination policy changed"
+        } else if replacements > 0 && was(annotation, rotations, replacements - 1) {
             "self-healing replaces the dead instance"
         } else if rotations > 0 && was(annotation, rotations - 1, replacements) {
             "the instance reached maxAge"
@@ -683,9 +696,15 @@ impl Proxy {
         }
     }
 
-    /// The spec hash the current instance should have: [`crate::spec_hash`] over the spec and the rotation token.
+    /// The spec hash the current instance should have on a provider without an instance fingerprint (the
+    /// default destination policy): [`crate::spec_hash`] over the spec and the rotation token.
     pub fn desired_spec_hash(&self) -> String {
-        crate::spec_hash(&self.spec, self.rotation_token().as_deref())
+        self.desired_spec_hash_with(None)
+    }
+
+    /// The spec hash the current instance should have on a provider whose instance fingerprint is `fingerprint`.
+    pub fn desired_spec_hash_with(&self, fingerprint: Option<&str>) -> String {
+        crate::spec_hash_with(&self.spec, self.rotation_token().as_deref(), fingerprint)
     }
 
     /// Where crawlers connect: `spec.endpoint` for External proxies, the published `status.endpoint` for Managed
@@ -805,8 +824,20 @@ mod tests {
             ),
         ];
         for (proxy, cause) in cases {
-            assert_eq!(proxy.replacement_cause(&before), cause);
+            assert_eq!(proxy.replacement_cause(&before, None, None), cause);
         }
+        // The same spec on a provider whose destination policy changed.
+        let proxy = proxy_with(managed(), None, 1, 1);
+        let on_old_policy = proxy.desired_spec_hash_with(Some("0123456789abcdef"));
+        assert_ne!(on_old_policy, before, "the fingerprint changes the hash");
+        assert_eq!(
+            proxy.replacement_cause(&on_old_policy, Some("0123456789abcdef"), Some("fedcba9876543210")),
+            "the provider's destination policy changed"
+        );
+        assert_eq!(
+            proxy.replacement_cause(&before, None, Some("fedcba9876543210")),
+            "the provider's destination policy changed"
+        );
     }
 
     #[test]

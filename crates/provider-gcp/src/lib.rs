@@ -333,6 +333,10 @@ fn log_call(operation: &str, target: &str, started: Instant, outcome: &str, oper
 
 #[async_trait]
 impl Provider for GcpProvider {
+    fn instance_fingerprint(&self) -> Option<String> {
+        self.destinations.fingerprint()
+    }
+
     fn destination_denial(
         &self,
         host: &str,

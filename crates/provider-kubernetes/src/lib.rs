@@ -145,6 +145,10 @@ pub fn instance_from_pod(pod: &Pod) -> Instance {
 
 #[async_trait]
 impl Provider for KubernetesProvider {
+    fn instance_fingerprint(&self) -> Option<String> {
+        self.destinations.fingerprint()
+    }
+
     fn destination_denial(
         &self,
         host: &str,

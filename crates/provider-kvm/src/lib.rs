@@ -277,6 +277,10 @@ fn unix_now() -> u64 {
 
 #[async_trait]
 impl Provider for KvmProvider {
+    fn instance_fingerprint(&self) -> Option<String> {
+        self.destinations.fingerprint()
+    }
+
     fn destination_denial(
         &self,
         host: &str,

@@ -180,6 +180,27 @@ pub struct DestinationPolicy {
     pub deny: Vec<DestinationRule>,
 }
 
+impl DestinationPolicy {
+    /// A short digest (16 hex characters) of the rules, each list sorted and without duplicates, so reordering
+    /// them changes nothing; `None` for the default policy (no rules), so instances of a provider that never set one
+    /// keep the spec hash they had. Every instance a provider renders bakes its policy in: the reconciler mixes this
+    /// into each Proxy's desired spec hash, and a change rolls the provider's proxies make-before-break.
+    pub fn fingerprint(&self) -> Option<String> {
+        use sha2::{Digest, Sha256};
+        if self.allow.is_empty() && self.deny.is_empty() {
+            return None;
+        }
+        let canonical = |rules: &[DestinationRule]| {
+            let mut texts: Vec<String> = rules.iter().map(ToString::to_string).collect();
+            texts.sort();
+            texts.dedup();
+            texts.join(",")
+        };
+        let digest = Sha256::digest(format!("allow={};deny={}", canonical(&self.allow), canonical(&self.deny)));
+        Some(digest[..8].iter().map(|byte| format!("{byte:02x}")).collect())
+    }
+}
+
 /// Why the policy denies a destination.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Denial {

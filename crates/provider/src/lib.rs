@@ -58,6 +58,14 @@ pub trait Provider: Send + Sync {
         let _ = (host, port, connect, deny);
         None
     }
+
+    /// What of this provider's own configuration every instance it creates bakes in, as a short digest: its
+    /// destination policy ([`destinations::DestinationPolicy::fingerprint`]). The reconciler mixes it into each
+    /// Proxy's desired spec hash, so a change rolls the provider's proxies make-before-break. `None` (the default)
+    /// when nothing is baked in.
+    fn instance_fingerprint(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A provider's own health: one verdict per target (a project, a host, a cluster). It never fails as a whole.

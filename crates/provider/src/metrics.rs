@@ -123,6 +123,10 @@ impl Provider for WithMetrics {
     ) -> Option<crate::destinations::Denial> {
         self.inner.destination_denial(host, port, connect, deny)
     }
+
+    fn instance_fingerprint(&self) -> Option<String> {
+        self.inner.instance_fingerprint()
+    }
 }
 
 #[cfg(test)]
@@ -149,6 +153,17 @@ mod tests {
         async fn list_by_tag(&self, _tags: &Tags) -> Result<Vec<Instance>, ProviderError> {
             Ok(Vec::new())
         }
+        fn instance_fingerprint(&self) -> Option<String> {
+            Some("0123456789abcdef".into())
+        }
+    }
+
+    /// The reconciler reads the fingerprint through this wrapper: without it, a provider's changed destination
+    /// policy never reached its running proxies.
+    #[test]
+    fn the_instance_fingerprint_is_the_wrapped_providers() {
+        let provider = WithMetrics::new(Arc::new(Fixed), "pods", ProviderMetrics::register(&mut Registry::default()));
+        assert_eq!(provider.instance_fingerprint().as_deref(), Some("0123456789abcdef"));
     }
 
     #[tokio::test]

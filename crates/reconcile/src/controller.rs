@@ -518,9 +518,20 @@ async fn observe(
 ) -> Result<Facts, ProviderError> {
     let status = proxy.status.clone().unwrap_or_default();
     let retry_token = annotations::annotation(proxy, annotations::RETRY).map(str::to_owned);
-    let desired_hash = proxy.desired_spec_hash();
+    // The provider's policy is baked into its instances: a change of it replaces them, as a spec change does.
+    // Without the provider at hand (a latched failure) the recorded instance's fingerprint stands, so nothing is
+    // replaced for want of it.
+    let fingerprint = match provider {
+        Some(provider) => provider.instance_fingerprint(),
+        None => status.instance.as_ref().and_then(|instance| instance.provider_fingerprint.clone()),
+    };
+    let desired_hash = proxy.desired_spec_hash_with(fingerprint.as_deref());
     let replacement_cause = match &status.instance {
-        Some(instance) if instance.spec_hash != desired_hash => proxy.replacement_cause(&instance.spec_hash),
+        Some(instance) if instance.spec_hash != desired_hash => proxy.replacement_cause(
+            &instance.spec_hash,
+            instance.provider_fingerprint.as_deref(),
+            fingerprint.as_deref(),
+        ),
         _ => "",
     };
     let mut facts = Facts {
@@ -530,6 +541,7 @@ async fn observe(
         spec_endpoint: proxy.spec.endpoint.clone(),
         status: status.clone(),
         desired_hash,
+        fingerprint,
         replacement_cause,
         retry_token,
         max_age: jittered_max_age(proxy),
@@ -698,7 +710,8 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> 
             };
             match provider.create(&request).await {
                 Ok(instance) => {
-                    status.instance = Some(instance_status(&instance, &facts.desired_hash));
+                    status.instance =
+                        Some(instance_status(&instance, &facts.desired_hash, facts.fingerprint.as_deref()));
                     context.quota_refusals.lock().expect("quota refusals").remove(&uid);
                     requeue = Requeue::After(Duration::from_secs(1));
                 }
@@ -756,13 +769,14 @@ async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &Provider
 /// The status record of a freshly created instance. It is recorded as Provisioning whatever `create` returned: the
 /// next reconcile's `get` observes the real state, and that transition is what publishes the address and the
 /// `Provisioned` Event, in one place.
-fn instance_status(instance: &Instance, spec_hash: &str) -> InstanceStatus {
+fn instance_status(instance: &Instance, spec_hash: &str, fingerprint: Option<&str>) -> InstanceStatus {
     InstanceStatus {
         name: instance.name.clone(),
         provider_id: instance.provider_id.clone(),
         state: egress_api::InstanceState::Provisioning,
         ip: None,
         spec_hash: spec_hash.to_owned(),
+        provider_fingerprint: fingerprint.map(str::to_owned),
         created_at: instance.created_at.map(time),
         draining_since: None,
     }
@@ -944,8 +958,9 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     }
 }
 
-/// The instance names a Proxy owns: its current, previous and desired instances (the orphan collector keeps these).
-pub(crate) fn recorded_names(proxy: &Proxy) -> Vec<String> {
+/// The instance names a Proxy owns: its current, previous and desired instances (the orphan collector keeps these),
+/// the desired one on a provider whose instance fingerprint is `fingerprint`.
+pub(crate) fn recorded_names(proxy: &Proxy, fingerprint: Option<&str>) -> Vec<String> {
     let status = proxy.status.clone().unwrap_or_default();
     let uid = proxy.uid().unwrap_or_default();
     let mut names: Vec<String> = [&status.instance, &status.previous_instance]
@@ -953,7 +968,7 @@ pub(crate) fn recorded_names(proxy: &Proxy) -> Vec<String> {
         .flatten()
         .map(|instance| instance.name.clone())
         .collect();
-    names.push(egress_provider::instance_name(&uid, &proxy.desired_spec_hash()));
+    names.push(egress_provider::instance_name(&uid, &proxy.desired_spec_hash_with(fingerprint)));
     names
 }
 

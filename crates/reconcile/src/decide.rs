@@ -71,8 +71,11 @@ pub struct Facts {
     pub spec_endpoint: Option<Endpoint>,
     /// The status as read.
     pub status: ProxyStatus,
-    /// The spec hash the instance should have (including the rotation token).
+    /// The spec hash the instance should have (including the rotation token and the provider's fingerprint).
     pub desired_hash: String,
+    /// The provider's instance fingerprint (its destination policy's digest) mixed into `desired_hash`, recorded
+    /// on the instance created for it.
+    pub fingerprint: Option<String>,
     /// Why the current instance (when its hash is not `desired_hash`) is replaced, for the `Replacing` Event.
     pub replacement_cause: &'static str,
     /// The `retry` annotation's value.

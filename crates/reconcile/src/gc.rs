@@ -43,14 +43,15 @@ impl Owners {
         Self(store.state().into_iter().map(|object| (object.uid().unwrap_or_default(), object)).collect())
     }
 
-    /// Why `instance` is an orphan, or `None` when a Proxy owns it (or may: one that cannot be read).
-    fn orphan_reason(&self, instance: &Instance) -> Option<&'static str> {
+    /// Why `instance` is an orphan, or `None` when a Proxy owns it (or may: one that cannot be read); `fingerprint`
+    /// is its provider's instance fingerprint, which names the instance a Proxy wants there.
+    fn orphan_reason(&self, instance: &Instance, fingerprint: Option<&str>) -> Option<&'static str> {
         let Some(uid) = instance.tags.get(Tags::PROXY_UID) else { return Some("untagged") };
         match self.0.get(uid).map(|object| object.0.as_ref()) {
             None => Some("proxy-gone"),
             // The Proxy exists but cannot be read: never delete what it may own.
             Some(Err(_)) => None,
-            Some(Ok(proxy)) if recorded_names(proxy).contains(&instance.name) => None,
+            Some(Ok(proxy)) if recorded_names(proxy, fingerprint).contains(&instance.name) => None,
             Some(Ok(_)) => Some("superseded"),
         }
     }
@@ -143,7 +144,12 @@ impl OrphanCollector {
                         None => self.list_owners().await?,
                     });
                 }
-                let Some(reason) = owners.as_ref().and_then(|owners| owners.orphan_reason(&instance)) else { continue };
+                let fingerprint = provider.instance_fingerprint();
+                let Some(reason) =
+                    owners.as_ref().and_then(|owners| owners.orphan_reason(&instance, fingerprint.as_deref()))
+                else {
+                    continue;
+                };
                 let first_seen = *self.first_seen.lock().await.entry(instance.provider_id.clone()).or_insert(now);
                 let age = age(instance.created_at, first_seen, now);
                 if age >= self.grace {
@@ -159,7 +165,9 @@ impl OrphanCollector {
         let owners = if self.store.is_some() { self.list_owners().await? } else { owners.unwrap_or_default() };
         let mut collected = Vec::new();
         for (provider_name, provider, instance, _, age) in candidates {
-            let Some(reason) = owners.orphan_reason(&instance) else { continue };
+            let Some(reason) = owners.orphan_reason(&instance, provider.instance_fingerprint().as_deref()) else {
+                continue;
+            };
             if let Err(error) = provider.delete(&instance.provider_id).await {
                 warn!(provider = %provider_name, instance = %instance.provider_id, error = %error.chain(), "deleting an orphan failed");
                 continue;

@@ -236,6 +236,7 @@ mod tests {
             state,
             ip: Some(ip.into()),
             spec_hash: "h".into(),
+            provider_fingerprint: None,
             created_at: None,
             draining_since: None,
         }

@@ -164,3 +164,24 @@ fn literal_addresses_are_recognised_and_names_are_not() {
     assert_eq!(literal_address("api.LOCALHOST."), Some(ip("127.0.0.1")));
     assert_eq!(literal_address("localhost.example"), None);
 }
+
+#[test]
+fn the_fingerprint_changes_with_the_rules_and_not_with_their_order() {
+    let policy = |allow: &[&str], deny: &[&str]| DestinationPolicy {
+        allow: allow.iter().map(|text| rule(text)).collect(),
+        deny: deny.iter().map(|text| rule(text)).collect(),
+    };
+    assert_eq!(DestinationPolicy::default().fingerprint(), None, "the default policy keeps the plain spec hash");
+    let one = policy(&["127.0.0.1:8080", "10.1.0.0/16"], &[]).fingerprint().expect("a fingerprint");
+    assert_eq!(one.len(), 16);
+    assert!(one.bytes().all(|byte| byte.is_ascii_hexdigit()));
+    assert_eq!(
+        policy(&["10.1.0.0/16", "127.0.0.1:8080", "10.1.0.0/16"], &[]).fingerprint().as_deref(),
+        Some(one.as_str())
+    );
+    let widened = policy(&["127.0.0.1:8080", "10.1.0.0/16", "127.0.0.1:9090"], &[]).fingerprint();
+    assert_ne!(widened.as_deref(), Some(one.as_str()), "an allow rule more");
+    // The same rule denied instead of allowed.
+    let denied = policy(&["10.1.0.0/16"], &["127.0.0.1:8080"]).fingerprint();
+    assert_ne!(denied.as_deref(), Some(one.as_str()));
+}

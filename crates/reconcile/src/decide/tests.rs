@@ -16,6 +16,7 @@ fn instance(name: &str, hash: &str, state: InstanceState, ip: Option<&str>) -> I
         state,
         ip: ip.map(Into::into),
         spec_hash: hash.into(),
+        provider_fingerprint: None,
         created_at: Some(time(at(1_000))),
         draining_since: None,
     }
@@ -39,6 +40,7 @@ fn facts() -> Facts {
         spec_endpoint: None,
         status: ProxyStatus::default(),
         desired_hash: HASH.into(),
+        fingerprint: None,
         replacement_cause: "the spec (or the crawl.example.com/rotate annotation) changed",
         retry_token: None,
         max_age: None,

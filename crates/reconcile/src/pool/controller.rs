@@ -412,12 +412,15 @@ fn is_ready(proxy: &Proxy) -> bool {
     })
 }
 
-/// Whether the member is getting a new instance: it records one of another spec hash than it wants, or is still
-/// draining the one it replaced.
+/// Whether the member is getting a new instance: it records one of another spec hash than it wants (on its
+/// provider's fingerprint as the instance recorded it: a change of the provider's policy shows once the member's
+/// controller starts the new instance), or is still draining the one it replaced.
 fn is_replacing(proxy: &Proxy) -> bool {
     proxy.status.as_ref().is_some_and(|status| {
         status.previous_instance.is_some()
-            || status.instance.as_ref().is_some_and(|instance| instance.spec_hash != proxy.desired_spec_hash())
+            || status.instance.as_ref().is_some_and(|instance| {
+                instance.spec_hash != proxy.desired_spec_hash_with(instance.provider_fingerprint.as_deref())
+            })
     })
 }
 
