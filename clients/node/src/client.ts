@@ -1,5 +1,6 @@
 /** The discovery API client and the lease it hands out. */
 
+import { isIP } from 'node:net';
 import { DecodeError, DiscoveryError, TransportError, Unavailable, errorFor, type Problem } from './errors.js';
 
 /** How long one call may take, unless the client is given another timeout. */
@@ -118,6 +119,44 @@ export interface ClientOptions {
 }
 
 type Json = Record<string, unknown>;
+
+const LABEL = /^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$/;
+
+/** Refuses a target that is no host name, IP address or http(s) URL, saying what is wrong, before anything is sent
+ * (the server refuses it too). International names are left to the server, which parses them as a browser does. */
+function checkTarget(target: unknown): string {
+  if (typeof target !== 'string' || target.trim() === '') {
+    throw new TypeError('lease: target must be a host, an IP address or a URL');
+  }
+  const text = target.trim();
+  if (text.length > 2048) throw new TypeError('lease: target is longer than 2048 characters');
+  const bad = (why: string) => new TypeError(`lease: target ${JSON.stringify(text)}: ${why}`);
+  let host: string;
+  if (text.includes('://')) {
+    let url: URL;
+    try {
+      url = new URL(text);
+    } catch {
+      throw bad('not a valid URL');
+    }
+    if (url.protocol !== 'http:' && url.protocol !== 'https:') throw bad(`only http and https URLs are targets, not ${url.protocol}`);
+    host = url.hostname;
+  } else {
+    const authority = text.split(/[/?#]/, 1)[0];
+    if (isIP(authority.replace(/^\[|\]$/g, ''))) return target;
+    // Labels as given: the URL parser would turn '-bad-.com' into something else silently.
+    host = authority.replace(/:\d*$/, '');
+  }
+  host = host.replace(/^\[|\]$/g, '');
+  if (host === '') throw bad('it has no host');
+  if (isIP(host)) return target;
+  for (const label of host.replace(/\.$/, '').split('.')) {
+    if (/^[\x00-\x7f]*$/.test(label) && !LABEL.test(label)) {
+      throw bad(`${JSON.stringify(label)} is not a DNS label (letters, digits, '-' and '_', at most 63, neither starting nor ending with '-')`);
+    }
+  }
+  return target;
+}
 
 function isObject(value: unknown): value is Json {
   return typeof value === 'object' && value !== null && !Array.isArray(value);
@@ -477,10 +516,7 @@ export class DiscoveryClient {
 
   /** Leases a proxy for `target` (a host, an IP address or a URL). */
   async lease(target: string, options: LeaseOptions = {}): Promise<Lease> {
-    if (typeof target !== 'string' || target.trim() === '') {
-      throw new TypeError('lease: target must be a host, an IP address or a URL');
-    }
-    const body: Json = { target };
+    const body: Json = { target: checkTarget(target) };
     if (options.selector) body.selector = options.selector;
     const seconds = ttl(options.ttlSeconds, 'lease');
     if (seconds !== undefined) body.ttlSeconds = seconds;

@@ -86,7 +86,18 @@ test('bad input is refused before any request, saying what is wrong', async () =
   }
   await assert.rejects(lease.renew(0), /ttlSeconds must be a positive number/);
   await assert.rejects(client.lease(''), /target must be/);
+  for (const [bad, says] of [
+    ['-bad-.com', /"-bad-" is not a DNS label/],
+    ['http://a..com/', /"" is not a DNS label|not a valid URL/],
+    ['ftp://example.com/', /only http and https URLs/],
+  ]) {
+    await assert.rejects(client.lease(bad), says);
+  }
   assert.equal(seen.length, 1, 'only the lease went out');
+  for (const good of ['https://www.shop.example.co.uk/item?x=1', '127.0.0.1:8080', '[::1]:443', '::1', 'bücher.example', 'Example.COM.']) {
+    await client.lease(good);
+  }
+  assert.equal(seen.length, 7, 'every good target went out');
   assert.throws(() => new egress.DiscoveryClient('discovery:8090'), /must be http:\/\/ or https:\/\//);
 });
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -94,6 +95,22 @@ def test_bad_reports_are_refused_before_any_request() -> None:
     assert len(seen) == 1, "nothing more went out"
     client.lease("example.com", ttl=0.6)
     assert json.loads(seen[-1].content)["ttlSeconds"] == 1
+    # A target that is no host name, IP address or http(s) URL is refused with what is wrong, before sending.
+    sent = len(seen)
+    for bad_target, why in [
+        ("-bad-.com", "'-bad-' is not a DNS label"),
+        ("http://a..com/", "'' is not a DNS label"),
+        ("ftp://example.com/", "only http and https URLs"),
+        ("", "must be a host name"),
+        ("http:///path", "has no host"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            client.lease(bad_target)
+    assert len(seen) == sent, "nothing went out"
+    for good in ["https://www.shop.example.co.uk/item?x=1", "127.0.0.1:8080", "[::1]:443", "::1", "bücher.example",
+                 "_dmarc.example.com", "Example.COM."]:
+        client.lease(good)
+    assert len(seen) == sent + 7
 
 
 def test_an_answer_that_is_not_the_api_is_a_decode_error() -> None:

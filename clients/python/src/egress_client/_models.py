@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import ipaddress
 import math
+import re
 import urllib.parse
 from typing import Any, Dict, Mapping, Optional
 
@@ -155,6 +157,47 @@ def ttl_body(ttl: Optional[float]) -> Dict[str, Any]:
     return {"ttlSeconds": max(1, round(ttl))}
 
 
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+
+
+def check_target(target: Any) -> str:
+    """`target` as given, when it is a host name, an IP address or an http(s) URL; anything else is refused before
+    it is sent, with what is wrong (the server refuses it too, but a crawler should hear of a bad URL at once).
+    International names are left to the server, which parses them as a browser does."""
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError(f"target must be a host name, an IP address or an http(s) URL, not {target!r}")
+    text = target.strip()
+    if len(text) > 2048:
+        raise ValueError(f"target {text[:40]!r}... is longer than 2048 characters")
+    if "://" in text:
+        parts = urllib.parse.urlsplit(text)
+        if parts.scheme.lower() not in ("http", "https"):
+            raise ValueError(f"target {text!r}: only http and https URLs are targets, not {parts.scheme}:")
+        host = parts.hostname or ""
+    else:
+        authority = re.split(r"[/?#]", text, maxsplit=1)[0]
+        try:
+            ipaddress.ip_address(authority.strip("[]"))
+            return target
+        except ValueError:
+            pass
+        host = urllib.parse.urlsplit(f"http://{authority}").hostname or ""
+    if not host:
+        raise ValueError(f"target {text!r} has no host")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return target
+    except ValueError:
+        pass
+    for label in host.rstrip(".").split("."):
+        if label.isascii() and not _LABEL.match(label):
+            raise ValueError(
+                f"target {text!r}: {label!r} is not a DNS label (letters, digits, '-' and '_', at most 63, "
+                "neither starting nor ending with '-')"
+            )
+    return target
+
+
 def lease_body(
     target: str,
     *,
@@ -164,7 +207,7 @@ def lease_body(
     session: Optional[str],
     pool: Optional[str] = None,
 ) -> Dict[str, Any]:
-    body: Dict[str, Any] = {"target": target}
+    body: Dict[str, Any] = {"target": check_target(target)}
     if selector:
         body["selector"] = selector
     body.update(ttl_body(ttl))
