@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 use crate::process::output;
 
 /// The programs the tests and the quickstart start, by their `comm` (at most 15 characters).
-const PROGRAMS: [&str; 11] = [
+const PROGRAMS: [&str; 12] = [
     "etcd",
     "kube-apiserver",
     "kube-controller",
@@ -24,6 +24,7 @@ const PROGRAMS: [&str; 11] = [
     "qemu-system-x86",
     "python3",
     "node",
+    "prometheus",
 ];
 
 /// Processes, network namespaces and temp entries at one moment.

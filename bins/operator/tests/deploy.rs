@@ -154,3 +154,83 @@ fn every_kustomization_resource_exists_and_parses() {
         }
     }
 }
+
+/// The PrometheusRule's groups, as a plain rules file promtool reads.
+fn alert_rules() -> (Value, BTreeSet<String>) {
+    let rule = documents(&deploy().join("prometheus/prometheusrule.yaml"));
+    assert_eq!(rule[0]["kind"], "PrometheusRule");
+    let groups = rule[0]["spec"]["groups"].clone();
+    let alerts = groups
+        .as_array()
+        .expect("groups")
+        .iter()
+        .flat_map(|group| group["rules"].as_array().expect("rules").iter())
+        .filter_map(|rule| rule["alert"].as_str().map(str::to_owned))
+        .collect();
+    (serde_json::json!({ "groups": groups }), alerts)
+}
+
+fn promtool(args: &[&str]) -> String {
+    let output = std::process::Command::new("promtool").args(args).output().unwrap_or_else(|error| {
+        panic!("running promtool ({error}): `cargo xtask test` installs it with Debian's prometheus package")
+    });
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "promtool {args:?} failed:\n{text}");
+    text
+}
+
+/// `promtool check rules` on the shipped alerts, and `promtool test rules` on their unit tests, in which every
+/// alert has a case that fires and one that stays quiet.
+#[test]
+fn the_alert_rules_pass_promtool_and_every_alert_has_a_firing_and_a_quiet_case() {
+    let (rules, alerts) = alert_rules();
+    let dir = tempfile::tempdir().expect("temp dir");
+    // JSON is YAML: promtool reads it as the rules file.
+    std::fs::write(dir.path().join("rules.yaml"), serde_json::to_string_pretty(&rules).expect("json")).expect("write");
+    let tests = deploy().join("prometheus/tests/alerts.test.yaml");
+    std::fs::copy(&tests, dir.path().join("alerts.test.yaml")).expect("copy the tests");
+    let checked = promtool(&["check", "rules", &dir.path().join("rules.yaml").to_string_lossy()]);
+    assert!(checked.contains(&format!("SUCCESS: {} rules found", alerts.len())), "{checked}");
+    let tested = promtool(&["test", "rules", &dir.path().join("alerts.test.yaml").to_string_lossy()]);
+    assert!(tested.contains("SUCCESS"), "{tested}");
+
+    let suite = documents(&tests);
+    let (mut fires, mut quiet) = (BTreeSet::new(), BTreeSet::new());
+    for test in suite[0]["tests"].as_array().expect("tests") {
+        for case in test["alert_rule_test"].as_array().expect("alert_rule_test") {
+            let name = case["alertname"].as_str().expect("alertname").to_owned();
+            if case["exp_alerts"].as_array().is_some_and(|expected| !expected.is_empty()) {
+                fires.insert(name);
+            } else {
+                quiet.insert(name);
+            }
+        }
+    }
+    let missing: Vec<_> = alerts.iter().filter(|alert| !fires.contains(*alert) || !quiet.contains(*alert)).collect();
+    assert!(missing.is_empty(), "alerts without a firing and a quiet case: {missing:?}");
+    eprintln!("alerts: {} rules, each with a firing and a quiet promtool case: {alerts:?}", alerts.len());
+}
+
+/// The dashboard is Grafana's JSON with a datasource variable, and every panel but the rows has queries.
+#[test]
+fn the_dashboard_has_a_query_on_every_panel() {
+    let text = std::fs::read_to_string(deploy().join("grafana/egress-operator.json")).expect("the dashboard");
+    let dashboard: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(dashboard["uid"], "egress-operator");
+    assert_eq!(dashboard["templating"]["list"][0]["type"], "datasource");
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        if panel["type"] == "row" {
+            continue;
+        }
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{}", panel["title"]);
+        assert!(panel["targets"].as_array().is_some_and(|targets| !targets.is_empty()), "{}", panel["title"]);
+    }
+    let queries = dashboard["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|panel| panel["targets"].as_array().into_iter().flatten())
+        .filter(|target| target["expr"].as_str().is_some_and(|expr| !expr.is_empty()))
+        .count();
+    assert!(queries >= 20, "{queries} queries");
+}

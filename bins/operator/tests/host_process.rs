@@ -566,3 +566,136 @@ async fn a_destinations_allow_change_reaches_every_running_proxy_and_refuses_no_
     }
     assert_no_forbidden(&restarted);
 }
+
+/// A real Prometheus (Debian's package) scraping one target every second, on loopback; killed when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    async fn start(target: &str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global: {{ scrape_interval: 1s, evaluation_interval: 1s }}\nscrape_configs:\n  - job_name: \
+                 egress-operator\n    static_configs: [{{ targets: [\"{target}\"] }}]\n"
+            ),
+        )
+        .expect("write the config");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+        let child = std::process::Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("log")).expect("log file"))
+            .spawn()
+            .expect("prometheus runs (`cargo xtask test` installs Debian's prometheus package)");
+        let prometheus = Self { child, url: format!("http://127.0.0.1:{port}"), _dir: dir };
+        let ready = format!("{}/-/ready", prometheus.url);
+        eventually("Prometheus to be ready", WAIT, || {
+            let ready = ready.clone();
+            async move { http_get(&ready).await.ok().filter(|(status, _)| *status == 200).map(|_| ()) }
+        })
+        .await;
+        prometheus
+    }
+
+    /// The series `expr` returns now, as Prometheus's API answers them.
+    async fn query(&self, expr: &str) -> Vec<Value> {
+        let url = url::Url::parse_with_params(&format!("{}/api/v1/query", self.url), &[("query", expr)]).expect("url");
+        let Ok((200, body)) = http_get(url.as_str()).await else { return Vec::new() };
+        let answer: Value = serde_json::from_str(&body).unwrap_or_default();
+        answer["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A real Prometheus scrapes the operator while a pool's proxies run, lease, serve, get banned and throttled, and
+/// a lease is refused: every query of the shipped dashboard returns at least one series.
+#[tokio::test]
+async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query() {
+    let env = Env::new("e2e-prom").await;
+    let operator = env.operator(false).await;
+    let prometheus = Prometheus::start(operator.metrics_url.trim_start_matches("http://")).await;
+    let pool = serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "ProxyPool",
+        "metadata": { "name": "watched" },
+        "spec": {
+            "replicas": 2,
+            "template": { "spec": { "healthCheck": {
+                "intervalSeconds": 5, "timeoutSeconds": 3, "healthyThreshold": 1, "unhealthyThreshold": 2
+            } } },
+            "spread": [{ "provider": env.provider, "weight": 1 }],
+        },
+    });
+    env.ns
+        .api::<egress_api::ProxyPool>()
+        .patch("watched", &PatchParams::apply("e2e").force(), &Patch::Apply(&pool))
+        .await
+        .expect("apply the ProxyPool");
+    let discovery = env.discovery(&operator, 2).await;
+    // Served requests, a throttle, and bans on both proxies for one site, so its next lease is refused.
+    let lease = discovery.lease(LeaseOptions::for_target("shop.example")).await.expect("lease");
+    lease.report_counts(5, 1).await.expect("counts");
+    lease.release().await.expect("release");
+    let slow = discovery.lease(LeaseOptions::for_target("slow.example")).await.expect("lease");
+    slow.report(Outcome::Throttled { retry_after: Some(Duration::from_secs(30)) }, Some(429)).await.expect("throttle");
+    slow.release().await.expect("release");
+    for _ in 0..2 {
+        let banned = discovery.lease(LeaseOptions::for_target("ban.example")).await.expect("lease");
+        banned.report(Outcome::Banned, Some(403)).await.expect("ban");
+        banned.release().await.expect("release");
+    }
+    let refused = discovery.lease(LeaseOptions::for_target("ban.example")).await;
+    assert!(
+        matches!(refused, Err(ClientError::Unavailable { .. })),
+        "every proxy cools down: {:?}",
+        refused.as_ref().map(|lease| lease.proxy())
+    );
+
+    let queries = common::dashboard_queries();
+    let started = std::time::Instant::now();
+    let mut answered = Vec::new();
+    for (title, expr) in &queries {
+        let series = eventually_every(&format!("{title}: {expr}"), WAIT, Duration::from_millis(500), || async {
+            let series = prometheus.query(expr).await;
+            if series.is_empty() { Err("no series".to_owned()) } else { Ok(series) }
+        })
+        .await;
+        answered.push(format!("{title} ({})", series.len()));
+    }
+    eprintln!(
+        "e2e: Prometheus answered all {} dashboard queries within {:.1?}: {}",
+        queries.len(),
+        started.elapsed(),
+        answered.join(", ")
+    );
+    // The alerts' own series exist too: one replica leads.
+    let leaders = prometheus.query("sum(egress_leader)").await;
+    assert_eq!(leaders[0]["value"][1], "1", "{leaders:?}");
+    // docs/observability.md lists every family the operator serves (counters by their `_total` name).
+    let (_, metrics) = http_get(&format!("{}/metrics", operator.metrics_url)).await.expect("metrics");
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/observability.md"))
+        .expect("docs/observability.md");
+    let undocumented: Vec<String> = metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.split_once(' '))
+        .map(|(name, kind)| if kind == "counter" { format!("{name}_total") } else { name.to_owned() })
+        .filter(|name| !docs.contains(&format!("`{name}`")))
+        .collect();
+    assert!(undocumented.is_empty(), "families docs/observability.md does not list: {undocumented:?}");
+    assert_no_forbidden(&operator);
+}

@@ -111,6 +111,13 @@ pub async fn run(settings: Settings) -> Result<()> {
     let server_metrics = ServerMetrics::register(&mut registry);
     let monitor_metrics = MonitorMetrics::register(&mut registry);
     let pool_metrics = PoolMetrics::register(&mut registry);
+    let leader_gauge = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+    registry.register(
+        "leader",
+        "1 while this replica leads (runs the controllers and grants leases), else 0; every replica reports it, so \
+         a sum below 1 means no replica leads",
+        leader_gauge.clone(),
+    );
     let registry = Arc::new(registry);
 
     let providers = match ProviderSet::build(&settings.providers, &constructors(), Some(provider_metrics)).await {
@@ -122,6 +129,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let (stop_sender, stop) = watch::channel(false);
     let (servers_stop_sender, servers_stop) = watch::channel(false);
     let (leader_sender, leader) = watch::channel(!settings.leader_elect);
+    tokio::spawn(follow_leadership(leader.clone(), leader_gauge));
 
     // The one Proxy store, the one credential store and the one verdict store, kept on every replica: discovery
     // reads them, and while this replica leads the controller, the health engine and its feed do too.
@@ -603,6 +611,16 @@ async fn lead_while_elected(
             let _ = task.await;
         }
         if *stop.borrow() {
+            return;
+        }
+    }
+}
+
+/// Keeps `gauge` at 1 while `leader` says this replica leads, else 0, until the sender is gone.
+async fn follow_leadership(mut leader: watch::Receiver<bool>, gauge: prometheus_client::metrics::gauge::Gauge<i64>) {
+    loop {
+        gauge.set(i64::from(*leader.borrow_and_update()));
+        if leader.changed().await.is_err() {
             return;
         }
     }

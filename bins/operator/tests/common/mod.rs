@@ -52,3 +52,19 @@ pub fn external(address: SocketAddr, healthy_threshold: i32) -> ProxySpec {
         ..ProxySpec::new(ProxyMode::External)
     }
 }
+
+/// Every query of the shipped Grafana dashboard (`deploy/grafana/egress-operator.json`), with its panel's title.
+#[allow(dead_code)] // Not every binary that includes this module uses it.
+pub fn dashboard_queries() -> Vec<(String, String)> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/grafana/egress-operator.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("reading {}: {error}", path.display()));
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let title = panel["title"].as_str().expect("a title").to_owned();
+            queries.push((title, target["expr"].as_str().expect("an expr").to_owned()));
+        }
+    }
+    queries
+}
