@@ -145,7 +145,7 @@ fn the_service_monitor_is_optional() {
 
 #[test]
 fn every_kustomization_resource_exists_and_parses() {
-    for dir in ["default", "samples", "monitored", "prometheus"] {
+    for dir in ["default", "samples", "monitored", "prometheus", "namespaced"] {
         let kustomization = documents(&deploy().join(dir).join("kustomization.yaml"));
         for resource in kustomization[0]["resources"].as_array().expect("resources") {
             let path = deploy().join(dir).join(resource.as_str().expect("a path"));
@@ -233,4 +233,43 @@ fn the_dashboard_has_a_query_on_every_panel() {
         .filter(|target| target["expr"].as_str().is_some_and(|expr| !expr.is_empty()))
         .count();
     assert!(queries >= 20, "{queries} queries");
+}
+
+/// `deploy/namespaced` grants the same calls, split: everything namespaced in the proxies' namespace, the
+/// cluster-scoped ProviderHealths cluster-wide, and in the operator's namespace only the lease-key Secret; its
+/// kustomization deletes deploy/default's ClusterRole and binding, watches the one namespace, and limits the
+/// kubernetes provider to it.
+#[test]
+fn the_namespaced_overlay_grants_the_same_calls_with_nothing_cluster_wide_but_provider_healths() {
+    let rbac = documents(&deploy().join("namespaced/rbac.yaml"));
+    let named = |kind: &str, name: &str| {
+        rbac.iter()
+            .find(|document| document["kind"] == kind && document["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("a {kind} {name}"))
+    };
+    let cluster = grants(named("ClusterRole", "egress-operator-provider-health"));
+    assert!(cluster.iter().all(|(_, resource, _)| resource.starts_with("providerhealths")), "{cluster:?}");
+    let namespaced = named("Role", "egress-operator");
+    assert_eq!(namespaced["metadata"]["namespace"], "egress-proxies");
+    let granted: BTreeSet<_> = grants(namespaced).union(&cluster).cloned().collect();
+    let used: BTreeSet<(String, String, String)> = USED
+        .iter()
+        .flat_map(|(group, resource, verbs)| {
+            verbs.iter().map(move |verb| ((*group).to_owned(), (*resource).to_owned(), (*verb).to_owned()))
+        })
+        .collect();
+    assert_eq!(granted, used, "the namespaced grants are the ClusterRole's calls");
+    let lease_key = named("Role", "egress-operator-lease-key");
+    assert_eq!(lease_key["metadata"]["namespace"], "egress-system");
+    assert_eq!(lease_key["rules"][0]["resourceNames"][0], "egress-operator-lease-key");
+    let kustomization = std::fs::read_to_string(deploy().join("namespaced/kustomization.yaml")).expect("read");
+    for expected in [
+        "target: { kind: ClusterRole, name: egress-operator }",
+        "target: { kind: ClusterRoleBinding, name: egress-operator }",
+        "$patch: delete",
+        "--watch-namespace=egress-proxies",
+        "namespaces: [egress-proxies]",
+    ] {
+        assert!(kustomization.contains(expected), "deploy/namespaced/kustomization.yaml lacks {expected:?}");
+    }
 }

@@ -699,3 +699,186 @@ async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query()
     assert!(undocumented.is_empty(), "families docs/observability.md does not list: {undocumented:?}");
     assert_no_forbidden(&operator);
 }
+
+/// Applies `deploy/namespaced/rbac.yaml` and `deploy/default`'s leader-election Role for the ServiceAccount
+/// `account` (in egress-system), with every namespace the manifests name (`egress-proxies`, `egress-system`) turned
+/// into `namespace` and the cluster-scoped objects given names of their own, so no other test's grant leaks in.
+async fn install_namespaced_rbac(client: &Client, namespace: &str, account: &str) {
+    let read = |path: &str| -> Vec<Value> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy").join(path);
+        serde_saphyr::from_multiple(&std::fs::read_to_string(&path).expect("rbac")).expect("parse rbac")
+    };
+    let mut documents = read("namespaced/rbac.yaml");
+    documents.extend(
+        read("default/rbac.yaml")
+            .into_iter()
+            .filter(|document| document["kind"] == "Role" || document["kind"] == "RoleBinding"),
+    );
+    let apply = PatchParams::apply("egress-e2e").force();
+    for mut document in documents {
+        if let Some(subjects) = document["subjects"].as_array_mut() {
+            for subject in subjects {
+                subject["name"] = account.into();
+            }
+        }
+        let kind = document["kind"].as_str().unwrap_or_default().to_owned();
+        if kind.starts_with("Cluster") {
+            let name = format!("{}-{namespace}", document["metadata"]["name"].as_str().expect("a name"));
+            document["metadata"]["name"] = name.clone().into();
+            if kind == "ClusterRoleBinding" {
+                document["roleRef"]["name"] = name.clone().into();
+                let binding: ClusterRoleBinding = serde_json::from_value(document).expect("ClusterRoleBinding");
+                Api::<ClusterRoleBinding>::all(client.clone())
+                    .patch(&name, &apply, &Patch::Apply(&binding))
+                    .await
+                    .expect("apply a ClusterRoleBinding");
+            } else {
+                let role: ClusterRole = serde_json::from_value(document).expect("ClusterRole");
+                Api::<ClusterRole>::all(client.clone())
+                    .patch(&name, &apply, &Patch::Apply(&role))
+                    .await
+                    .expect("apply a ClusterRole");
+            }
+            continue;
+        }
+        let name = document["metadata"]["name"].as_str().expect("a name").to_owned();
+        document["metadata"]["namespace"] = namespace.into();
+        if kind == "Role" {
+            let role: Role = serde_json::from_value(document).expect("Role");
+            Api::<Role>::namespaced(client.clone(), namespace)
+                .patch(&name, &apply, &Patch::Apply(&role))
+                .await
+                .expect("apply a Role");
+        } else {
+            let binding: RoleBinding = serde_json::from_value(document).expect("RoleBinding");
+            Api::<RoleBinding>::namespaced(client.clone(), namespace)
+                .patch(&name, &apply, &Patch::Apply(&binding))
+                .await
+                .expect("apply a RoleBinding");
+        }
+    }
+}
+
+/// The operator under `deploy/namespaced`'s RBAC — no cluster-wide grant on Secrets, pods or ConfigMaps — watching
+/// one namespace, with a kubernetes provider limited to it: a Managed Proxy becomes Ready, leases, is banned (its
+/// status written), a Proxy placed in another namespace fails with a message naming the provider's namespaces, and
+/// not one call is refused; the same identity cannot list Secrets cluster-wide.
+#[tokio::test]
+async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read_other_secrets() {
+    let ns = egress_testenv::namespace("e2e-nsrbac").await;
+    let account = format!("egress-operator-{}", ns.name());
+    let user = format!("system:serviceaccount:egress-system:{account}");
+    let client = ns.client();
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta { name: Some("egress-system".into()), ..ObjectMeta::default() },
+                ..Namespace::default()
+            },
+        )
+        .await;
+    install_namespaced_rbac(&client, ns.name(), &account).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    ns.control_plane()
+        .write_kubeconfig_as(
+            &kubeconfig,
+            &user,
+            &["system:serviceaccounts", "system:serviceaccounts:egress-system", "system:authenticated"],
+        )
+        .expect("impersonating kubeconfig");
+    let _agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = format!("pods-{}", ns.name());
+    let token = format!("lease-token-{}", ns.name());
+    let options = OperatorOptions {
+        providers_yaml: format!(
+            "providers:\n  - name: {provider}\n    type: kubernetes\n    destinations: {}\n    kubernetes: {{ namespace: \
+             {ns}, namespaces: [{ns}] }}\n",
+            origin.destinations_yaml(),
+            ns = ns.name()
+        ),
+        cluster_id: ns.name().to_owned(),
+        lease_token: token.clone(),
+        default_probe_url: origin.ip_url(),
+        leader_election_namespace: None,
+        extra_args: vec![
+            format!("--watch-namespace={}", ns.name()),
+            format!("--leader-election-namespace={}", ns.name()),
+        ],
+    };
+    let operator = OperatorProcess::start(&binary(), &kubeconfig, &options).await.expect("the operator starts");
+    let spec = |zone: Option<&str>| ProxySpec {
+        provider: Some(provider.clone()),
+        placement: zone.map(|zone| egress_api::Placement { zone: Some(zone.into()), ..Default::default() }),
+        health_check: HealthCheck {
+            interval_seconds: 5,
+            timeout_seconds: 3,
+            healthy_threshold: 1,
+            unhealthy_threshold: 2,
+            probe_url: None,
+            ..HealthCheck::default()
+        },
+        ..ProxySpec::new(ProxyMode::Managed)
+    };
+    let proxies = ns.api::<Proxy>();
+    proxies.create(&PostParams::default(), &Proxy::new("inside", spec(None))).await.expect("create");
+    proxies.create(&PostParams::default(), &Proxy::new("outside", spec(Some("kube-system")))).await.expect("create");
+    common::wait_phase(&proxies, &["inside"], ProxyPhase::Ready, WAIT).await.unwrap_or_else(|error| panic!("{error}"));
+    let failed = common::wait_phase(&proxies, &["outside"], ProxyPhase::Failed, WAIT)
+        .await
+        .unwrap_or_else(|error| panic!("{error}"));
+    let message =
+        failed[0].status.as_ref().and_then(|status| status.failure.as_ref()).map(|failure| failure.message.clone());
+    assert!(
+        message.as_deref().is_some_and(|message| message.contains("not one of this kubernetes provider's namespaces")),
+        "{message:?}"
+    );
+    let discovery = DiscoveryClient::new(&operator.discovery_url, Some(token)).expect("client");
+    let lease = eventually("a lease", WAIT, || {
+        let discovery = discovery.clone();
+        async move { discovery.lease(LeaseOptions::for_target("namespaced.example")).await.ok() }
+    })
+    .await;
+    assert_eq!(egress_testenv::get_through_proxy(socket(lease.proxy_url()), &origin.url(), None).await.ok(), Some(200));
+    lease.report(Outcome::Banned, Some(403)).await.expect("ban");
+    lease.release().await.expect("release");
+    // The ban reaches the Proxy's status (a patch under the namespaced grant).
+    eventually("the cooldown in the Proxy's status", WAIT, || {
+        let proxies = proxies.clone();
+        async move {
+            let proxy = proxies.get("inside").await.ok()?;
+            proxy.status.filter(|status| !status.cooldowns.is_empty()).map(|_| ())
+        }
+    })
+    .await;
+    // The provider monitor and the orphan collector have listed the namespace's pods by now; nothing was refused.
+    eventually("the provider's health checked", WAIT, || async {
+        let (_, metrics) = http_get(&format!("{}/metrics", operator.metrics_url)).await.ok()?;
+        metrics.lines().any(|line| line.starts_with("egress_provider_health_up{") && line.ends_with(" 1")).then_some(())
+    })
+    .await;
+    assert_no_forbidden(&operator);
+    // The same identity, asked directly: no Secret outside its namespace.
+    let config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(&kubeconfig).expect("kubeconfig"),
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("config");
+    let impersonated = Client::try_from(config).expect("client");
+    let everywhere =
+        Api::<k8s_openapi::api::core::v1::Secret>::all(impersonated.clone()).list(&Default::default()).await;
+    assert!(
+        matches!(&everywhere, Err(kube::Error::Api(status)) if status.code == 403),
+        "listing every Secret: {:?}",
+        everywhere.map(|list| list.items.len())
+    );
+    let here =
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(impersonated, ns.name()).list(&Default::default()).await;
+    assert!(here.is_ok(), "listing its namespace's Secrets: {here:?}");
+    eprintln!(
+        "e2e: namespaced RBAC: a Proxy Ready, leased and banned, another refused for its namespace; 0 calls forbidden"
+    );
+}

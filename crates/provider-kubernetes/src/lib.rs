@@ -44,6 +44,15 @@ impl KubernetesProvider {
         Self { client, config, destinations: DestinationPolicy::default() }
     }
 
+    /// Where its pods are listed: in each of `namespaces` when the config names them, else cluster-wide.
+    fn pod_apis(&self) -> Vec<Api<Pod>> {
+        if self.config.namespaces.is_empty() {
+            vec![Api::all(self.client.clone())]
+        } else {
+            self.config.namespaces.iter().map(|namespace| Api::namespaced(self.client.clone(), namespace)).collect()
+        }
+    }
+
     /// The same provider with `destinations` added to the default destination policy of every proxy it renders.
     pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
         self.destinations = destinations;
@@ -167,6 +176,12 @@ impl Provider for KubernetesProvider {
                 "{namespace:?} (placement.zone) is not a valid namespace name for the kubernetes provider"
             )));
         }
+        if !self.config.namespaces.is_empty() && !self.config.namespaces.iter().any(|allowed| allowed == namespace) {
+            return Err(ProviderError::permanent(format!(
+                "{namespace:?} (placement.zone) is not one of this kubernetes provider's namespaces ({})",
+                self.config.namespaces.join(", ")
+            )));
+        }
         let resources = self.resources(request.machine_type.as_deref())?;
         let image = request.image.as_deref().unwrap_or(&self.config.image);
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
@@ -249,22 +264,32 @@ impl Provider for KubernetesProvider {
     #[instrument(skip(self, tags), fields(provider = "kubernetes"))]
     async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError> {
         let selector = objects::selector(tags)?;
-        let pods: Api<Pod> = Api::all(self.client.clone());
-        let list = pods
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .map_err(|error| classify("listing proxy pods", error))?;
-        Ok(list.items.iter().map(instance_from_pod).collect())
+        let mut instances = Vec::new();
+        for pods in self.pod_apis() {
+            let list = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .map_err(|error| classify("listing proxy pods", error))?;
+            instances.extend(list.items.iter().map(instance_from_pod));
+        }
+        Ok(instances)
     }
 }
 
 #[async_trait]
 impl Checker for KubernetesProvider {
-    /// One target, `cluster`: the API answers and this identity may list pods cluster-wide (as `list_by_tag` does).
+    /// One target, `cluster`: the API answers and this identity may list pods where `list_by_tag` does
+    /// (cluster-wide, or in each of the provider's `namespaces`).
     async fn check(&self) -> Vec<TargetVerdict> {
-        let pods: Api<Pod> = Api::all(self.client.clone());
-        let verdict = match pods.list_metadata(&ListParams::default().limit(1)).await {
-            Ok(_) => TargetVerdict::ready("cluster"),
+        let mut listed = Ok(());
+        for pods in self.pod_apis() {
+            if let Err(error) = pods.list_metadata(&ListParams::default().limit(1)).await {
+                listed = Err(error);
+                break;
+            }
+        }
+        let verdict = match listed {
+            Ok(()) => TargetVerdict::ready("cluster"),
             Err(error) => {
                 let error = classify("listing pods", error);
                 let reason = match error.class() {

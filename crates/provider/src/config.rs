@@ -94,6 +94,10 @@ pub struct KubernetesConfig {
     /// The cluster's own pod and service networks, which its proxies may never reach (on top of the default
     /// denials, for clusters whose networks are not private ranges).
     pub cluster_networks: Vec<IpNet>,
+    /// The only namespaces its pods may go in (`namespace` among them), when given: `placement.zone` must name one,
+    /// and pods are listed in each of them rather than cluster-wide, so the operator needs no cluster-wide grant on
+    /// pods, ConfigMaps or Secrets (`deploy/namespaced`). Empty: any namespace, listed cluster-wide.
+    pub namespaces: Vec<String>,
 }
 
 /// A pod resource profile: CPU request, and memory as both request and limit.
@@ -604,7 +608,16 @@ impl Walker {
         let node = self.mapping(
             path,
             value,
-            &["namespace", "image", "imagePullPolicy", "fdLimit", "resources", "machineTypes", "clusterNetworks"],
+            &[
+                "namespace",
+                "namespaces",
+                "image",
+                "imagePullPolicy",
+                "fdLimit",
+                "resources",
+                "machineTypes",
+                "clusterNetworks",
+            ],
         )?;
         let namespace = self.identifier(&node, "namespace", false).unwrap_or_else(|| "egress-proxies".into());
         let image = self.string(&node, "image", false).unwrap_or_else(|| "ubuntu/squid:latest".into());
@@ -617,6 +630,26 @@ impl Walker {
         let machine_types =
             self.keyed(&node, "machineTypes", |walker, path, value| walker.resource_profile(path, value));
         let cluster_networks = self.networks(&node, "clusterNetworks");
+        let mut namespaces = Vec::new();
+        for (path, item) in self.list(&node, "namespaces") {
+            match item.as_str() {
+                Some(name) if namespaces.iter().any(|known| known == name) => {
+                    self.problem(path, format!("{name:?} is listed twice"));
+                }
+                Some(name) => {
+                    if self.check_identifier(&path, name) {
+                        namespaces.push(name.to_owned());
+                    }
+                }
+                None => self.problem(path, format!("must be a namespace's name, found {}", kind_of(item))),
+            }
+        }
+        if !namespaces.is_empty() && !namespaces.contains(&namespace) {
+            self.problem(
+                node.child("namespaces"),
+                format!("must include {namespace:?}, the namespace of pods whose Proxy gives no placement.zone"),
+            );
+        }
         Some(KubernetesConfig {
             namespace,
             image,
@@ -625,6 +658,7 @@ impl Walker {
             resources,
             machine_types,
             cluster_networks,
+            namespaces,
         })
     }
 

@@ -294,7 +294,7 @@ providers:
     assert_eq!(
         messages,
         [
-            "providers[0].kubernetes.colour: unknown field (expected one of: namespace, image, imagePullPolicy, fdLimit, resources, machineTypes, clusterNetworks)",
+            "providers[0].kubernetes.colour: unknown field (expected one of: namespace, namespaces, image, imagePullPolicy, fdLimit, resources, machineTypes, clusterNetworks)",
             r#"providers[1].name: duplicate provider name "pods""#,
             "providers[2].gcp.project: is required",
             r#"providers[3].name: "Bad_Name" must match [a-z0-9]([a-z0-9-]*[a-z0-9])? (at most 63 characters)"#,
@@ -416,4 +416,39 @@ providers:
     for want in expected {
         assert!(found.iter().any(|problem| problem.contains(want)), "{want:?} not in {found:#?}");
     }
+}
+
+#[test]
+fn kubernetes_namespaces_parse_and_bad_ones_are_reported_with_their_paths() {
+    let config = parse(
+        r#"
+providers:
+  - name: pods
+    type: kubernetes
+    kubernetes: { namespace: crawl, namespaces: [crawl, crawl-eu] }
+"#,
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let ProviderSettings::Kubernetes(settings) = &config.get("pods").expect("pods").settings else {
+        panic!("kubernetes")
+    };
+    assert_eq!(settings.namespaces, ["crawl", "crawl-eu"]);
+    let found = problems(
+        r#"
+providers:
+  - name: pods
+    type: kubernetes
+    kubernetes: { namespace: crawl, namespaces: [crawl-eu, Crawl_US, crawl-eu, 7] }
+"#,
+    );
+    assert_eq!(
+        found,
+        [
+            "providers[0].kubernetes.namespaces[1]: \"Crawl_US\" must match [a-z0-9]([a-z0-9-]*[a-z0-9])? (at most 63 characters)",
+            "providers[0].kubernetes.namespaces[2]: \"crawl-eu\" is listed twice",
+            "providers[0].kubernetes.namespaces[3]: must be a namespace's name, found a number",
+            "providers[0].kubernetes.namespaces: must include \"crawl\", the namespace of pods whose Proxy gives no placement.zone",
+        ],
+        "{found:#?}"
+    );
 }
