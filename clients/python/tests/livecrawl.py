@@ -15,6 +15,18 @@ import httpx
 METRICS = os.environ.get("EGRESS_METRICS", "")
 
 
+def answer(handler: Any, status: int, headers: Dict[str, str], body: str) -> None:
+    """Writes an HTML page (`body` inside `<html><body>`) with `status` and `headers` from a BaseHTTPRequestHandler."""
+    data = f"<html><body>{body}</body></html>".encode()
+    handler.send_response(status)
+    for name, value in headers.items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Type", "text/html")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def metric(prefix: str) -> float:
     """The sum of the operator's samples whose line starts with `prefix` (a name, or a name and labels)."""
     text = httpx.get(f"{METRICS}/metrics", timeout=10).text

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from livecrawl import api_requests, crawl, metric
+from livecrawl import answer, api_requests, crawl, metric
 
 from egress_client import DiscoveryClient
 
@@ -52,14 +52,7 @@ class Site:
                     body = "".join(f'<a href="{links}{i}">{i}</a>' for i in range(PAGES))
                 else:
                     body = f"<p>{self.path}</p>" if status == 200 else "no"
-                data = f"<html><body>{body}</body></html>".encode()
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, status, headers, body)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"

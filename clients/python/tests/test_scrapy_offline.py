@@ -47,6 +47,25 @@ def lease_answer(lease_id: str, expires_in: float) -> dict:
     }
 
 
+def discovery(lease_ids: list, reports: list):
+    """A discovery API granting `lease_ids` in turn (each for 600 s), recording each report's (path, body) in
+    `reports`, and answering releases."""
+    leases = iter(lease_ids)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST" and path == "/v1/leases":
+            return httpx.Response(201, json=lease_answer(next(leases), 600))
+        if path.endswith("/report"):
+            reports.append((path, json.loads(request.content)))
+            return httpx.Response(200, json={})
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(404, json={"detail": "unexpected " + path})
+
+    return handler
+
+
 def test_answers_after_a_renew_are_still_reported_through_the_lease() -> None:
     """After a renew the lease has a new ID, which the requests sent from then on carry: a ban answered to one of
     them is reported (and released) on the lease, not dropped as an answer of no lease."""
@@ -201,19 +220,8 @@ def test_answers_in_flight_on_a_dropped_lease_are_still_reported_on_it() -> None
     """Two requests sent on one lease; the first is answered 403, so the lease is reported banned and released, and
     the second then answers 200: that success is counted on the dropped lease and reported there (the server counts
     a report on an ended lease against its proxy), not lost."""
-    reports = []
-    leases = iter(["l1.first", "l2.second"])
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "POST" and path == "/v1/leases":
-            return httpx.Response(201, json=lease_answer(next(leases), 600))
-        if path.endswith("/report"):
-            reports.append((path, json.loads(request.content)))
-            return httpx.Response(200, json={})
-        if request.method == "DELETE":
-            return httpx.Response(204)
-        return httpx.Response(404, json={"detail": "unexpected " + path})
+    reports: list = []
+    handler = discovery(["l1.first", "l2.second"], reports)
 
     crawler = Crawler()
     middleware = EgressProxyMiddleware(crawler, settings(EGRESS_TOKEN="t"))
@@ -317,16 +325,8 @@ def test_a_request_queued_behind_a_ban_leaves_through_the_new_lease() -> None:
 
 
 def test_a_block_page_answered_200_is_reported_as_a_ban_from_the_callback() -> None:
-    reports = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "POST" and path == "/v1/leases":
-            return httpx.Response(201, json=lease_answer("l1.first", 600))
-        if path.endswith("/report"):
-            reports.append((path, json.loads(request.content)))
-            return httpx.Response(200, json={})
-        return httpx.Response(404, json={"detail": "unexpected " + path})
+    reports: list = []
+    handler = discovery(["l1.first"], reports)
 
     crawler = Crawler()
     middleware = EgressProxyMiddleware(crawler, settings())
@@ -364,17 +364,8 @@ def test_a_block_page_answered_200_is_reported_as_a_ban_from_the_callback() -> N
 def test_a_ban_answered_on_a_dropped_lease_is_reported_on_it() -> None:
     """Two requests in flight on one lease both answer 403: the second is reported on the dropped lease too (the
     server counts one client's repeated reports on a running cooldown once), so every refusal reaches the server."""
-    reports = []
-    leases = iter(["l1.first", "l2.second"])
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "POST" and path == "/v1/leases":
-            return httpx.Response(201, json=lease_answer(next(leases), 600))
-        if path.endswith("/report"):
-            reports.append((path, json.loads(request.content)))
-            return httpx.Response(200, json={})
-        return httpx.Response(404, json={"detail": "unexpected " + path})
+    reports: list = []
+    handler = discovery(["l1.first", "l2.second"], reports)
 
     crawler = Crawler()
     middleware = EgressProxyMiddleware(crawler, settings())

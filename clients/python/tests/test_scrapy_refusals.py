@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from livecrawl import crawl, outcome
+from livecrawl import answer, crawl, outcome
 
 URL = os.environ.get("EGRESS_URL", "")
 PAGES = 200
@@ -50,14 +50,7 @@ class RefusingSite:
                     body = "".join(f'<a href="/page/{i}">{i}</a>' for i in range(PAGES))
                 else:
                     body = f"<p>{self.path}</p>" if status == 200 else "no"
-                data = f"<html><body>{body}</body></html>".encode()
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, status, headers, body)
                 with site.lock:
                     site.log.append((time.monotonic(), self.client_address[0], self.path, status))
 
