@@ -13,7 +13,7 @@ mod common;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use egress_api::{HealthCheck, ProviderHealth, Proxy, ProxyMode, ProxyPhase, ProxyPool, ProxySpec};
+use egress_api::{ProviderHealth, Proxy, ProxyPhase, ProxyPool, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::install::{InstallOptions, Installation, SHIPPED_LEASE_TOKEN, SYSTEM_NAMESPACE};
 use egress_testenv::{LocalOrigin, eventually, eventually_every, http_get};
@@ -146,19 +146,7 @@ async fn create(client: &Client, namespace: &str, name: &str) {
 
 /// A Managed Proxy on the namespace's provider, probed every 5 s, with `maxLeases` when given.
 async fn create_capped(client: &Client, namespace: &str, name: &str, max_leases: Option<i32>) {
-    let spec = ProxySpec {
-        provider: Some(format!("pods-{namespace}")),
-        max_leases,
-        health_check: HealthCheck {
-            interval_seconds: 5,
-            timeout_seconds: 3,
-            healthy_threshold: 1,
-            unhealthy_threshold: 2,
-            probe_url: None,
-            ..HealthCheck::default()
-        },
-        ..ProxySpec::new(ProxyMode::Managed)
-    };
+    let spec = ProxySpec { max_leases, ..common::managed(&format!("pods-{namespace}"), None) };
     Api::<Proxy>::namespaced(client.clone(), namespace)
         .create(&PostParams::default(), &Proxy::new(name, spec))
         .await

@@ -11,7 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{Proxy, ProxyPhase};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
 use egress_testenv::{
     LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually,
@@ -142,7 +142,7 @@ impl Env {
     }
 
     async fn create(&self, name: &str) {
-        let spec = managed_spec(&self.provider, None);
+        let spec = common::managed(&self.provider, None);
         self.ns.api::<Proxy>().create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create Proxy");
     }
 
@@ -162,23 +162,6 @@ impl Env {
         })
         .await;
         client
-    }
-}
-
-/// A Managed Proxy on `provider` (in namespace `zone`, if given) probed every 5 s, Ready after one good probe.
-fn managed_spec(provider: &str, zone: Option<&str>) -> ProxySpec {
-    ProxySpec {
-        provider: Some(provider.to_owned()),
-        placement: zone.map(|zone| egress_api::Placement { zone: Some(zone.into()), ..Default::default() }),
-        health_check: HealthCheck {
-            interval_seconds: 5,
-            timeout_seconds: 3,
-            healthy_threshold: 1,
-            unhealthy_threshold: 2,
-            probe_url: None,
-            ..HealthCheck::default()
-        },
-        ..ProxySpec::new(ProxyMode::Managed)
     }
 }
 
@@ -815,7 +798,7 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
         ],
     };
     let operator = OperatorProcess::start(&binary(), &kubeconfig, &options).await.expect("the operator starts");
-    let spec = |zone: Option<&str>| managed_spec(&provider, zone);
+    let spec = |zone: Option<&str>| common::managed(&provider, zone);
     let proxies = ns.api::<Proxy>();
     proxies.create(&PostParams::default(), &Proxy::new("inside", spec(None))).await.expect("create");
     proxies.create(&PostParams::default(), &Proxy::new("outside", spec(Some("kube-system")))).await.expect("create");

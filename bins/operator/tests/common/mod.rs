@@ -36,20 +36,36 @@ pub async fn wait_phase(
     }
 }
 
+/// Probes every 5 s (3 s timeout), healthy after `healthy_threshold` good probes, unhealthy after 2 bad ones.
+fn fast_probes(healthy_threshold: i32) -> HealthCheck {
+    HealthCheck {
+        interval_seconds: 5,
+        timeout_seconds: 3,
+        healthy_threshold,
+        unhealthy_threshold: 2,
+        probe_url: None,
+        ..HealthCheck::default()
+    }
+}
+
 /// An External Proxy spec for the proxy at `address`, probed every 5 s, Ready after `healthy_threshold` probes.
 #[allow(dead_code)] // Not every binary that includes this module uses it.
 pub fn external(address: SocketAddr, healthy_threshold: i32) -> ProxySpec {
     ProxySpec {
         endpoint: Some(Endpoint { host: address.ip().to_string(), port: i32::from(address.port()) }),
-        health_check: HealthCheck {
-            interval_seconds: 5,
-            timeout_seconds: 3,
-            healthy_threshold,
-            unhealthy_threshold: 2,
-            probe_url: None,
-            ..HealthCheck::default()
-        },
+        health_check: fast_probes(healthy_threshold),
         ..ProxySpec::new(ProxyMode::External)
+    }
+}
+
+/// A Managed Proxy spec on `provider` (in namespace `zone`, if given), probed every 5 s, Ready after one good probe.
+#[allow(dead_code)] // Not every binary that includes this module uses it.
+pub fn managed(provider: &str, zone: Option<&str>) -> ProxySpec {
+    ProxySpec {
+        provider: Some(provider.to_owned()),
+        placement: zone.map(|zone| egress_api::Placement { zone: Some(zone.into()), ..Default::default() }),
+        health_check: fast_probes(1),
+        ..ProxySpec::new(ProxyMode::Managed)
     }
 }
 
