@@ -506,6 +506,15 @@ fn proxy_key(proxy: &Proxy) -> String {
     format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any())
 }
 
+/// The `provider` label of the phase gauges: `spec.provider`, `external` for an External Proxy, `none` for a
+/// Managed one without a provider (which fails).
+fn provider_label(proxy: &Proxy) -> &str {
+    match proxy.spec.mode {
+        ProxyMode::External => "external",
+        ProxyMode::Managed => proxy.spec.provider.as_deref().unwrap_or("none"),
+    }
+}
+
 fn provider_name(proxy: &Proxy) -> Option<&str> {
     proxy.spec.provider.as_deref()
 }
@@ -749,7 +758,7 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> 
     for event in &events {
         context.publish(proxy, event).await;
     }
-    context.metrics.phase(&proxy_key(proxy), status.phase);
+    context.metrics.phase(&proxy_key(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
     Ok(match requeue {
         Requeue::AwaitChange => Requeue::AwaitChange,
         Requeue::After(after) => Requeue::After(after.max(Duration::from_millis(100))),
@@ -762,7 +771,7 @@ async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &Provider
     let (status, event) = decide::on_permanent_failure(facts, &error.chain());
     write_status(proxy, context, &facts.status, &status).await?;
     context.publish(proxy, &event).await;
-    context.metrics.phase(&proxy_key(proxy), status.phase);
+    context.metrics.phase(&proxy_key(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
     Ok(Requeue::AwaitChange)
 }
 
@@ -950,7 +959,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
             if before.phase != Some(ProxyPhase::Deleting) {
                 let after = ProxyStatus { phase: Some(ProxyPhase::Deleting), ..before.clone() };
                 write_status(proxy, context, &before, &after).await?;
-                context.metrics.phase(&proxy_key(proxy), Some(ProxyPhase::Deleting));
+                context.metrics.phase(&proxy_key(proxy), Some((ProxyPhase::Deleting, provider_label(proxy))));
             }
             debug!(instances = provider_ids.len(), "deleting instances; waiting until they are gone");
             Ok(Requeue::After(decide::DELETING_REQUEUE))

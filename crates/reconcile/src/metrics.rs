@@ -1,5 +1,5 @@
-//! Reconciler metrics: reconciles by result and their duration, errors by kind, proxies by phase, and orphans
-//! deleted.
+//! Reconciler metrics: reconciles by result and their duration, errors by kind, proxies by phase and provider, and
+//! orphans deleted.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +26,8 @@ struct KindLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
     phase: String,
+    /// The Proxy's `spec.provider`, or `external` for an External Proxy.
+    provider: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -41,11 +43,11 @@ pub struct ReconcileMetrics {
     duration: Family<ResultLabels, Histogram>,
     errors: Family<KindLabels, Counter>,
     proxies: Family<PhaseLabels, Gauge>,
-    phases: Arc<Mutex<HashMap<String, ProxyPhase>>>,
+    phases: Arc<Mutex<HashMap<String, (ProxyPhase, String)>>>,
     orphans: Family<OrphanLabels, Counter>,
 }
 
-/// Every phase, so each has its gauge from the start (at 0), which dashboards expect.
+/// Every phase, so each has its gauge from the start (at 0) for every provider, which dashboards expect.
 const PHASES: [ProxyPhase; 8] = [
     ProxyPhase::Pending,
     ProxyPhase::Provisioning,
@@ -59,15 +61,11 @@ const PHASES: [ProxyPhase; 8] = [
 
 impl Default for ReconcileMetrics {
     fn default() -> Self {
-        let proxies: Family<PhaseLabels, Gauge> = Family::default();
-        for phase in PHASES {
-            let _ = proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") });
-        }
         Self {
             reconciles: Family::default(),
             duration: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
             errors: Family::default(),
-            proxies,
+            proxies: Family::default(),
             phases: Arc::default(),
             orphans: Family::default(),
         }
@@ -108,24 +106,37 @@ impl ReconcileMetrics {
         self.errors.get_or_create(&KindLabels { kind }).inc();
     }
 
-    /// Records the phase of one Proxy (`namespace/name`; `None` when it is gone) and moves it between the
-    /// per-phase gauges: O(1), whatever the fleet's size.
-    pub(crate) fn phase(&self, proxy: &str, phase: Option<ProxyPhase>) {
+    /// Puts every phase's gauge at 0 for each of `providers` (the configured ones, and `external`), so a
+    /// dashboard sees every series from the start.
+    pub fn expect_providers<'a>(&self, providers: impl IntoIterator<Item = &'a str>) {
+        for provider in providers {
+            for phase in PHASES {
+                let _ =
+                    self.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}"), provider: provider.into() });
+            }
+        }
+    }
+
+    /// Records the phase of one Proxy (`namespace/name`) on `provider` (`None` when it is gone) and moves it between
+    /// the per-phase gauges: O(1), whatever the fleet's size.
+    pub(crate) fn phase(&self, proxy: &str, state: Option<(ProxyPhase, &str)>) {
         let mut phases = self.phases.lock().expect("phase map");
-        let previous = match phase {
-            Some(phase) => phases.insert(proxy.to_owned(), phase),
+        let state = state.map(|(phase, provider)| (phase, provider.to_owned()));
+        let previous = match &state {
+            Some(state) => phases.insert(proxy.to_owned(), state.clone()),
             None => phases.remove(proxy),
         };
-        if previous == phase {
+        if previous == state {
             return;
         }
-        let gauge =
-            |phase: ProxyPhase| self.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") }).clone();
+        let gauge = |(phase, provider): (ProxyPhase, String)| {
+            self.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}"), provider }).clone()
+        };
         if let Some(previous) = previous {
             gauge(previous).dec();
         }
-        if let Some(phase) = phase {
-            gauge(phase).inc();
+        if let Some(state) = state {
+            gauge(state).inc();
         }
     }
 
@@ -159,22 +170,33 @@ impl Drop for ReconcileTimer {
 mod tests {
     use super::*;
 
-    fn count(metrics: &ReconcileMetrics, phase: ProxyPhase) -> i64 {
-        metrics.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}") }).get()
+    fn count(metrics: &ReconcileMetrics, phase: ProxyPhase, provider: &str) -> i64 {
+        metrics.proxies.get_or_create(&PhaseLabels { phase: format!("{phase:?}"), provider: provider.into() }).get()
     }
 
     #[test]
-    fn proxies_move_between_phase_gauges() {
+    fn proxies_move_between_phase_gauges_per_provider() {
         let metrics = ReconcileMetrics::default();
-        assert!(PHASES.iter().all(|phase| count(&metrics, *phase) == 0), "every phase starts at 0");
-        metrics.phase("ns/a", Some(ProxyPhase::Running));
-        metrics.phase("ns/b", Some(ProxyPhase::Running));
-        metrics.phase("ns/a", Some(ProxyPhase::Ready));
-        metrics.phase("ns/a", Some(ProxyPhase::Ready));
-        assert_eq!((count(&metrics, ProxyPhase::Running), count(&metrics, ProxyPhase::Ready)), (1, 1));
+        metrics.expect_providers(["pods", "external"]);
+        let mut text = String::new();
+        let mut registry = Registry::default();
+        registry.register("proxies", "", metrics.proxies.clone());
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        assert_eq!(text.lines().filter(|line| line.starts_with("proxies{")).count(), 2 * PHASES.len(), "{text}");
+        assert!(PHASES.iter().all(|phase| count(&metrics, *phase, "pods") == 0), "every phase starts at 0");
+        metrics.phase("ns/a", Some((ProxyPhase::Running, "pods")));
+        metrics.phase("ns/b", Some((ProxyPhase::Running, "pods")));
+        metrics.phase("ns/a", Some((ProxyPhase::Ready, "pods")));
+        metrics.phase("ns/a", Some((ProxyPhase::Ready, "pods")));
+        metrics.phase("ns/x", Some((ProxyPhase::Ready, "external")));
+        assert_eq!((count(&metrics, ProxyPhase::Running, "pods"), count(&metrics, ProxyPhase::Ready, "pods")), (1, 1));
+        assert_eq!(count(&metrics, ProxyPhase::Ready, "external"), 1);
+        // A Proxy moved to another provider (a spec change) leaves the first provider's gauge.
+        metrics.phase("ns/b", Some((ProxyPhase::Running, "vms")));
+        assert_eq!((count(&metrics, ProxyPhase::Running, "pods"), count(&metrics, ProxyPhase::Running, "vms")), (0, 1));
         metrics.phase("ns/b", None);
         metrics.phase("ns/b", None);
         metrics.phase("ns/gone", None);
-        assert_eq!((count(&metrics, ProxyPhase::Running), count(&metrics, ProxyPhase::Ready)), (0, 1));
+        assert_eq!((count(&metrics, ProxyPhase::Running, "vms"), count(&metrics, ProxyPhase::Ready, "pods")), (0, 1));
     }
 }

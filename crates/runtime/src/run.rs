@@ -124,6 +124,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         Ok(providers) => Arc::new(providers),
         Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
     };
+    reconcile_metrics.expect_providers(providers.names().chain(["external"]));
 
     // `stop`: discovery refuses and the leader's label goes; `servers_stop`: the servers stop, last of all.
     let (stop_sender, stop) = watch::channel(false);
