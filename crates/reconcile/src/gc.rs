@@ -129,6 +129,8 @@ impl OrphanCollector {
                     continue;
                 }
             };
+            // Names the instance each Proxy wants on this provider; the same for all of them, so asked once.
+            let fingerprint = provider.instance_fingerprint();
             let instances = match provider.list_by_tag(&Tags::owned_by_cluster(&self.cluster_id)).await {
                 Ok(instances) => instances,
                 Err(error) => {
@@ -144,16 +146,15 @@ impl OrphanCollector {
                         None => self.list_owners().await?,
                     });
                 }
-                let fingerprint = provider.instance_fingerprint();
-                let Some(reason) =
-                    owners.as_ref().and_then(|owners| owners.orphan_reason(&instance, fingerprint.as_deref()))
-                else {
+                // Judged again against a fresh list before anything is deleted (below).
+                if owners.as_ref().and_then(|owners| owners.orphan_reason(&instance, fingerprint.as_deref())).is_none()
+                {
                     continue;
-                };
+                }
                 let first_seen = *self.first_seen.lock().await.entry(instance.provider_id.clone()).or_insert(now);
                 let age = age(instance.created_at, first_seen, now);
                 if age >= self.grace {
-                    candidates.push((provider_name.clone(), provider.clone(), instance, reason, age));
+                    candidates.push((provider_name.clone(), provider.clone(), fingerprint.clone(), instance, age));
                 }
             }
         }
@@ -164,8 +165,8 @@ impl OrphanCollector {
         // Judged from the store: confirm with the apiserver before deleting anything.
         let owners = if self.store.is_some() { self.list_owners().await? } else { owners.unwrap_or_default() };
         let mut collected = Vec::new();
-        for (provider_name, provider, instance, _, age) in candidates {
-            let Some(reason) = owners.orphan_reason(&instance, provider.instance_fingerprint().as_deref()) else {
+        for (provider_name, provider, fingerprint, instance, age) in candidates {
+            let Some(reason) = owners.orphan_reason(&instance, fingerprint.as_deref()) else {
                 continue;
             };
             if let Err(error) = provider.delete(&instance.provider_id).await {

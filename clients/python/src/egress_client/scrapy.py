@@ -353,7 +353,8 @@ class EgressProxyMiddleware:
         # Other sessions' leases on the same proxy for the same site are refused too: the site refused the proxy
         # (or its address, which other proxies may share), not the session. They are released, and their sessions
         # lease anew.
-        for other in [k for k, h in self.held.items() if k[0] == key[0] and _same_exit(h.lease, held.lease)]:
+        refused = set(exits)
+        for other in [k for k, h in self.held.items() if k[0] == key[0] and refused & set(_exits(k[0], h.lease))]:
             sibling = self._forget(other, in_flight=True)
             if sibling is not None:
                 await self._flush(sibling, release=True)
@@ -402,17 +403,12 @@ class EgressProxyMiddleware:
 
 
 def _exits(site: str, lease: AsyncLease) -> Tuple[Tuple[str, str], ...]:
-    """The (site, exit) pairs a site's refusal of `lease` covers: its proxy, and its egress address if known."""
+    """The (site, exit) pairs a site's refusal of `lease` covers: its proxy, and its egress address if known (the
+    site sees every proxy behind one address as the same client, and the server cools them down together)."""
     exits = ((site, "proxy:" + lease.proxy),)
     if lease.egress_ip is not None:
         exits += ((site, "address:" + lease.egress_ip),)
     return exits
-
-
-def _same_exit(one: AsyncLease, other: AsyncLease) -> bool:
-    """Whether a site sees the two leases' requests as the same client: the same proxy, or the same egress address
-    (the server cools down every proxy behind an address together)."""
-    return one.proxy == other.proxy or (one.egress_ip is not None and one.egress_ip == other.egress_ip)
 
 
 def _retry_after(response: Response) -> Optional[float]:
