@@ -215,7 +215,8 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     let providers =
         egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn egress_provider::Provider>);
     let verdicts = egress_reconcile::ProxyVerdicts::new();
-    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(client.clone(), None);
+    let (proxies, watch) = egress_reconcile::ProxyFeed::start(client.clone(), None);
+    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(client.clone(), None, &proxies);
     let context = Arc::new(egress_reconcile::Context::new(
         client.clone(),
         Arc::new(providers),
@@ -225,7 +226,6 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
         egress_reconcile::ReconcileMetrics::default(),
     ));
     let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
-    let (proxies, watch) = egress_reconcile::ProxyFeed::start(client.clone(), None);
     let controller =
         tokio::spawn(egress_reconcile::run(context, proxies.clone(), trigger_stream, futures::future::pending()));
     let tls = egress_health::tls_connector(b"")?;

@@ -28,7 +28,7 @@ const USED: &[(&str, &str, &[&str])] = &[
     ("crawl.example.com", "providerhealths", &["get", "list", "create", "delete"]),
     ("crawl.example.com", "providerhealths/status", &["patch"]),
     ("events.k8s.io", "events", &["create", "patch"]),
-    ("", "secrets", &["get", "list", "watch", "create", "patch", "delete"]),
+    ("", "secrets", &["get", "list", "watch", "create", "delete"]),
     ("", "pods", &["get", "list", "create", "delete"]),
     ("", "configmaps", &["create", "delete"]),
 ];

@@ -27,8 +27,9 @@ use kube::{Client, Resource, ResourceExt};
 use tracing::{Instrument, debug, info, info_span, instrument, warn};
 
 use crate::Error;
+use crate::credentials::CredentialStore;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
-use crate::feed::{AUTH_SECRET_LABEL, Change, CredentialStore, ProxyFeed};
+use crate::feed::{Change, ProxyFeed};
 use crate::health::{ProbeKey, ProxyVerdicts, seed_from_status, verdict_of};
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
@@ -603,17 +604,29 @@ async fn observe(
     Ok(facts)
 }
 
-/// How soon a Proxy whose auth Secret does not exist yet is looked at again: an unlabelled Secret is not watched,
-/// so its creation wakes nothing.
+/// How soon a Proxy whose auth Secret does not exist yet is looked at again: the controller is not woken by
+/// Secrets (the credential store is, and holds the Secret as soon as it exists).
 const MISSING_AUTH_SECRET_RECHECK: Duration = Duration::from_secs(5);
 
-/// Whether the Proxy names an auth Secret the credential store does not hold (missing, or not seen yet).
+/// How soon a Proxy whose auth Secret exists but has not reached the credential store yet (it is being read, on
+/// the same Proxy event that started this reconcile) is looked at again.
+const ARRIVING_AUTH_SECRET_RECHECK: Duration = Duration::from_millis(500);
+
+/// Whether the Proxy names an auth Secret the credential store does not hold (missing, or not read yet).
 fn waiting_for_auth_secret(proxy: &Proxy, context: &Context) -> bool {
     proxy
         .spec
         .auth
         .as_ref()
         .is_some_and(|auth| !context.credentials.holds(&proxy.namespace().unwrap_or_default(), &auth.secret_ref.name))
+}
+
+/// Whether the auth Secret the Proxy names exists, asked of the API (its metadata only): told apart from one the
+/// credential store has not read yet.
+async fn auth_secret_exists(proxy: &Proxy, context: &Context) -> Result<bool, Error> {
+    let Some(auth) = &proxy.spec.auth else { return Ok(true) };
+    let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &proxy.namespace().unwrap_or_default());
+    Ok(secrets.get_metadata_opt(&auth.secret_ref.name).await?.is_some())
 }
 
 /// The message of the status's `Provisioned` condition.
@@ -626,38 +639,6 @@ fn provisioned_message(status: &ProxyStatus) -> Option<&str> {
 }
 
 async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
-    let auth_secret_exists = ensure_auth_label(proxy, context).await?;
-    let action = apply_spec(proxy, context).await?;
-    Ok(if auth_secret_exists { action } else { Requeue::After(MISSING_AUTH_SECRET_RECHECK) })
-}
-
-/// Puts the credential store's label on the Proxy's auth Secret, so creates, probes and discovery all see it
-/// through the one watch. Returns whether the Secret exists (or no Secret is named).
-async fn ensure_auth_label(proxy: &Proxy, context: &Context) -> Result<bool, Error> {
-    let Some(auth) = &proxy.spec.auth else { return Ok(true) };
-    let namespace = proxy.namespace().unwrap_or_default();
-    let name = &auth.secret_ref.name;
-    if context.credentials.holds(&namespace, name) {
-        return Ok(true);
-    }
-    let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
-    // A merge patch, not server-side apply: apply would create a Secret that does not exist yet.
-    let patch = serde_json::json!({ "metadata": { "labels": { AUTH_SECRET_LABEL: "true" } } });
-    let params = PatchParams { field_manager: Some(AUTH_LABEL_MANAGER.into()), ..PatchParams::default() };
-    match secrets.patch(name, &params, &Patch::Merge(&patch)).await {
-        Ok(_) => {
-            debug!(secret = %name, "labelled the auth Secret for the credential store");
-            Ok(true)
-        }
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
-        Err(error) => Err(error.into()),
-    }
-}
-
-/// The field manager that owns only the auth Secret's credential-store label.
-const AUTH_LABEL_MANAGER: &str = "egress-operator-auth-label";
-
-async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let uid = proxy.uid().unwrap_or_default();
     let provider = match (proxy.spec.mode, provider_name(proxy)) {
         (ProxyMode::Managed, Some(name)) => match context.providers.provider(name).await {
@@ -701,13 +682,17 @@ async fn apply_spec(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> 
                     return latch(proxy, context, &facts, &error).await;
                 }
                 Err(error) => {
-                    // Say why on the object (a Secret missing or not yet seen); the error backoff retries.
+                    if waiting_for_auth_secret(proxy, context) && auth_secret_exists(proxy, context).await? {
+                        // Being read by the credential store right now: nothing to tell the user.
+                        return Ok(Requeue::After(ARRIVING_AUTH_SECRET_RECHECK));
+                    }
+                    // Say why on the object (a Secret missing, or a key missing); the error backoff retries.
                     let message = error.to_string();
                     let status = decide::on_transient_failure(&facts, &message);
                     write_status(proxy, context, &facts.status, &status).await?;
                     if waiting_for_auth_secret(proxy, context) {
-                        // Said once per wait as an Event too. Its creation wakes nothing (an unlabelled Secret is
-                        // not watched), so look again soon instead of backing off further each time.
+                        // Said once per wait as an Event too. Its creation does not wake the controller, so look
+                        // again soon instead of backing off further each time.
                         if provisioned_message(&facts.status) != Some(message.as_str()) {
                             let event = EventSpec { warning: true, reason: "AuthSecretMissing", note: message };
                             context.publish(proxy, &event).await;

@@ -1,5 +1,5 @@
-//! One reflector store per kind the operator reads (Proxies, and their auth Secrets), and an incremental fan-out of
-//! its changes.
+//! One reflector store per kind the operator reads (Proxies, pools, and the auth Secrets Proxies name: see
+//! [`crate::credentials`]), and an incremental fan-out of its changes.
 //!
 //! Every consumer (the controller, the health feed, the discovery view) reads the same `Store` and is told which
 //! object changed: the fan-out carries object references only, never objects, so a change costs each consumer one
@@ -180,7 +180,7 @@ pub type PoolFeed = Fanout<GuardedPool>;
 
 /// Drops what no consumer reads, so the store holds a small object: managed fields, and the copy of the whole
 /// object that `kubectl apply` keeps in an annotation.
-fn trim_metadata<K: Resource>(object: &mut K) {
+pub(crate) fn trim_metadata<K: Resource>(object: &mut K) {
     let metadata = object.meta_mut();
     metadata.managed_fields = None;
     if let Some(annotations) = metadata.annotations.as_mut() {
@@ -243,59 +243,6 @@ impl PoolFeed {
     }
 }
 
-/// The label that puts a Secret into the operator's credential store. The operator sets it on every auth Secret a
-/// Proxy names, so users need not.
-pub const AUTH_SECRET_LABEL: &str = "egress.crawl.example.com/proxy-auth";
-
-/// A proxy's user name and password, as read from its auth Secret (`username`, `password`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct AuthCredentials {
-    /// The user name.
-    pub username: String,
-    /// The password.
-    pub password: String,
-}
-
-impl Debug for AuthCredentials {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("AuthCredentials").field("username", &self.username).finish_non_exhaustive()
-    }
-}
-
-/// The one store of proxy auth Secrets, shared by creates, probes and discovery, so all three always agree and a
-/// rotated Secret reaches them in one event.
-pub type CredentialStore = Fanout<Secret>;
-
-/// Keeps only the two keys the operator reads from an auth Secret.
-fn trim_secret(secret: &mut Secret) {
-    trim_metadata(secret);
-    secret.string_data = None;
-    if let Some(data) = secret.data.as_mut() {
-        data.retain(|key, _| key == "username" || key == "password");
-    }
-}
-
-impl CredentialStore {
-    /// Starts watching the labelled auth Secrets (in `namespace`, or all); the returned task drives the watch.
-    pub fn start(client: Client, namespace: Option<&str>) -> (Self, JoinHandle<()>) {
-        let config = watcher::Config::default().labels(&format!("{AUTH_SECRET_LABEL}=true"));
-        Self::spawn(watch(client, namespace, config), trim_secret, "Secret")
-    }
-
-    /// The credentials in `namespace/name`, when the store holds that Secret with both keys.
-    pub fn credentials(&self, namespace: &str, name: &str) -> Option<AuthCredentials> {
-        let secret = self.store.get(&ObjectRef::new(name).within(namespace))?;
-        let data = secret.data.as_ref()?;
-        let field = |key: &str| data.get(key).map(|value| String::from_utf8_lossy(&value.0).into_owned());
-        Some(AuthCredentials { username: field("username")?, password: field("password")? })
-    }
-
-    /// Whether the store holds `namespace/name` (labelled and seen).
-    pub fn holds(&self, namespace: &str, name: &str) -> bool {
-        self.store.get(&ObjectRef::new(name).within(namespace)).is_some()
-    }
-}
-
 /// The reference of a Secret as the credential store keys it.
 pub fn secret_ref(namespace: &str, name: &str) -> ObjectRef<Secret> {
     ObjectRef::new(name).within(namespace)
@@ -350,6 +297,16 @@ impl SecretIndex {
     /// Every Proxy that names a Secret.
     pub fn proxies(&self) -> impl Iterator<Item = &ObjectRef<GuardedProxy>> {
         self.secret_of.keys()
+    }
+
+    /// Every Secret that some Proxy names.
+    pub fn secrets(&self) -> impl Iterator<Item = &ObjectRef<Secret>> {
+        self.users_of.keys()
+    }
+
+    /// Whether some Proxy names `secret`.
+    pub fn names(&self, secret: &ObjectRef<Secret>) -> bool {
+        self.users_of.contains_key(secret)
     }
 }
 

@@ -26,7 +26,8 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info_span, warn};
 
 use crate::controller::Trigger;
-use crate::feed::{Change, CredentialStore, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of};
+use crate::credentials::CredentialStore;
+use crate::feed::{Change, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of};
 use crate::health::{ProbeKey, seed_from_status};
 
 /// How many Proxies a resync handles before it lets other tasks run.

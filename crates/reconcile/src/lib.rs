@@ -8,6 +8,7 @@
 //! `Controller` drives it; `error_policy` alone decides error backoff, per object, reset on success.
 
 mod controller;
+mod credentials;
 pub mod decide;
 mod error;
 pub mod feed;
@@ -21,10 +22,10 @@ mod providers;
 mod status;
 
 pub use controller::{Context, ControllerConfig, LeaseDrain, Trigger, run, trigger_channel};
+pub use credentials::{AuthCredentials, CredentialStore};
 pub use error::Error;
 pub use feed::{
-    AUTH_SECRET_LABEL, AuthCredentials, Change, CredentialStore, Fanout, GuardedPool, GuardedProxy, PoolFeed,
-    ProxyFeed, SecretIndex, auth_secret_of, reference_of,
+    Change, Fanout, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed, SecretIndex, auth_secret_of, reference_of,
 };
 pub use health::{ProbeKey, ProxyVerdicts, Verdict, follow_status, seed_from_status, verdict_of};
 pub use metrics::ReconcileMetrics;

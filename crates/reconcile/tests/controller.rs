@@ -400,7 +400,8 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     let providers = egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn Provider>);
     let mut config = egress_reconcile::ControllerConfig::new(ns.name());
     config.namespace = Some(ns.name().to_owned());
-    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(ns.client(), Some(ns.name()));
+    let (feed, watch) = egress_reconcile::ProxyFeed::start(ns.client(), Some(ns.name()));
+    let (credentials, secret_watch) = egress_reconcile::CredentialStore::start(ns.client(), Some(ns.name()), &feed);
     let context = Arc::new(egress_reconcile::Context::new(
         ns.client(),
         Arc::new(providers),
@@ -409,7 +410,6 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
         config,
         egress_reconcile::ReconcileMetrics::default(),
     ));
-    let (feed, watch) = egress_reconcile::ProxyFeed::start(ns.client(), Some(ns.name()));
     let controller =
         tokio::spawn(egress_reconcile::run(context, feed, futures::stream::pending(), futures::future::pending()));
 
@@ -503,24 +503,80 @@ fn with_auth(mut spec: egress_api::ProxySpec, secret: &str) -> egress_api::Proxy
     spec
 }
 
-/// The credential store watches labelled Secrets only; the controller labels the auth Secret a Proxy names, so
-/// the create carries its credentials without the user labelling anything.
+/// The operator never writes to a user's Secret: the auth Secret a Proxy names reaches the create as it is, its
+/// resource version untouched. (It once gained a label the operator patched on, for a watch by label.)
 #[tokio::test]
-async fn an_unlabelled_auth_secret_is_labelled_and_its_credentials_reach_the_create() {
+async fn an_auth_secret_reaches_the_create_and_the_operator_never_writes_to_it() {
     let harness = Harness::new("rc-auth").await;
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = harness.ns.api();
-    secrets.create(&PostParams::default(), &auth_secret("creds", "crawler", "s3cret")).await.expect("secret");
+    let created =
+        secrets.create(&PostParams::default(), &auth_secret("creds", "crawler", "s3cret")).await.expect("secret");
     let spec = with_auth(managed("zone-a"), "creds");
     harness.proxies().create(&PostParams::default(), &Proxy::new("p", spec)).await.expect("create");
     wait_for(&harness.proxies(), "p", "Running", |p| phase(p) == Some(ProxyPhase::Running)).await;
     assert_eq!(harness.provider.last_credentials(), Some(("crawler".to_owned(), "s3cret".to_owned())));
     let secret = secrets.get("creds").await.expect("get");
-    assert_eq!(secret.labels().get(egress_reconcile::AUTH_SECRET_LABEL).map(String::as_str), Some("true"));
+    assert_eq!(secret.resource_version(), created.resource_version(), "the operator wrote to the Secret");
+    assert!(secret.labels().is_empty(), "{:?}", secret.labels());
 }
 
-/// A Secret created after its Proxy is found within seconds: nothing watches unlabelled Secrets, so the controller
-/// looks again every few seconds (not by the error backoff, which grows), and says once, as an Event, what it waits
-/// for.
+/// The credential store holds exactly the Secrets some Proxy names: read when a Proxy starts naming one, read again
+/// when it changes, dropped when no Proxy names it, and never any other Secret of the namespace.
+#[tokio::test]
+async fn the_credential_store_holds_exactly_the_secrets_proxies_name() {
+    let ns = egress_testenv::namespace("rc-creds").await;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = ns.api();
+    secrets.create(&PostParams::default(), &auth_secret("first", "u1", "p1")).await.expect("secret");
+    secrets.create(&PostParams::default(), &auth_secret("second", "u2", "p2")).await.expect("secret");
+    secrets.create(&PostParams::default(), &auth_secret("unnamed", "u3", "p3")).await.expect("secret");
+    let proxies: Api<Proxy> = ns.api();
+    let external = |secret: &str| {
+        let spec = egress_api::ProxySpec {
+            endpoint: Some(egress_api::Endpoint { host: "127.0.0.1".into(), port: 3128 }),
+            ..egress_api::ProxySpec::new(egress_api::ProxyMode::External)
+        };
+        with_auth(spec, secret)
+    };
+    proxies.create(&PostParams::default(), &Proxy::new("a", external("first"))).await.expect("proxy");
+    let (feed, _watch) = egress_reconcile::ProxyFeed::start(ns.client(), Some(ns.name()));
+    let (store, _task) = egress_reconcile::CredentialStore::start(ns.client(), Some(ns.name()), &feed);
+    assert!(tokio::time::timeout(WAIT, store.ready()).await.expect("ready in time"));
+    // Named when the operator started: held as soon as the store is ready.
+    let held = |name: &str| store.credentials(ns.name(), name).map(|found| (found.username, found.password));
+    assert_eq!(held("first"), Some(("u1".to_owned(), "p1".to_owned())));
+    assert_eq!(held("second"), None);
+    assert_eq!(held("unnamed"), None);
+
+    // A second Proxy names another Secret; a rotated password arrives; the last one is never read.
+    proxies.create(&PostParams::default(), &Proxy::new("b", external("second"))).await.expect("proxy");
+    eventually("the second Secret held", WAIT, || async { held("second") }).await;
+    let rotate = json!({ "stringData": { "password": "p1-rotated" } });
+    secrets.patch("first", &PatchParams::default(), &Patch::Merge(rotate)).await.expect("rotate");
+    eventually("the rotated password held", WAIT, || async {
+        (held("first") == Some(("u1".to_owned(), "p1-rotated".to_owned()))).then_some(())
+    })
+    .await;
+    assert_eq!(held("unnamed"), None);
+
+    // A Secret named before it exists is held once created; one no Proxy names any more is dropped.
+    let renamed = json!({ "spec": { "auth": { "secretRef": { "name": "later" } } } });
+    proxies.patch("b", &PatchParams::default(), &Patch::Merge(renamed)).await.expect("rename");
+    eventually("the unnamed Secret dropped", WAIT, || async { held("second").is_none().then_some(()) }).await;
+    secrets.create(&PostParams::default(), &auth_secret("later", "u4", "p4")).await.expect("secret");
+    eventually("the Secret created after its Proxy held", WAIT, || async { held("later") }).await;
+    proxies.delete("a", &Default::default()).await.expect("delete");
+    eventually("the Secret of a deleted Proxy dropped", WAIT, || async { held("first").is_none().then_some(()) }).await;
+    // A deleted Secret leaves the store even while a Proxy still names it.
+    secrets.delete("later", &Default::default()).await.expect("delete");
+    eventually("a deleted Secret dropped", WAIT, || async { held("later").is_none().then_some(()) }).await;
+    for name in ["first", "second", "unnamed"] {
+        let secret = secrets.get(name).await.expect("get");
+        assert!(secret.labels().is_empty(), "{name} was written to: {:?}", secret.labels());
+    }
+}
+
+/// A Secret created after its Proxy is found within seconds: Secrets do not wake the controller, so it looks again
+/// every few seconds (not by the error backoff, which grows), and says once, as an Event, what it waits for.
 #[tokio::test]
 async fn an_auth_secret_created_after_its_proxy_is_found() {
     let harness = Harness::new("rc-auth-late").await;
@@ -533,7 +589,7 @@ async fn an_auth_secret_created_after_its_proxy_is_found() {
         conditions.iter().any(|condition| condition.message.contains("late")).then_some(())
     })
     .await;
-    assert!(secrets.get_opt("late").await.expect("get").is_none(), "labelling never creates a Secret");
+    assert!(secrets.get_opt("late").await.expect("get").is_none(), "the operator never creates a user's Secret");
     assert_eq!(harness.provider.calls(Op::Create), 0, "no create without the credentials");
     await_event(&harness, "p", "AuthSecretMissing").await;
     // Five more passes while it waits (with the error backoff, 1 s doubling, the next would be 32 s or more away).

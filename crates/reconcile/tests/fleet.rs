@@ -42,8 +42,8 @@ async fn a_spec_change_during_a_ramp_of_a_thousand_is_reconciled_promptly() {
     // reconciles too).
     let ns = egress_testenv::namespace("fleet").await;
     let verdicts = ProxyVerdicts::new();
-    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     let (feed, _watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
+    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()), &feed);
     let mut config = ControllerConfig::new(ns.name());
     config.namespace = Some(ns.name().to_owned());
     let context = Arc::new(Context::new(

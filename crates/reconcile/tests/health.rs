@@ -44,9 +44,9 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     let origin = LocalOrigin::start().await.expect("origin");
 
     let provider = pods_provider(&ns, &origin);
-    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     // Composed as the operator does: one Proxy store for the controller and the health feed.
     let (proxies, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
+    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()), &proxies);
     let metrics = HealthMetrics::default();
     let start = || {
         Leader::start(
@@ -132,8 +132,8 @@ async fn a_dead_instance_is_replaced_after_replace_after_seconds() {
     let agent = NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
     let origin = LocalOrigin::start().await.expect("origin");
     let provider = pods_provider(&ns, &origin);
-    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()));
     let (feed, watch) = ProxyFeed::start(ns.client(), Some(ns.name()));
+    let (credentials, _secret_watch) = CredentialStore::start(ns.client(), Some(ns.name()), &feed);
     let leader =
         Leader::start(&ns.client(), ns.name(), provider, feed, credentials, origin.url(), HealthMetrics::default());
     let replace_after = Duration::from_secs(5);

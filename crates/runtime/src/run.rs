@@ -139,7 +139,8 @@ pub async fn run(settings: Settings) -> Result<()> {
     let (pools, _pool_watch) = PoolFeed::start(client.clone(), settings.watch_namespace.as_deref());
     // Leases refused for a pool's lack of members or capacity wake the pool controller of the current term.
     let (pool_wakes, _) = tokio::sync::broadcast::channel::<String>(1024);
-    let (credentials, _secret_watch) = CredentialStore::start(client.clone(), settings.watch_namespace.as_deref());
+    let (credentials, _secret_watch) =
+        CredentialStore::start(client.clone(), settings.watch_namespace.as_deref(), &feed);
 
     let auth = match &settings.discovery_tokens {
         Some(path) => Auth::Tokens(TokenFile::load(path)?),

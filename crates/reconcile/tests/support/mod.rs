@@ -280,7 +280,8 @@ impl Harness {
 
     /// Starts (or restarts) the controller with a fresh context, as a restarted operator would have.
     pub fn start(&mut self) {
-        let (credentials, secret_watch) = CredentialStore::start(self.ns.client(), Some(self.ns.name()));
+        let (feed, watch) = ProxyFeed::start(self.ns.client(), Some(self.ns.name()));
+        let (credentials, secret_watch) = CredentialStore::start(self.ns.client(), Some(self.ns.name()), &feed);
         let context = self.context(credentials);
         let receiver = self.receiver.take().unwrap_or_else(|| {
             let (triggers, receiver) = mpsc::unbounded_channel();
@@ -293,7 +294,6 @@ impl Harness {
         // As in the operator: one shared store, read by the controller and by other tasks that wait on it too
         // (the health feed, the discovery view), started before and after it. The store's readiness once woke only
         // the last of its waiters, and a controller that lost that race never reconciled anything.
-        let (feed, watch) = ProxyFeed::start(self.ns.client(), Some(self.ns.name()));
         let reader = |feed: ProxyFeed| {
             tokio::spawn(async move {
                 let mut changes = feed.subscribe().boxed();
