@@ -1,5 +1,6 @@
-//! `cargo xtask crdgen`: writes the generated files — the CRDs under `crds/` from the Rust types, and
-//! `docs/discovery-openapi.json` from the discovery API — or with `--check` reports which are stale.
+//! `cargo xtask crdgen`: writes the generated files — the CRDs under `crds/` from the Rust types,
+//! `docs/discovery-openapi.json` from the discovery API, and the Helm chart's copies of the CRDs and of the alert
+//! rules — or with `--check` reports which are stale.
 
 use std::fs;
 use std::path::PathBuf;
@@ -7,6 +8,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 
 use crate::workspace_root;
+
+/// Where the Helm chart keeps its copies of the CRDs and of the alert rules.
+const CHART_FILES: &str = "deploy/helm/egress-operator/files";
 
 /// Every generated file: its path under the workspace root and its content.
 fn generated() -> Result<Vec<(PathBuf, String)>> {
@@ -24,6 +28,17 @@ fn generated() -> Result<Vec<(PathBuf, String)>> {
             .push_str(&format!("  - {}\n", path.file_name().map(|name| name.to_string_lossy()).unwrap_or_default()));
     }
     files.push((PathBuf::from("crds/kustomization.yaml"), kustomization));
+    // The Helm chart's copies: a chart reads only its own directory.
+    let chart_files = PathBuf::from(CHART_FILES);
+    let crds: Vec<(PathBuf, String)> = files
+        .iter()
+        .filter(|(path, _)| path.extension().is_some_and(|ext| ext == "yaml") && !path.ends_with("kustomization.yaml"))
+        .map(|(path, contents)| (chart_files.join("crds").join(path.file_name().unwrap_or_default()), contents.clone()))
+        .collect();
+    files.extend(crds);
+    let rule = workspace_root().join("deploy/prometheus/prometheusrule.yaml");
+    let rule = fs::read_to_string(&rule).with_context(|| format!("reading {}", rule.display()))?;
+    files.push((chart_files.join("prometheusrule.yaml"), rule));
     let openapi = serde_json::to_string_pretty(&egress_discovery::openapi::document())
         .context("rendering the OpenAPI document")?;
     files.push((PathBuf::from("docs/discovery-openapi.json"), format!("{openapi}\n")));
@@ -43,12 +58,15 @@ pub fn run(check: bool) -> Result<()> {
                 Err(error) => stale.push(format!("{} cannot be read: {error}", relative.display())),
             }
         }
-        let crds = root.join("crds");
-        for entry in fs::read_dir(&crds).with_context(|| format!("reading {}", crds.display()))? {
-            let name = PathBuf::from("crds").join(entry?.file_name());
-            if name.extension().is_some_and(|ext| ext == "yaml") && !files.iter().any(|(relative, _)| *relative == name)
-            {
-                stale.push(format!("{} is not generated from any Rust type", name.display()));
+        for directory in [PathBuf::from("crds"), PathBuf::from(CHART_FILES).join("crds")] {
+            let path = root.join(&directory);
+            for entry in fs::read_dir(&path).with_context(|| format!("reading {}", path.display()))? {
+                let name = directory.join(entry?.file_name());
+                if name.extension().is_some_and(|ext| ext == "yaml")
+                    && !files.iter().any(|(relative, _)| *relative == name)
+                {
+                    stale.push(format!("{} is not generated from any Rust type", name.display()));
+                }
             }
         }
         if !stale.is_empty() {

@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 use crate::process::output;
 
 /// The programs the tests and the quickstart start, by their `comm` (at most 15 characters).
-const PROGRAMS: [&str; 12] = [
+const PROGRAMS: [&str; 13] = [
     "etcd",
     "kube-apiserver",
     "kube-controller",
@@ -25,6 +25,7 @@ const PROGRAMS: [&str; 12] = [
     "python3",
     "node",
     "prometheus",
+    "helm",
 ];
 
 /// Processes, network namespaces and temp entries at one moment.

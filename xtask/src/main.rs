@@ -7,6 +7,7 @@ mod crdgen;
 mod e2e;
 mod envtest;
 mod guest;
+mod helm;
 mod leftovers;
 mod node;
 mod packages;

@@ -1,6 +1,6 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages; the control-plane binaries, the Python client's venv, the Node client's modules and
+//! Set-up first (Debian packages; the control-plane binaries and helm, the Python client's venv, the Node client's modules and
 //! the kvm boot test's guest image are made beside the Rust build), then formatting, lints and
 //! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
 //! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, guest, leftovers, node, packages, podnet, python};
+use crate::{crdgen, envtest, guest, helm, leftovers, node, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     let before = leftovers::Snapshot::take();
@@ -20,7 +20,8 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     // The control plane's Go build (minutes on a fresh machine, nothing on a warm one) runs beside the Rust build,
     // which does not need it: each fills the cores the other leaves idle (a big crate or a link compiling alone,
     // downloads). Only the tests need the binaries.
-    let control_plane = std::thread::spawn(envtest::ensure_built);
+    // helm follows it in the same thread: the two share Go packages, which then compile once.
+    let control_plane = std::thread::spawn(|| envtest::ensure_built().and_then(|_| helm::ensure_built()));
     // So does the Python client's venv (a download on a fresh machine, nothing on a warm one).
     let venv = std::thread::spawn(python::ensure_venv);
     // And the Node client's modules, and the guest image (two minutes of packages on a fresh machine, then cached).

@@ -34,6 +34,14 @@ pub fn bin_dir() -> PathBuf {
     }
 }
 
+/// The helm release built for the chart's tests; `xtask/helm/go.mod` requires the same (a test checks both).
+pub const HELM_VERSION: &str = "v4.3.2";
+
+/// The path of the helm binary (`<cache>/helm/<helm version>/helm`), built by `cargo xtask test` from its Go module.
+pub fn helm() -> PathBuf {
+    cache_dir().join("helm").join(HELM_VERSION).join("helm")
+}
+
 /// The path of the kube-apiserver binary.
 pub fn kube_apiserver() -> PathBuf {
     bin_dir().join("kube-apiserver")

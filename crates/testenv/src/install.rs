@@ -1,5 +1,5 @@
-//! The product installed as a user installs it: `kubectl apply -k` of `deploy/default`, as shipped, on the local
-//! control plane, with the node agent running the operator's pods and the proxies' pods, and a stand-in for
+//! The product installed as a user installs it: `kubectl apply -k` of `deploy/default`, as shipped (or `helm install`
+//! of the chart), on the local control plane, with the node agent running the operator's pods and the proxies' pods, and a stand-in for
 //! kube-proxy that reaches a Service through its EndpointSlices.
 //!
 //! Only two things are test inputs, in a kustomize overlay over the unmodified `deploy/default`: the providers
@@ -69,10 +69,32 @@ pub struct Installation {
     pub discovery: ServiceProxy,
 }
 
+/// How an installation is made.
+#[derive(Clone, Debug)]
+pub enum Installer {
+    /// `kubectl apply -k` of an overlay over the shipped `deploy/default`.
+    Kustomize,
+    /// `helm install <release> <chart>` into [`SYSTEM_NAMESPACE`] (created by Helm), the providers file and the
+    /// tokens passed as values (`--set-file`), then `args`.
+    Helm {
+        /// The chart's directory.
+        chart: PathBuf,
+        /// The release's name.
+        release: String,
+        /// More arguments for `helm install` (`--set` of other values).
+        args: Vec<String>,
+    },
+}
+
 impl Installation {
     /// Applies `deploy/default` with `kubectl apply -k`, starts the node agent for it, and waits until the
     /// Deployment is Available with every replica Ready and the discovery Service has a ready endpoint.
     pub async fn apply(plane: &ControlPlane, options: &InstallOptions) -> Result<Self> {
+        Self::install(plane, options, &Installer::Kustomize).await
+    }
+
+    /// Installs as `installer` says, starts the node agent for it, and waits as [`Installation::apply`] does.
+    pub async fn install(plane: &ControlPlane, options: &InstallOptions, installer: &Installer) -> Result<Self> {
         if !plane.has_controller_manager() {
             bail!("an installation needs kube-controller-manager for its Deployment and EndpointSlices");
         }
@@ -98,17 +120,44 @@ impl Installation {
         )
         .await?;
 
-        let overlay = write_overlay(&options.providers_yaml, options.discovery_tokens.as_deref())?;
-        let output = Command::new(assets::kubectl())
-            .arg(format!("--kubeconfig={}", plane.kubeconfig_path().display()))
-            .args(["apply", "-k"])
-            .arg(overlay.path())
-            .output()
-            .with_context(|| format!("running {}", assets::kubectl().display()))?;
-        // Nothing reads the overlay again; a leaked installation (a test suite's static) would keep it forever.
-        drop(overlay);
-        if !output.status.success() {
-            bail!("kubectl apply -k deploy/default failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+        let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig_path().display());
+        match installer {
+            Installer::Kustomize => {
+                let overlay = write_overlay(&options.providers_yaml, options.discovery_tokens.as_deref())?;
+                let output = Command::new(assets::kubectl())
+                    .arg(&kubeconfig)
+                    .args(["apply", "-k"])
+                    .arg(overlay.path())
+                    .output()
+                    .with_context(|| format!("running {}", assets::kubectl().display()))?;
+                // Nothing reads the overlay again; a leaked installation (a test suite's static) would keep it.
+                drop(overlay);
+                if !output.status.success() {
+                    bail!("kubectl apply -k deploy/default failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+                }
+            }
+            Installer::Helm { chart, release, args } => {
+                let values = tempfile::Builder::new().prefix("egress-helm-values-").tempdir()?;
+                let providers = values.path().join("providers.yaml");
+                std::fs::write(&providers, &options.providers_yaml)?;
+                let mut command = Command::new(assets::helm());
+                command
+                    .arg(&kubeconfig)
+                    .args(["install", release])
+                    .arg(chart)
+                    .args(["--namespace", SYSTEM_NAMESPACE, "--create-namespace"])
+                    .arg(format!("--set-file=providers={}", providers.display()));
+                if let Some(tokens) = &options.discovery_tokens {
+                    let path = values.path().join("tokens");
+                    std::fs::write(&path, tokens)?;
+                    command.arg(format!("--set-file=discoveryTokens.tokens={}", path.display()));
+                }
+                let output =
+                    command.args(args).output().with_context(|| format!("running {}", assets::helm().display()))?;
+                if !output.status.success() {
+                    bail!("helm install failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+                }
+            }
         }
         let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
         let installation = Self { agent, client, discovery };
