@@ -86,7 +86,7 @@ fn remove(path: &Path) -> Result<()> {
 
 /// The host's apt sources file: the only package source the build uses (mmdebstrap pastes it into the chroot,
 /// and the build removes it from the image again).
-fn host_sources() -> Result<PathBuf> {
+pub(crate) fn host_sources() -> Result<PathBuf> {
     let deb822 = Path::new("/etc/apt/sources.list.d/debian.sources");
     let classic = Path::new("/etc/apt/sources.list");
     for candidate in [deb822, classic] {

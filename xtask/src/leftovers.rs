@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 use crate::process::output;
 
 /// The programs the tests and the quickstart start, by their `comm` (at most 15 characters).
-const PROGRAMS: [&str; 13] = [
+const PROGRAMS: [&str; 15] = [
     "etcd",
     "kube-apiserver",
     "kube-controller",
@@ -26,6 +26,8 @@ const PROGRAMS: [&str; 13] = [
     "node",
     "prometheus",
     "helm",
+    "crun",
+    "umoci",
 ];
 
 /// Processes, network namespaces and temp entries at one moment.

@@ -8,6 +8,7 @@ mod e2e;
 mod envtest;
 mod guest;
 mod helm;
+mod image;
 mod leftovers;
 mod node;
 mod packages;
@@ -57,6 +58,10 @@ enum Command {
     /// Build the kvm boot test's Debian guest image into the cache (nothing when the recipe's image is there) and
     /// print its path.
     GuestImage,
+    /// Build the OCI images into the cache with mmdebstrap and umoci, no registry or Docker daemon needed: the
+    /// operator's (the release binary on Debian's libvirt0 and CA roots, no shell) and Squid's (Debian trixie's
+    /// Squid 6); each is rebuilt only when what it is built from changes. Prints where they are.
+    Image,
     /// Run the end-to-end suite: the operator binary under the shipped RBAC against the local control plane.
     E2e {
         /// Run it on a kind cluster (`egress-e2e`, created when missing) instead; needs Docker, kind and kubectl, and
@@ -103,6 +108,7 @@ fn main() -> ExitCode {
             envtest::up(kubeconfig, !no_sample, controller)
         }
         Command::GuestImage => guest::ensure_built().map(|path| println!("{}", path.display())),
+        Command::Image => image::ensure_built(),
         Command::Test { cargo_test_args } => test::run_all(&cargo_test_args),
         Command::Quickstart { exit, inside, built: false } => quickstart::run(exit, inside),
         Command::Quickstart { exit, inside, built: true } => quickstart::run_built(exit, inside),

@@ -1,18 +1,18 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages; the control-plane binaries and helm, the Python client's venv, the Node client's modules and
-//! the kvm boot test's guest image are made beside the Rust build), then formatting, lints and
-//! the CRD drift check, which take seconds, then every test in the workspace, which needs the control plane, inside
-//! a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter was given,
-//! `cargo xtask quickstart --exit`, then a quickstart stopped with SIGTERM; and at the very end, a check that no
-//! process, network namespace or temp entry the run made is left.
+//! Set-up first (Debian packages; the control-plane binaries and helm, the Python client's venv, the Node client's
+//! modules and the kvm boot test's guest image are made beside the Rust build), then formatting, lints, the CRD drift
+//! check and the operator's OCI image (`cargo xtask image`), then every test in the workspace, which needs the
+//! control plane, inside a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter
+//! was given, `cargo xtask quickstart --exit`, then a quickstart stopped with SIGTERM; and at the very end, a check
+//! that no process, network namespace or temp entry the run made is left.
 
 use std::time::Duration;
 
 use anyhow::{Result, anyhow};
 
 use crate::process::{cargo, run};
-use crate::{crdgen, envtest, guest, helm, leftovers, node, packages, podnet, python};
+use crate::{crdgen, envtest, guest, helm, image, leftovers, node, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     let before = leftovers::Snapshot::take();
@@ -33,6 +33,9 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     let modules = modules.join().map_err(|_| anyhow!("installing the Node modules panicked"))?;
     let image = image.join().map_err(|_| anyhow!("building the guest image panicked"))?;
     checked?;
+    // The operator's OCI image, which its test runs with crun: the release build (cargo serialises it behind the
+    // test build above, which holds the same target directory), then a new top layer only when the binary changed.
+    image::ensure_built()?;
     built?;
     let python = python?;
     modules?;

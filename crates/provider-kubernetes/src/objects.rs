@@ -131,13 +131,7 @@ pub fn pod(
         name: "squid".into(),
         image: Some(image.to_owned()),
         image_pull_policy: config.image_pull_policy.clone(),
-        // Squid sizes its descriptor table from RLIMIT_NOFILE; an unlimited or huge limit makes it allocate
-        // gigabytes and get OOM-killed, so the limit is set before exec.
-        command: Some(vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            format!("ulimit -n {} && exec squid -N -f {}/{}", config.fd_limit, squid::CONFIG_DIR, squid::CONFIG_KEY),
-        ]),
+        command: Some(vec!["/bin/sh".into(), "-c".into(), squid_command(config.fd_limit)]),
         ports: Some(vec![ContainerPort {
             name: Some("proxy".into()),
             container_port: port,
@@ -176,6 +170,20 @@ pub fn pod(
         }),
         status: None,
     })
+}
+
+/// The container's shell command. Squid, started as root, switches to its user before it opens its logs by path
+/// (`/dev/stdout`, `/dev/stderr`, as the rendered configuration names them); a runtime's output pipes belong to root
+/// with mode 0600, which that user cannot reopen, and Squid would stop with "Cannot open '/dev/stdout' for writing".
+/// So the pipes are given to Squid's user first. Squid sizes its descriptor table from RLIMIT_NOFILE, and an unlimited
+/// or huge limit makes it allocate gigabytes and get OOM-killed, so the limit is set before exec.
+fn squid_command(fd_limit: u32) -> String {
+    format!(
+        "chown {user} /proc/self/fd/1 /proc/self/fd/2 2>/dev/null; ulimit -n {fd_limit} && exec squid -N -f {}/{}",
+        squid::CONFIG_DIR,
+        squid::CONFIG_KEY,
+        user = squid::EFFECTIVE_USER
+    )
 }
 
 /// The ConfigMap with `squid.conf`, enforcing `destinations` and denying the cluster's own networks.
@@ -257,7 +265,13 @@ mod tests {
         let pod = pod(config, &request(), "egress", "ubuntu/squid:latest", &config.resources).expect("pod");
         let spec = pod.spec.expect("spec");
         let command = spec.containers[0].command.clone().expect("command").join(" ");
-        assert!(command.contains("ulimit -n 16384 && exec squid -N -f /etc/squid-egress/squid.conf"), "{command}");
+        assert!(
+            command.contains(
+                "chown proxy /proc/self/fd/1 /proc/self/fd/2 2>/dev/null; \
+                 ulimit -n 16384 && exec squid -N -f /etc/squid-egress/squid.conf"
+            ),
+            "{command}"
+        );
         assert_eq!(spec.volumes.as_ref().map(Vec::len), Some(1));
         assert_eq!(
             spec.containers[0].readiness_probe.as_ref().and_then(|probe| probe.tcp_socket.clone()).map(|tcp| tcp.port),

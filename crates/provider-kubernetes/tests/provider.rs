@@ -1,6 +1,7 @@
 //! The kubernetes provider against the real test control plane, and with the local node agent, against real Squid.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use egress_provider::config::{KubernetesConfig, ProviderSettings, ProvidersConfig};
@@ -44,6 +45,54 @@ fn provider_reaching(ns: &TestNamespace, origin: &LocalOrigin) -> KubernetesProv
 fn request(uid: &str) -> CreateRequest {
     let hash = "340e470e78ddee5a";
     CreateRequest::new(instance_name(uid, hash), 3128, Tags::gc_contract(CLUSTER, uid, hash))
+}
+
+/// Requests the destination policy denies, each with the class `X-Egress-Policy` names: `apiserver` is a loopback
+/// port something listens on, `origin` the allowed origin's, `proxy` the proxy's own address.
+fn denied_requests(
+    apiserver: u16,
+    origin: &LocalOrigin,
+    proxy: SocketAddr,
+) -> Vec<(&'static str, &'static str, String)> {
+    vec![
+        ("loopback", "GET", format!("http://127.0.0.1:{apiserver}/version")),
+        ("loopback", "CONNECT", format!("127.0.0.1:{apiserver}")),
+        // A name is checked by the address it resolves to.
+        ("loopback", "GET", format!("http://localhost:{apiserver}/version")),
+        // The origin's address on another port is not the allowed rule.
+        ("loopback", "GET", format!("http://{}:{apiserver}/", origin.address().ip())),
+        ("link-local", "GET", "http://169.254.169.254/computeMetadata/v1/".to_owned()),
+        ("private", "GET", "http://10.99.0.1/".to_owned()),
+        ("private", "CONNECT", "192.168.1.1:443".to_owned()),
+        ("private", "GET", "http://172.16.0.1/".to_owned()),
+        ("shared", "GET", "http://100.64.0.1/".to_owned()),
+        ("unique-local", "GET", "http://[fd00:ec2::254]/latest/meta-data/".to_owned()),
+        ("link-local", "GET", "http://[fe80::1]/".to_owned()),
+        ("port", "CONNECT", "192.0.2.1:22".to_owned()),
+        ("port", "GET", "http://192.0.2.1:8080/".to_owned()),
+        // IPv6 forms that carry a private IPv4 address (loopback, the metadata server) are denied whole.
+        ("ipv4-embedded", "GET", "http://[::127.0.0.1]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[64:ff9b::a9fe:a9fe]/".to_owned()),
+        ("ipv4-embedded", "CONNECT", "[64:ff9b:1::a9fe:a9fe]:443".to_owned()),
+        ("ipv4-embedded", "GET", "http://[2002:a9fe:a9fe::1]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[::ffff:0:a9fe:a9fe]/".to_owned()),
+        ("ipv4-embedded", "GET", "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/".to_owned()),
+        // An IPv4-mapped address is checked as the IPv4 address it is.
+        ("link-local", "GET", "http://[::ffff:169.254.169.254]/".to_owned()),
+        // Squid's cache manager answers from Squid itself, whatever address the URL names: refused to everyone.
+        ("manager", "GET", "cache_object://198.51.100.7:443/active_requests".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/ipcache".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/info".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/client_list".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/fqdncache".to_owned()),
+        ("manager", "GET", "cache_object://198.51.100.7:443/filedescriptors".to_owned()),
+        ("manager", "GET", format!("http://{proxy}/squid-internal-mgr/active_requests")),
+        ("manager", "GET", "http://198.51.100.7:443/squid-internal-mgr/info".to_owned()),
+        // Schemes other than http and https make Squid a client of its own.
+        ("protocol", "GET", "ftp://198.51.100.7:80/".to_owned()),
+        ("protocol", "GET", "urn:isbn:0451450523".to_owned()),
+        ("protocol", "GET", "whois://198.51.100.7:80/".to_owned()),
+    ]
 }
 
 /// Waits until the instance runs; a pod the node agent reports Failed ends the wait with the agent's message.
@@ -302,45 +351,7 @@ async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed
     let proxy = std::net::SocketAddr::new(running.ip.expect("address"), 3128);
     let apiserver = ns.control_plane().server_address().map_or(6443, |address| address.port());
 
-    let cases = [
-        ("loopback", "GET", format!("http://127.0.0.1:{apiserver}/version")),
-        ("loopback", "CONNECT", format!("127.0.0.1:{apiserver}")),
-        // A name is checked by the address it resolves to.
-        ("loopback", "GET", format!("http://localhost:{apiserver}/version")),
-        // The origin's address on another port is not the allowed rule.
-        ("loopback", "GET", format!("http://{}:{apiserver}/", origin.address().ip())),
-        ("link-local", "GET", "http://169.254.169.254/computeMetadata/v1/".to_owned()),
-        ("private", "GET", "http://10.99.0.1/".to_owned()),
-        ("private", "CONNECT", "192.168.1.1:443".to_owned()),
-        ("private", "GET", "http://172.16.0.1/".to_owned()),
-        ("shared", "GET", "http://100.64.0.1/".to_owned()),
-        ("unique-local", "GET", "http://[fd00:ec2::254]/latest/meta-data/".to_owned()),
-        ("link-local", "GET", "http://[fe80::1]/".to_owned()),
-        ("port", "CONNECT", "192.0.2.1:22".to_owned()),
-        ("port", "GET", "http://192.0.2.1:8080/".to_owned()),
-        // IPv6 forms that carry a private IPv4 address (loopback, the metadata server) are denied whole.
-        ("ipv4-embedded", "GET", "http://[::127.0.0.1]/".to_owned()),
-        ("ipv4-embedded", "GET", "http://[64:ff9b::a9fe:a9fe]/".to_owned()),
-        ("ipv4-embedded", "CONNECT", "[64:ff9b:1::a9fe:a9fe]:443".to_owned()),
-        ("ipv4-embedded", "GET", "http://[2002:a9fe:a9fe::1]/".to_owned()),
-        ("ipv4-embedded", "GET", "http://[::ffff:0:a9fe:a9fe]/".to_owned()),
-        ("ipv4-embedded", "GET", "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/".to_owned()),
-        // An IPv4-mapped address is checked as the IPv4 address it is.
-        ("link-local", "GET", "http://[::ffff:169.254.169.254]/".to_owned()),
-        // Squid's cache manager answers from Squid itself, whatever address the URL names: refused to everyone.
-        ("manager", "GET", "cache_object://198.51.100.7:443/active_requests".to_owned()),
-        ("manager", "GET", "cache_object://198.51.100.7:443/ipcache".to_owned()),
-        ("manager", "GET", "cache_object://198.51.100.7:443/info".to_owned()),
-        ("manager", "GET", "cache_object://198.51.100.7:443/client_list".to_owned()),
-        ("manager", "GET", "cache_object://198.51.100.7:443/fqdncache".to_owned()),
-        ("manager", "GET", "cache_object://198.51.100.7:443/filedescriptors".to_owned()),
-        ("manager", "GET", format!("http://{}:3128/squid-internal-mgr/active_requests", running.ip.expect("address"))),
-        ("manager", "GET", "http://198.51.100.7:443/squid-internal-mgr/info".to_owned()),
-        // Schemes other than http and https make Squid a client of its own.
-        ("protocol", "GET", "ftp://198.51.100.7:80/".to_owned()),
-        ("protocol", "GET", "urn:isbn:0451450523".to_owned()),
-        ("protocol", "GET", "whois://198.51.100.7:80/".to_owned()),
-    ];
+    let cases = denied_requests(apiserver, &origin, proxy);
     for (class, method, target) in &cases {
         let answer = egress_testenv::through_proxy(proxy, method, target, None).await.expect("an answer");
         assert_eq!(answer.status, 403, "{method} {target}: {}", answer.head);
@@ -380,4 +391,102 @@ async fn the_rendered_squid_denies_internal_destinations_and_reaches_the_allowed
             "{class}:\n{log}"
         );
     }
+}
+
+/// The proxy pod as this provider writes it (its command, its ConfigMap and Secret at their mount paths, read back
+/// from the apiserver), run from the Squid image `cargo xtask image` builds (Debian trixie's Squid 6, the major
+/// version of the `ubuntu/squid` image the providers file names by default) under crun, as a container runtime
+/// runs a pod that asks for nothing: root with the default capabilities, so Squid drops to its `proxy` user. Every
+/// other Squid test runs the host's Squid 5; this one shows the rendered configuration means the same to Squid 6:
+/// credentials required, every internal class denied and named, the allowed origin reached.
+#[tokio::test]
+async fn the_rendered_pod_runs_in_the_squid_6_image() {
+    use egress_testenv::image::{Container, ContainerOptions, DEFAULT_CAPABILITIES, squid_layout};
+
+    let ns = egress_testenv::namespace("k8s-squid-image").await;
+    let origin = LocalOrigin::start().await.expect("origin");
+    let provider = provider_reaching(&ns, &origin);
+    // The container shares this process's network (there is no pod network here), so it gets a port of its own.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a port").local_addr().expect("an address").port();
+    let mut request = request("11111111-aaaa-bbbb-cccc-00000000000f");
+    request.port = port;
+    request.credentials =
+        Some(ProxyCredentials { username: "crawler".into(), password: Sensitive::new("s3cret pass".into()) });
+    provider.create(&request).await.expect("create");
+
+    // What the pod mounts, from the objects the provider created.
+    let pod = ns.api::<Pod>().get(&request.name).await.expect("the pod");
+    let spec = pod.spec.expect("a pod spec");
+    let container = &spec.containers[0];
+    let mut files = Vec::new();
+    for mount in container.volume_mounts.as_deref().unwrap_or_default() {
+        let volume = spec.volumes.iter().flatten().find(|volume| volume.name == mount.name).expect("a volume");
+        if let Some(source) = &volume.config_map {
+            let map = ns.api::<ConfigMap>().get(&source.name).await.expect("the ConfigMap");
+            for (key, value) in map.data.unwrap_or_default() {
+                files.push((format!("{}/{key}", mount.mount_path), value));
+            }
+        }
+        if let Some(source) = &volume.secret {
+            let name = source.secret_name.as_deref().expect("a Secret name");
+            let secret = ns.api::<Secret>().get(name).await.expect("the auth Secret");
+            for (key, value) in secret.data.unwrap_or_default() {
+                files.push((format!("{}/{key}", mount.mount_path), String::from_utf8(value.0).expect("text")));
+            }
+        }
+    }
+    assert_eq!(files.len(), 2, "squid.conf and the password file: {files:?}");
+    // The files a kubelet gives every container.
+    files.push(("/etc/hosts".into(), "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n".into()));
+    // No name server: every name the test sends resolves from /etc/hosts, and no query may leave loopback.
+    files.push(("/etc/resolv.conf".into(), "nameserver 127.0.0.1\n".into()));
+
+    let mut squid = Container::run(
+        &squid_layout(),
+        &ContainerOptions {
+            command: container.command.clone(),
+            args: container.args.clone().unwrap_or_default(),
+            files,
+            capabilities: DEFAULT_CAPABILITIES.iter().map(|capability| (*capability).to_owned()).collect(),
+            ..ContainerOptions::default()
+        },
+    )
+    .expect("the container starts");
+    let proxy = SocketAddr::from(([127, 0, 0, 1], port));
+    eventually("Squid 6 to listen", Duration::from_secs(30), || async {
+        assert!(squid.alive(), "Squid stopped:\n{}", squid.log());
+        tokio::net::TcpStream::connect(proxy).await.ok()
+    })
+    .await;
+    let log = squid.log();
+    let version = log.lines().find(|line| line.contains("Starting Squid Cache version")).unwrap_or_default();
+    assert!(version.contains("version 6."), "not Squid 6:\n{log}");
+    println!("squid image: {}", version.trim());
+
+    let credentials = Some(("crawler", "s3cret pass"));
+    assert_eq!(get_through_proxy(proxy, &origin.url(), None).await.expect("request"), 407);
+    assert_eq!(get_through_proxy(proxy, &origin.url(), Some(("crawler", "wrong"))).await.expect("request"), 407);
+    let apiserver = ns.control_plane().server_address().map_or(6443, |address| address.port());
+    let cases = denied_requests(apiserver, &origin, proxy);
+    for (class, method, target) in &cases {
+        let answer = egress_testenv::through_proxy(proxy, method, target, credentials).await.expect("an answer");
+        assert_eq!(answer.status, 403, "{method} {target}: {}", answer.head);
+        assert_eq!(answer.header("x-egress-policy"), Some(format!("denied {class}").as_str()), "{method} {target}");
+    }
+    assert_eq!(origin.requests(), 0, "no refused request reached anything");
+    let allowed = egress_testenv::through_proxy(proxy, "GET", &origin.url(), credentials).await.expect("an answer");
+    assert_eq!((allowed.status, allowed.header("x-egress-policy")), (200, None), "{}", allowed.head);
+    assert_eq!(origin.requests(), 1);
+    println!("squid image: 2 unauthenticated requests refused (407), {} denied (403), the origin reached", cases.len());
+
+    // Each denial is an access-log line (on the container's output) naming its class.
+    let denials = cases.len();
+    let log = eventually("the access log to show every denial", Duration::from_secs(10), || {
+        let log = squid.log();
+        async move { (log.matches("TCP_DENIED/403").count() >= denials).then_some(log) }
+    })
+    .await;
+    assert!(log.lines().any(|line| line.contains("TCP_DENIED/403") && line.ends_with(" manager")), "{log}");
+    squid.stop();
+    assert!(!squid.alive());
 }

@@ -21,6 +21,8 @@ pub const AUTH_DIR: &str = "/etc/squid-egress-auth";
 pub const PASSWORD_KEY: &str = "passwd";
 /// The basic-auth helper Debian and Ubuntu's squid packages ship.
 pub const NCSA_HELPER: &str = "/usr/lib/squid/basic_ncsa_auth";
+/// The user Debian and Ubuntu's Squid switches to when started as root (its built-in `cache_effective_user`).
+pub const EFFECTIVE_USER: &str = "proxy";
 
 /// Source networks allowed to use the proxy: loopback and the private ranges a cluster's pod network lives in.
 /// Credentials, when set, are required on top.

@@ -281,6 +281,31 @@ impl ControlPlane {
         write_private(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
+    /// The admin kubeconfig with the files it names inlined (`certificate-authority-data`, `client-certificate-data`,
+    /// `client-key-data`), as JSON: for a process that sees none of this machine's files (a container).
+    pub fn kubeconfig_inline(&self) -> Result<String> {
+        use base64::Engine as _;
+        let config = Kubeconfig::read_from(&self.kubeconfig_path)
+            .with_context(|| format!("reading {}", self.kubeconfig_path.display()))?;
+        let mut value = serde_json::to_value(&config).context("serializing the kubeconfig")?;
+        let entries = [
+            ("clusters", "cluster", "certificate-authority"),
+            ("users", "user", "client-certificate"),
+            ("users", "user", "client-key"),
+        ];
+        for (list, inner, field) in entries {
+            for entry in value[list].as_array_mut().into_iter().flatten() {
+                let object = &mut entry[inner];
+                if let Some(path) = object.get(field).and_then(serde_json::Value::as_str).map(str::to_owned) {
+                    let bytes = fs::read(&path).with_context(|| format!("reading {path}"))?;
+                    object[format!("{field}-data")] = base64::engine::general_purpose::STANDARD.encode(bytes).into();
+                    object.as_object_mut().context("an object")?.remove(field);
+                }
+            }
+        }
+        serde_json::to_string_pretty(&value).context("serializing the kubeconfig")
+    }
+
     /// How long the start took, from spawning etcd to the last CRD Established.
     pub fn startup_duration(&self) -> Duration {
         self.startup

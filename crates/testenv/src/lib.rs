@@ -18,6 +18,7 @@
 pub mod assets;
 pub mod control_plane;
 pub mod guest;
+pub mod image;
 pub mod install;
 pub mod node_agent;
 pub mod operator;

@@ -272,12 +272,19 @@ impl NodeAgent {
         Some(self.container_view(namespace, pod, Some(container))?.restart_count)
     }
 
-    /// The access log of a Squid pod the agent runs (Squid writes it to a file in the pod's directory here, where
-    /// kubelet would collect it from the container's output); empty when there is none.
+    /// The access log of a Squid pod the agent runs: the lines of its container's output that are access-log lines
+    /// (Squid writes them to `/dev/stdout`, and its cache log to `/dev/stderr`, as in a pod); empty when there is
+    /// none.
     pub fn squid_access_log(&self, namespace: &str, pod: &str) -> String {
-        self.container_view(namespace, pod, None)
-            .and_then(|view| fs::read_to_string(view.log.parent()?.join("access.log")).ok())
-            .unwrap_or_default()
+        let Some(view) = self.container_view(namespace, pod, None) else { return String::new() };
+        let output = fs::read_to_string(&view.log).unwrap_or_default();
+        // An access-log line starts with Squid's `%ts.%03tu` timestamp; a cache-log line with a date.
+        let access = |line: &&str| {
+            line.split_whitespace().next().and_then(|first| first.split_once('.')).is_some_and(|(seconds, millis)| {
+                millis.len() == 3 && [seconds, millis].iter().all(|part| part.bytes().all(|byte| byte.is_ascii_digit()))
+            })
+        };
+        output.lines().filter(access).map(|line| format!("{line}\n")).collect()
     }
 
     /// The end of a container's output (every run of it, appended).

@@ -834,8 +834,8 @@ pub(crate) fn apply_rewrites(text: &str, rewrites: &[(String, String)]) -> Strin
     out
 }
 
-/// Rewrites a pod's `squid.conf` for this machine: the listen address becomes the pod's IP, log, PID and core
-/// paths move into the pod's runtime directory, mount paths move to where the volumes were materialised, the
+/// Rewrites a pod's `squid.conf` for this machine: the listen address becomes the pod's IP, PID and core paths move
+/// into the pod's runtime directory (the logs stay on the container's output, as the pod's command leaves them), mount paths move to where the volumes were materialised, the
 /// ICMP pinger (which needs privileges) is turned off, and outgoing connections leave from the pod's IP. Everything
 /// else is left exactly as the provider wrote it.
 pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts: &[(String, String)]) -> String {
@@ -851,13 +851,6 @@ pub fn rewrite_squid_config(text: &str, ip: Ipv4Addr, runtime_dir: &Path, mounts
                 let options = rest.get(1..).map(|options| options.join(" ")).unwrap_or_default();
                 format!("http_port {ip}:{port} {options}").trim_end().to_owned()
             }
-            // The log goes to a file Squid's own user may open (a pod's output is not reopenable by path here);
-            // the format and ACLs after the destination are kept.
-            "access_log" => {
-                let options: Vec<&str> = words.skip(1).collect();
-                format!("access_log stdio:{runtime}/access.log {}", options.join(" ")).trim_end().to_owned()
-            }
-            "cache_log" => format!("cache_log {runtime}/cache.log"),
             "pid_filename" => format!("pid_filename {runtime}/squid.pid"),
             "coredump_dir" => format!("coredump_dir {runtime}"),
             _ => apply_rewrites(line, mounts),
@@ -887,8 +880,8 @@ mod tests {
         let out = rewrite_squid_config(conf, Ipv4Addr::new(127, 1, 0, 7), Path::new("/tmp/p"), &mounts);
         assert!(out.contains("http_port 127.1.0.7:3128\n"), "{out}");
         assert!(out.contains("basic_ncsa_auth /tmp/p/root/etc/squid-egress-auth/passwd\n"), "{out}");
-        assert!(out.contains("access_log stdio:/tmp/p/access.log egress\n"));
-        assert!(out.contains("cache_log /tmp/p/cache.log\n"));
+        assert!(out.contains("access_log stdio:/dev/stdout egress\n"), "the container's output, as in a pod");
+        assert!(out.contains("cache_log /dev/stderr\n"));
         assert!(out.contains("pid_filename /tmp/p/squid.pid\n"));
         assert!(out.contains("tcp_outgoing_address 127.1.0.7\n"), "{out}");
         assert!(out.contains("coredump_dir /tmp/p\n"));
