@@ -272,9 +272,9 @@ fn directory_bytes(dir: &Path) -> Result<u64> {
     out.split_whitespace().next().and_then(|bytes| bytes.parse().ok()).context("du's answer")
 }
 
-fn sha256_file(path: &Path) -> Result<String> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String> {
     use std::io::Read as _;
-    let mut file = fs::File::open(path)?;
+    let mut file = fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut digest = Sha256::new();
     let mut buffer = vec![0; 1 << 20];
     loop {

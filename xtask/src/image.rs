@@ -13,7 +13,6 @@
 //! host's apt sources with the suite renamed.
 
 use std::fs;
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -23,7 +22,6 @@ use egress_testenv::image::{
     self, BINARY, CA_BUNDLE, PACKAGES, PORTS, REMOVED, SOURCE_FILE, SQUID_PACKAGES, SQUID_PORT, SQUID_SUITE, SUITE,
     TAG, USER, base_key, operator_layout, squid_key, squid_layout,
 };
-use sha2::{Digest, Sha256};
 
 use crate::process::{cargo, run};
 
@@ -40,7 +38,7 @@ pub fn ensure_operator() -> Result<PathBuf> {
     let started = Instant::now();
     run(cargo().args(["build", "--release", "--locked", "-p", "egress-operator"]))?;
     let binary = release_binary();
-    let source = format!("base {}\nbinary {}\n", base_key(), sha256_file(&binary)?);
+    let source = format!("base {}\nbinary {}\n", base_key(), crate::guest::sha256_file(&binary)?);
     let layout = operator_layout();
     if fs::read_to_string(layout.join(SOURCE_FILE)).is_ok_and(|recorded| recorded == source) {
         eprintln!("image: {} is current ({:.1} s)", layout.display(), started.elapsed().as_secs_f64());
@@ -51,24 +49,8 @@ pub fn ensure_operator() -> Result<PathBuf> {
         bail!("building the image needs root (mmdebstrap unpacks packages, umoci keeps their owners)");
     }
     let base = ensure_base()?;
-    let parent = image::image_dir();
-    let scratch = parent.join(format!(".operator-{}", std::process::id()));
-    remove_if_present(&scratch)?;
-    let built = build_operator(&base, &binary, &scratch, &source);
-    if built.is_err() {
-        let _ = remove_if_present(&scratch);
-    }
-    built?;
-    remove_if_present(&layout)?;
-    fs::rename(scratch.join("layout"), &layout).with_context(|| format!("moving the image to {}", layout.display()))?;
-    remove_if_present(&scratch)?;
-    eprintln!(
-        "image: built {} in {:.1} s ({} MiB of blobs)",
-        layout.display(),
-        started.elapsed().as_secs_f64(),
-        directory_size(&layout.join("blobs"))? >> 20
-    );
-    println!("{}", layout.display());
+    build_into(&layout, "operator", |scratch| build_operator(&base, &binary, scratch, &source))?;
+    report_built(&layout, started)?;
     Ok(layout)
 }
 
@@ -85,16 +67,27 @@ pub fn ensure_squid() -> Result<PathBuf> {
     if !crate::packages::is_root() {
         bail!("building Squid's image needs root (mmdebstrap installs packages in a chroot)");
     }
-    let scratch = image::image_dir().join(format!(".squid-{}", std::process::id()));
+    build_into(&layout, "squid", |scratch| build_squid(scratch, &source))?;
+    report_built(&layout, started)?;
+    Ok(layout)
+}
+
+/// Runs `build` in a scratch directory beside the cache's images, then renames the OCI layout it made there
+/// (`<scratch>/layout`) to `layout`: a failed or interrupted build leaves nothing that looks finished.
+fn build_into(layout: &Path, name: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let scratch = image::image_dir().join(format!(".{name}-{}", std::process::id()));
     remove_if_present(&scratch)?;
-    let built = build_squid(&scratch, &source);
+    let built = build(&scratch);
     if built.is_err() {
         let _ = remove_if_present(&scratch);
     }
     built?;
-    remove_if_present(&layout)?;
-    fs::rename(scratch.join("layout"), &layout).with_context(|| format!("moving the image to {}", layout.display()))?;
-    remove_if_present(&scratch)?;
+    remove_if_present(layout)?;
+    fs::rename(scratch.join("layout"), layout).with_context(|| format!("moving the image to {}", layout.display()))?;
+    remove_if_present(&scratch)
+}
+
+fn report_built(layout: &Path, started: Instant) -> Result<()> {
     eprintln!(
         "image: built {} in {:.1} s ({} MiB of blobs)",
         layout.display(),
@@ -102,7 +95,7 @@ pub fn ensure_squid() -> Result<PathBuf> {
         directory_size(&layout.join("blobs"))? >> 20
     );
     println!("{}", layout.display());
-    Ok(layout)
+    Ok(())
 }
 
 fn build_squid(scratch: &Path, source: &str) -> Result<()> {
@@ -166,15 +159,7 @@ fn ensure_base() -> Result<PathBuf> {
         return Ok(dir);
     }
     let started = Instant::now();
-    let scratch = image::image_dir().join(format!(".base-{}", std::process::id()));
-    remove_if_present(&scratch)?;
-    let built = build_base(&scratch);
-    if built.is_err() {
-        let _ = remove_if_present(&scratch);
-    }
-    built?;
-    fs::rename(scratch.join("layout"), &dir).with_context(|| format!("moving the base to {}", dir.display()))?;
-    remove_if_present(&scratch)?;
+    build_into(&dir, "base", build_base)?;
     eprintln!("image: built the base layer {} in {:.0} s", dir.display(), started.elapsed().as_secs_f64());
     // Bases of earlier recipes are not used again.
     for entry in fs::read_dir(image::image_dir())?.flatten() {
@@ -260,20 +245,6 @@ fn build_operator(base: &Path, binary: &Path, scratch: &Path, source: &str) -> R
     run(Command::new("umoci").args(["gc", "--layout"]).arg(&layout))?;
     fs::write(layout.join(SOURCE_FILE), source)?;
     Ok(())
-}
-
-fn sha256_file(path: &Path) -> Result<String> {
-    let mut file = fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut digest = Sha256::new();
-    let mut buffer = vec![0; 1 << 20];
-    loop {
-        let read = file.read(&mut buffer)?;
-        if read == 0 {
-            break;
-        }
-        digest.update(&buffer[..read]);
-    }
-    Ok(digest.finalize().iter().map(|byte| format!("{byte:02x}")).collect())
 }
 
 fn directory_size(path: &Path) -> Result<u64> {
