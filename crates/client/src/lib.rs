@@ -19,7 +19,6 @@
 //! a named proxy that is cooling down or full is [`ClientError::Conflict`], a revoked lease is
 //! [`ClientError::Gone`].
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -321,16 +320,12 @@ fn list_in<T: serde::de::DeserializeOwned>(body: &[u8], field: &str) -> Result<V
     serde_json::from_value(list).map_err(|error| ClientError::Decode(format!("{field}: {error}")))
 }
 
+/// Everything but RFC 3986's unreserved characters, which a query value carries as they are.
+const NOT_UNRESERVED: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
 fn encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(text, NOT_UNRESERVED).to_string()
 }
 
 /// A transport error with every cause in its chain (hyper's own message says only which step failed, such as

@@ -234,17 +234,13 @@ fn timestamp(time: SystemTime) -> String {
     )
 }
 
+/// Everything but RFC 3986's unreserved characters, which a URL userinfo part carries as they are.
+const NOT_UNRESERVED: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
 /// Percent-encodes a URL userinfo part.
 fn userinfo(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(byte));
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(text, NOT_UNRESERVED).to_string()
 }
 
 /// The proxy URL; with credentials only when `credentials` (the caller holds a lease on it, or is an admin).

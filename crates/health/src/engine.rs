@@ -222,23 +222,18 @@ impl<K: TargetKey> Drop for HealthEngine<K> {
     }
 }
 
-/// A small xorshift generator for schedule jitter: spreading start times needs no cryptographic randomness.
-struct Jitter(u64);
+/// Schedule jitter: spreading start times needs no cryptographic randomness, so `fastrand`'s generator does.
+struct Jitter(fastrand::Rng);
 
 impl Jitter {
     fn seeded() -> Self {
-        let nanos =
-            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |elapsed| elapsed.subsec_nanos());
-        Self(u64::from(nanos) | 1)
+        Self(fastrand::Rng::new())
     }
 
     /// A duration uniformly in `[0, max)`.
     fn below(&mut self, max: Duration) -> Duration {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
         let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX).max(1);
-        Duration::from_nanos(self.0 % nanos)
+        Duration::from_nanos(self.0.u64(..nanos))
     }
 }
 

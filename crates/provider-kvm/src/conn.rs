@@ -239,17 +239,13 @@ pub fn ssh_uri(host: &KvmHost, ssh: &KvmSsh) -> String {
     uri
 }
 
+/// Everything but RFC 3986's unreserved characters and `/`, which a URI path carries as they are.
+const PATH: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~').remove(b'/');
+
 /// Percent-encodes everything but unreserved characters and `/`.
 fn encode(text: &str) -> String {
-    let mut encoded = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~' | b'/') {
-            encoded.push(char::from(byte));
-        } else {
-            encoded.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    encoded
+    percent_encoding::utf8_percent_encode(text, PATH).to_string()
 }
 
 /// Registers libvirt's default event loop and runs it on a thread of its own, once per process: keepalives and

@@ -38,10 +38,6 @@ use crate::status::time;
 /// The field manager of every status write.
 pub const FIELD_MANAGER: &str = "egress-operator";
 
-/// The first error backoff; it doubles per consecutive failure of the same object.
-const ERROR_BACKOFF_MIN: Duration = Duration::from_secs(1);
-/// The longest error backoff.
-const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// When a reconcile read a stale copy, how soon it looks again if the newer copy's own trigger has not come.
 const STALE_READ_RECHECK: Duration = Duration::from_secs(1);
 
@@ -474,8 +470,7 @@ fn error_policy(object: &DeserializeGuard<Proxy>, error: &Error, context: &Conte
         *count = count.saturating_add(1);
         *count
     };
-    let factor = 1_u32.checked_shl(failures.saturating_sub(1)).unwrap_or(u32::MAX);
-    let backoff = ERROR_BACKOFF_MIN.saturating_mul(factor).min(ERROR_BACKOFF_MAX);
+    let backoff = crate::backoff::RECONCILE_ERRORS.after(failures);
     context.metrics.error(error.kind());
     warn!(proxy = %object.name_any(), kind = error.kind(), %error, failures, backoff_secs = backoff.as_secs(), "reconcile failed");
     Requeue::After(backoff)

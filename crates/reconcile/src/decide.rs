@@ -528,8 +528,7 @@ pub fn on_quota_exceeded(facts: &Facts, message: &str, consecutive: u32) -> (Pro
 
 /// 1 minute doubling per consecutive refusal, at most 15 minutes.
 pub fn quota_backoff(consecutive: u32) -> Duration {
-    let factor = 1_u32.checked_shl(consecutive.saturating_sub(1)).unwrap_or(u32::MAX);
-    QUOTA_BACKOFF_MIN.saturating_mul(factor).min(QUOTA_BACKOFF_MAX)
+    crate::backoff::Backoff::new(QUOTA_BACKOFF_MIN, QUOTA_BACKOFF_MAX).after(consecutive.max(1))
 }
 
 /// The status while creating keeps failing transiently (the provider unreachable, an image still downloading):

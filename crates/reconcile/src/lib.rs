@@ -7,6 +7,7 @@
 //! controller performs the action, writes the status only when it changed, and publishes Events. kube's
 //! `Controller` drives it; `error_policy` alone decides error backoff, per object, reset on success.
 
+pub mod backoff;
 mod controller;
 mod credentials;
 pub mod decide;

@@ -719,10 +719,14 @@ async fn a_changed_proxy_keeps_one_schedule() {
     harness.start();
     ready(&harness, "p", "zone-a").await;
     touch_and_await_reconciles(&harness, "p", 3).await;
-    // Settle, then count: one look per resync, give or take one at the window's edges.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The next six looks: the first two may still be the touch's, then one schedule gives one look per resync,
+    // where two would give a look half as far apart (or two at once).
     let before = harness.provider.calls(Op::Get);
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    let looks = harness.provider.calls(Op::Get) - before;
-    assert!((3..=5).contains(&looks), "{looks} provider gets in 8 s with a 2 s resync");
+    eventually("six more looks at the Proxy", Duration::from_secs(40), || async {
+        (harness.provider.calls(Op::Get) >= before + 6).then_some(())
+    })
+    .await;
+    let times = harness.provider.call_times(Op::Get);
+    let gaps: Vec<Duration> = times[before + 2..before + 6].windows(2).map(|pair| pair[1] - pair[0]).collect();
+    assert!(gaps.iter().all(|gap| *gap >= Duration::from_millis(1500)), "looks closer than the 2 s resync: {gaps:?}");
 }

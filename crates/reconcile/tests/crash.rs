@@ -21,7 +21,7 @@ const SETTLE: Duration = Duration::from_secs(180);
 #[tokio::test]
 async fn random_operations_with_crashes_converge() {
     let seed = support::crash_seed();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::seeded(seed);
     let mut harness = Harness::new("rc-crash").await;
     let names: Vec<String> = (0..PROXIES).map(|index| format!("p{index}")).collect();
     let mut crashes = 0;

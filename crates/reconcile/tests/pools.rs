@@ -637,7 +637,7 @@ async fn pool_violations(harness: &Harness, wanted: &BTreeMap<String, Wanted>) -
 async fn random_pool_operations_with_killed_controllers_settle_with_exactly_the_desired_members() {
     const OPERATIONS: usize = 60;
     let seed = support::crash_seed();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::seeded(seed);
     let mut harness = Harness::new("pool-crash").await;
     let mut controller = PoolController::start(&harness, Arc::new(NoSignals));
     let names = ["a", "b", "c"];

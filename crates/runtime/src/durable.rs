@@ -155,6 +155,10 @@ pub const MAX_PERSISTED_ENDED: usize = 20_000;
 /// How often the leader writes the ended leases when they changed: the most a leader killed without warning loses.
 pub const ENDED_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Failed journal writes are retried after twice the write interval, doubling to a minute.
+const WRITE_RETRIES: egress_reconcile::backoff::Backoff =
+    egress_reconcile::backoff::Backoff::new(ENDED_WRITE_INTERVAL.saturating_mul(2), Duration::from_secs(60));
+
 /// The key in the ConfigMap's binaryData, and the field manager that writes it.
 const ENDED_ENTRY: &str = "ended-v1";
 const ENDED_FIELD_MANAGER: &str = "egress-operator-ended-leases";
@@ -318,7 +322,7 @@ impl EndedLeases {
                         debug!("{error:#}");
                     }
                     failures = failures.saturating_add(1);
-                    let wait = ENDED_WRITE_INTERVAL.saturating_mul(1 << failures.min(6)).min(Duration::from_secs(60));
+                    let wait = WRITE_RETRIES.after(failures);
                     next_attempt = tokio::time::Instant::now() + wait;
                 }
             }

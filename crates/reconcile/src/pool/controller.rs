@@ -52,10 +52,6 @@ pub const EXPECTATION_TIMEOUT: Duration = Duration::from_secs(30);
 const EXPECTATION_RECHECK: Duration = Duration::from_secs(1);
 /// How soon to look again after acting.
 const AFTER_ACTING: Duration = Duration::from_secs(2);
-/// The first error backoff; it doubles per consecutive failure of the same pool.
-const ERROR_BACKOFF_MIN: Duration = Duration::from_secs(1);
-/// The longest error backoff.
-const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// How many pools are reconciled at once.
 const CONCURRENCY: u16 = 4;
 
@@ -330,8 +326,7 @@ fn error_policy(object: Arc<GuardedPool>, error: &Error, context: Arc<PoolContex
         memory.failures = memory.failures.saturating_add(1);
         memory.failures
     });
-    let factor = 1_u32.checked_shl(failures.saturating_sub(1)).unwrap_or(u32::MAX);
-    let backoff = ERROR_BACKOFF_MIN.saturating_mul(factor).min(ERROR_BACKOFF_MAX);
+    let backoff = crate::backoff::RECONCILE_ERRORS.after(failures);
     context.metrics.reconciled(false);
     warn!(pool = %key, kind = error.kind(), %error, failures, backoff_secs = backoff.as_secs(), "pool reconcile failed");
     Action::requeue(backoff)

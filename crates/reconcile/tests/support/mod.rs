@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use egress_api::{Proxy, ProxyMode, ProxySpec};
@@ -63,6 +63,8 @@ struct State {
     queued: HashMap<Op, VecDeque<Behavior>>,
     standing: HashMap<Op, Behavior>,
     calls: HashMap<Op, usize>,
+    /// When each call of each kind began.
+    call_times: HashMap<Op, Vec<Instant>>,
     next_ip: u32,
     /// The proxy credentials (user, password) of the last create request.
     last_credentials: Option<(String, String)>,
@@ -92,6 +94,11 @@ impl ScriptedProvider {
     /// The proxy credentials (user, password) the last create request carried.
     pub fn last_credentials(&self) -> Option<(String, String)> {
         self.state.lock().unwrap().last_credentials.clone()
+    }
+
+    /// When each call of `op` began, in order.
+    pub fn call_times(&self, op: Op) -> Vec<Instant> {
+        self.state.lock().unwrap().call_times.get(&op).cloned().unwrap_or_default()
     }
 
     pub fn calls(&self, op: Op) -> usize {
@@ -145,6 +152,7 @@ impl ScriptedProvider {
         let behavior = {
             let mut state = self.state.lock().unwrap();
             *state.calls.entry(op).or_default() += 1;
+            state.call_times.entry(op).or_default().push(Instant::now());
             let queued = state.queued.get_mut(&op).and_then(VecDeque::pop_front);
             queued.or_else(|| state.standing.get(&op).copied()).unwrap_or(Behavior::Succeed)
         };
@@ -406,18 +414,18 @@ pub fn crash_seed() -> u64 {
     seed
 }
 
-/// xorshift64*: small, seedable, and good enough to pick operations.
-pub struct Rng(pub u64);
+/// A seeded `fastrand` generator, to pick operations reproducibly.
+pub struct Rng(fastrand::Rng);
 
 impl Rng {
+    pub fn seeded(seed: u64) -> Self {
+        Self(fastrand::Rng::with_seed(seed))
+    }
     pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        self.0.u64(..)
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.usize(..n)
     }
 }
 
