@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use egress_api::{HealthCheck, Proxy, ProxyAuth, ProxyMode, ProxyPhase, ProxySpec, SecretNameRef};
+use egress_api::{HealthCheck, Proxy, ProxyAuth, ProxyPhase, ProxySpec, SecretNameRef};
 use egress_client::{DiscoveryClient, LeaseOptions};
 use egress_testenv::install::{InstallOptions, Installation, SYSTEM_NAMESPACE};
 use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy};
@@ -364,17 +364,8 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "default");
     for name in NAMES {
         let auth = (name == CREDENTIALED).then(|| ProxyAuth { secret_ref: SecretNameRef { name: AUTH_SECRET.into() } });
-        let spec = ProxySpec {
-            provider: Some("pods".into()),
-            health_check: HealthCheck {
-                interval_seconds: 5,
-                timeout_seconds: 3,
-                healthy_threshold: 1,
-                ..HealthCheck::default()
-            },
-            auth,
-            ..ProxySpec::new(ProxyMode::Managed)
-        };
+        let spec =
+            ProxySpec { auth, ..ProxySpec::managed("pods", None).with_health_check(HealthCheck::every(5, 3, 1, 3)) };
         let mut proxy = Proxy::new(name, spec);
         proxy.metadata.labels = Some([("demo".to_owned(), "quickstart".to_owned())].into());
         proxies.create(&PostParams::default(), &proxy).await.with_context(|| format!("creating Proxy {name}"))?;

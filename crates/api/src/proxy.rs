@@ -374,6 +374,19 @@ fn default_unhealthy_threshold() -> i32 {
     DEFAULT_UNHEALTHY_THRESHOLD
 }
 
+impl HealthCheck {
+    /// The default check, probing every `interval_seconds` with a `timeout_seconds` limit, healthy after
+    /// `healthy_threshold` good probes and unhealthy after `unhealthy_threshold` bad ones.
+    pub fn every(
+        interval_seconds: i32,
+        timeout_seconds: i32,
+        healthy_threshold: i32,
+        unhealthy_threshold: i32,
+    ) -> Self {
+        Self { interval_seconds, timeout_seconds, healthy_threshold, unhealthy_threshold, ..Self::default() }
+    }
+}
+
 impl Default for HealthCheck {
     fn default() -> Self {
         Self {
@@ -443,6 +456,27 @@ impl ProxySpec {
             destinations: None,
             cooldown: None,
         }
+    }
+
+    /// An External Proxy: the forward proxy at `host:port`, adopted as it runs.
+    pub fn external(host: impl Into<String>, port: u16) -> Self {
+        Self { endpoint: Some(Endpoint { host: host.into(), port: i32::from(port) }), ..Self::new(ProxyMode::External) }
+    }
+
+    /// A Managed Proxy that the provider named `provider` creates, in `zone` (a GCE zone, KVM host or namespace)
+    /// when given.
+    pub fn managed(provider: impl Into<String>, zone: Option<&str>) -> Self {
+        Self {
+            provider: Some(provider.into()),
+            placement: zone.map(|zone| Placement { zone: Some(zone.to_owned()), ..Placement::default() }),
+            ..Self::new(ProxyMode::Managed)
+        }
+    }
+
+    /// This spec with `health_check`.
+    #[must_use]
+    pub fn with_health_check(self, health_check: HealthCheck) -> Self {
+        Self { health_check, ..self }
     }
 
     /// The lease cap: `maxLeases`, or 5 when unset. An explicit 0 stays 0 (the proxy is drained).

@@ -7,7 +7,7 @@
 
 use egress_api::{
     Autoscale, Endpoint, EndpointStatus, HealthStatus, ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, Proxy,
-    ProxyMode, ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ProxyStatus, Recycle, TargetHealth,
+    ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ProxyStatus, Recycle, TargetHealth,
 };
 use egress_testenv::TestNamespace;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -247,8 +247,7 @@ async fn apiserver_fills_every_default() {
 #[tokio::test]
 async fn explicit_zero_max_leases_survives_the_round_trip() {
     let (_ns, api) = proxies("max-leases").await;
-    let spec = ProxySpec { max_leases: Some(0), ..ProxySpec::new(ProxyMode::External) };
-    let spec = ProxySpec { endpoint: Some(Endpoint { host: "127.0.0.1".into(), port: 3128 }), ..spec };
+    let spec = ProxySpec { max_leases: Some(0), ..ProxySpec::external("127.0.0.1", 3128) };
     api.create(&PostParams::default(), &Proxy::new("drained", spec)).await.expect("create");
     let read = api.get("drained").await.expect("get");
     assert_eq!(read.spec.max_leases, Some(0));

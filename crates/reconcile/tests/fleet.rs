@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use egress_api::{Endpoint, Proxy, ProxyMode, ProxySpec};
+use egress_api::{Proxy, ProxySpec};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics, tls_connector};
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::{
@@ -28,11 +28,7 @@ const CONCURRENCY: usize = 32;
 const PROMPTLY: Duration = Duration::from_secs(2);
 
 fn external(index: usize) -> Proxy {
-    let spec = ProxySpec {
-        endpoint: Some(Endpoint { host: "127.0.0.1".into(), port: 40_000 + (index % 1000) as i32 }),
-        ..ProxySpec::new(ProxyMode::External)
-    };
-    Proxy::new(&format!("p-{index:04}"), spec)
+    Proxy::new(&format!("p-{index:04}"), ProxySpec::external("127.0.0.1", 40_000 + (index % 1000) as u16))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

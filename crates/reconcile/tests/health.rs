@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress_api::{HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{HealthCheck, Proxy, ProxyPhase, ProxySpec};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics, tls_connector};
 use egress_provider::Provider;
 use egress_provider::config::{ProviderSettings, ProvidersConfig};
@@ -61,18 +61,7 @@ async fn real_probes_drive_ready_and_unhealthy_with_one_write_per_transition() {
     };
     let mut leader = start();
 
-    let spec = ProxySpec {
-        provider: Some("pods".into()),
-        health_check: HealthCheck {
-            interval_seconds: 5,
-            timeout_seconds: 2,
-            healthy_threshold: 1,
-            unhealthy_threshold: 2,
-            probe_url: None,
-            ..HealthCheck::default()
-        },
-        ..ProxySpec::new(ProxyMode::Managed)
-    };
+    let spec = ProxySpec::managed("pods", None).with_health_check(HealthCheck::every(5, 2, 1, 2));
     let proxies: Api<Proxy> = ns.api();
     proxies.create(&PostParams::default(), &Proxy::new("web", spec)).await.expect("create");
     let wait_phase = |wanted: ProxyPhase| {
@@ -138,16 +127,8 @@ async fn a_dead_instance_is_replaced_after_replace_after_seconds() {
         Leader::start(&ns.client(), ns.name(), provider, feed, credentials, origin.url(), HealthMetrics::default());
     let replace_after = Duration::from_secs(5);
     let spec = ProxySpec {
-        provider: Some("pods".into()),
-        health_check: HealthCheck {
-            interval_seconds: 5,
-            timeout_seconds: 2,
-            healthy_threshold: 1,
-            unhealthy_threshold: 1,
-            replace_after_seconds: 5,
-            ..HealthCheck::default()
-        },
-        ..ProxySpec::new(ProxyMode::Managed)
+        health_check: HealthCheck { replace_after_seconds: 5, ..HealthCheck::every(5, 2, 1, 1) },
+        ..ProxySpec::managed("pods", None)
     };
     let proxies: Api<Proxy> = ns.api();
     let created = std::time::Instant::now();

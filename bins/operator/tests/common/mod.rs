@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use egress_api::{Endpoint, HealthCheck, Proxy, ProxyMode, ProxyPhase, ProxySpec};
+use egress_api::{HealthCheck, Proxy, ProxyPhase, ProxySpec};
 use kube::api::Api;
 
 /// Waits until every named Proxy is in `phase` and returns them; on timeout, the phases last seen.
@@ -38,35 +38,19 @@ pub async fn wait_phase(
 
 /// Probes every 5 s (3 s timeout), healthy after `healthy_threshold` good probes, unhealthy after 2 bad ones.
 fn fast_probes(healthy_threshold: i32) -> HealthCheck {
-    HealthCheck {
-        interval_seconds: 5,
-        timeout_seconds: 3,
-        healthy_threshold,
-        unhealthy_threshold: 2,
-        probe_url: None,
-        ..HealthCheck::default()
-    }
+    HealthCheck::every(5, 3, healthy_threshold, 2)
 }
 
 /// An External Proxy spec for the proxy at `address`, probed every 5 s, Ready after `healthy_threshold` probes.
 #[allow(dead_code)] // Not every binary that includes this module uses it.
 pub fn external(address: SocketAddr, healthy_threshold: i32) -> ProxySpec {
-    ProxySpec {
-        endpoint: Some(Endpoint { host: address.ip().to_string(), port: i32::from(address.port()) }),
-        health_check: fast_probes(healthy_threshold),
-        ..ProxySpec::new(ProxyMode::External)
-    }
+    ProxySpec::external(address.ip().to_string(), address.port()).with_health_check(fast_probes(healthy_threshold))
 }
 
 /// A Managed Proxy spec on `provider` (in namespace `zone`, if given), probed every 5 s, Ready after one good probe.
 #[allow(dead_code)] // Not every binary that includes this module uses it.
 pub fn managed(provider: &str, zone: Option<&str>) -> ProxySpec {
-    ProxySpec {
-        provider: Some(provider.to_owned()),
-        placement: zone.map(|zone| egress_api::Placement { zone: Some(zone.into()), ..Default::default() }),
-        health_check: fast_probes(1),
-        ..ProxySpec::new(ProxyMode::Managed)
-    }
+    ProxySpec::managed(provider, zone).with_health_check(fast_probes(1))
 }
 
 /// Every query of the shipped Grafana dashboard (`deploy/grafana/egress-operator.json`), with its panel's title.

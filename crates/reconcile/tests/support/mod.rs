@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use egress_api::{Proxy, ProxyMode, ProxySpec};
+use egress_api::{Proxy, ProxySpec};
 use egress_health::CurrentVerdict;
 use egress_provider::{
     CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, instance_name,
@@ -398,11 +398,7 @@ impl Drop for Harness {
 
 /// A Managed spec on the scripted provider.
 pub fn managed(zone: &str) -> ProxySpec {
-    ProxySpec {
-        provider: Some("scripted".into()),
-        placement: Some(egress_api::Placement { zone: Some(zone.into()), machine_type: None, image: None }),
-        ..ProxySpec::new(ProxyMode::Managed)
-    }
+    ProxySpec::managed("scripted", Some(zone))
 }
 
 /// The seed of a crash test: `EGRESS_CRASH_SEED`, else the clock; printed so a failure can be replayed.
