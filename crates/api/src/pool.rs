@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime};
 use kube::core::Duration;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -398,8 +398,10 @@ pub struct SpreadStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ScalingDecision {
-    /// When it was made.
-    pub time: Time,
+    /// When it was made, to the microsecond.
+    // Not a `Time`: the autoscaler compares it with the refusal or wake that led to it, and at whole seconds a refusal
+    // just before the decision looked newer than the decision, so the pool scaled for it again on every pass.
+    pub time: MicroTime,
     /// The count before.
     pub from: i32,
     /// The count after.

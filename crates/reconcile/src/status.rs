@@ -2,7 +2,7 @@
 
 use std::time::SystemTime;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
 
 /// A Kubernetes timestamp for `time`, at whole-second precision (what the API stores), so that a status written
@@ -10,6 +10,19 @@ use k8s_openapi::jiff::Timestamp;
 pub fn time(time: SystemTime) -> Time {
     let timestamp = Timestamp::try_from(time).unwrap_or(Timestamp::UNIX_EPOCH);
     Time(Timestamp::from_second(timestamp.as_second()).unwrap_or(timestamp))
+}
+
+/// A Kubernetes timestamp for `time` at microsecond precision (what the API stores for a `MicroTime`), so that a
+/// status written and read back compares equal.
+pub fn micro_time(time: SystemTime) -> MicroTime {
+    let timestamp = Timestamp::try_from(time).unwrap_or(Timestamp::UNIX_EPOCH);
+    let micros = timestamp.as_microsecond();
+    MicroTime(Timestamp::from_microsecond(micros).unwrap_or(timestamp))
+}
+
+/// The wall-clock time a Kubernetes microsecond timestamp stands for.
+pub fn system_micro_time(time: &MicroTime) -> SystemTime {
+    SystemTime::from(time.0)
 }
 
 /// The wall-clock time a Kubernetes timestamp stands for.

@@ -37,7 +37,7 @@ use super::index::{MemberIndex, pool_of};
 use super::metrics::{PoolCounts, PoolMetrics};
 use crate::Error;
 use crate::feed::{Change, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed};
-use crate::status::{ConditionSpec, merge_conditions, system_time, time};
+use crate::status::{ConditionSpec, merge_conditions, micro_time, system_micro_time, system_time};
 
 /// The field manager of every write the pool controller makes (members and pool status).
 pub const POOL_FIELD_MANAGER: &str = "egress-operator-pool";
@@ -524,7 +524,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
     match &last_scale {
         None => {
             last_scale = Some(ScalingDecision {
-                time: time(now),
+                time: micro_time(now),
                 from: 0,
                 to: pool.spec.replicas,
                 reason: "Created".into(),
@@ -534,7 +534,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
         }
         Some(last) if last.to != pool.spec.replicas => {
             let decision = ScalingDecision {
-                time: time(now),
+                time: micro_time(now),
                 from: last.to,
                 to: pool.spec.replicas,
                 reason: "Manual".into(),
@@ -576,7 +576,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
             woken: demand.woken,
             idle_since,
         },
-        last_scale: last_scale.as_ref().map(|last| system_time(&last.time)),
+        last_scale: last_scale.as_ref().map(|last| system_micro_time(&last.time)),
         now,
     };
     let decision = decide_pool(&facts);
@@ -587,7 +587,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
         let to = i32::try_from(scale.to).unwrap_or(i32::MAX);
         pools.patch_scale(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": to } }))).await?;
         let decided = ScalingDecision {
-            time: time(now),
+            time: micro_time(now),
             from: i32::try_from(scale.from).unwrap_or(i32::MAX),
             to,
             reason: scale.reason.as_str().into(),

@@ -230,9 +230,14 @@ fn since(now: SystemTime, then: SystemTime) -> Duration {
 
 /// Whether `signal` came after the last scaling decision (a refusal the last decision already answered counts no
 /// more).
+///
+/// The status records a decision to the microsecond (`lastScale.time`), so a signal is compared at that precision:
+/// compared to the nanosecond, a refusal just before a decision could look newer than the decision as recorded, and
+/// the pool would scale for it again on every pass.
 fn fresh(signal: Option<SystemTime>, last_scale: Option<SystemTime>) -> bool {
+    let micros = |time: SystemTime| time.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_micros());
     match (signal, last_scale) {
-        (Some(signal), Some(last)) => signal > last,
+        (Some(signal), Some(last)) => micros(signal) > micros(last),
         (Some(_), None) => true,
         (None, _) => false,
     }

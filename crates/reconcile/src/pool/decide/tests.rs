@@ -362,6 +362,32 @@ fn autoscaling_reasons() {
             None,
         ),
         (
+            // The status keeps the decision's time to the microsecond: a refusal 700 ns into that microsecond came
+            // before the decision.
+            "a wake in the microsecond the last decision was recorded in",
+            with(autoscaled(0, vec![], 0, 10), &|facts| {
+                facts.demand.woken = Some(ago(1) + Duration::from_nanos(700));
+                facts.last_scale = Some(ago(1));
+            }),
+            None,
+        ),
+        (
+            "a refusal in the microsecond the last decision was recorded in",
+            with(autoscaled(4, ready(4, 3), 0, 10), &|facts| {
+                facts.demand.at_capacity = Some(ago(1) + Duration::from_nanos(700));
+                facts.last_scale = Some(ago(1));
+            }),
+            None,
+        ),
+        (
+            "a refusal a microsecond after the last decision",
+            with(autoscaled(4, ready(4, 3), 0, 10), &|facts| {
+                facts.demand.at_capacity = Some(ago(1) + Duration::from_micros(1));
+                facts.last_scale = Some(ago(1) + Duration::from_nanos(999));
+            }),
+            Some((5, ScaleReason::AtCapacity)),
+        ),
+        (
             "at capacity adds at least one",
             with(autoscaled(4, ready(4, 3), 0, 10), &|facts| facts.demand.at_capacity = Some(ago(1))),
             Some((5, ScaleReason::AtCapacity)),
