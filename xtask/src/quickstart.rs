@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use egress_api::{HealthCheck, Proxy, ProxyAuth, ProxyPhase, ProxySpec, SecretNameRef};
-use egress_client::{DiscoveryClient, LeaseOptions};
+use egress_client::{DiscoveryClient, LeaseOptions, ProxyId};
 use egress_testenv::install::{InstallOptions, Installation, SYSTEM_NAMESPACE};
 use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy};
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -409,7 +409,9 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     let lease = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match discovery.lease(LeaseOptions::for_target(origin.url()).proxy(format!("default/{CREDENTIALED}"))).await
+            match discovery
+                .lease(LeaseOptions::for_target(origin.url()).proxy(&ProxyId::new("default", CREDENTIALED)))
+                .await
             {
                 Ok(lease) => break lease,
                 Err(_) if Instant::now() < deadline => {

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use egress_api::{ProviderHealth, Proxy, ProxyPhase, ProxyPool, ProxySpec};
-use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::install::{InstallOptions, Installation, SHIPPED_LEASE_TOKEN, SYSTEM_NAMESPACE};
 use egress_testenv::{LocalOrigin, eventually, eventually_every, http_get};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -346,10 +346,10 @@ async fn proxies_serve_leases_survive_failures_and_are_cleaned_up() {
     let victim = &ready_proxies[1];
     assert!(cluster.installation.agent().kill_squid(ns, &instance(victim)).await);
     wait_phase(&client, ns, &[&victim.name_any()], ProxyPhase::Unhealthy).await;
-    let victim_id = format!("{ns}/{}", victim.name_any());
+    let victim_id = ProxyId::new(ns, &victim.name_any());
     eventually("the unhealthy proxy to leave discovery", WAIT, || async {
         let proxies = discovery.proxies(None, None).await.ok()?;
-        proxies.iter().all(|proxy| format!("{}/{}", proxy.namespace, proxy.name) != victim_id).then_some(())
+        proxies.iter().all(|proxy| proxy.id() != victim_id).then_some(())
     })
     .await;
     for _ in 0..8 {
@@ -429,7 +429,7 @@ async fn a_lease_held_through_a_rotation_never_sees_its_proxy_refuse_a_connectio
     let ready = wait_phase(&client, ns, &[name], ProxyPhase::Ready).await;
     let old_instance = instance(&ready[0]);
     let discovery = discovery();
-    let id = format!("{ns}/{name}");
+    let id = ProxyId::new(ns, name);
     let mut lease = eventually("a lease on the Proxy", WAIT, || {
         let (discovery, id) = (discovery.clone(), id.clone());
         async move {
@@ -547,8 +547,10 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     banned.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
     banned.release().await.expect("release");
     // Kept before the report was answered: the Proxy's status has it already.
-    let (banned_ns, banned_name) = banned_proxy.split_once('/').expect("namespace/name");
-    let kept = Api::<Proxy>::namespaced(client.clone(), banned_ns).get(banned_name).await.expect("banned Proxy");
+    let kept = Api::<Proxy>::namespaced(client.clone(), banned_proxy.namespace())
+        .get(banned_proxy.name())
+        .await
+        .expect("banned Proxy");
     let kept = kept.status.map(|status| status.cooldowns).unwrap_or_default();
     assert!(kept.iter().any(|cooldown| cooldown.target() == "banned.example" && cooldown.streak == 1), "{kept:?}");
 
@@ -607,7 +609,10 @@ async fn a_killed_leader_is_restarted_and_the_other_replica_takes_over() {
     held.renew(None).await.expect("the lease held across the failover renews");
     held.release().await.expect("and releases");
     let cooldowns = discovery.cooldowns(Some("banned.example")).await.expect("cooldowns");
-    assert!(cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy && cooldown.streak == 1), "{cooldowns:?}");
+    assert!(
+        cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy.as_str() && cooldown.streak == 1),
+        "{cooldowns:?}"
+    );
     for _ in 0..4 {
         let lease = discovery.lease(LeaseOptions::for_target("banned.example")).await;
         if let Ok(lease) = &lease {
@@ -703,7 +708,7 @@ async fn crawl(
                 continue;
             }
         };
-        book.granted(&lease.proxy(), site);
+        book.granted(lease.proxy().as_str(), site);
         let held = Instant::now();
         let mut renewed = 0;
         while renewed < 3 && held.elapsed() < Duration::from_secs(40) {
@@ -727,7 +732,7 @@ async fn crawl(
             && let Ok(Some(until)) = lease.report(Outcome::Banned, Some(403)).await
         {
             let until: k8s_openapi::jiff::Timestamp = until.parse().expect("an RFC 3339 cooldown end");
-            book.cooldowns.lock().expect("book").insert((lease.proxy(), site.to_owned()), until.into());
+            book.cooldowns.lock().expect("book").insert((lease.proxy().to_string(), site.to_owned()), until.into());
             book.bans.fetch_add(1, Ordering::SeqCst);
         }
         let _ = lease.release().await;
@@ -1437,7 +1442,7 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
     let discovery = discovery();
     let lease =
         discovery.lease(LeaseOptions::for_target("night.example").pool("night")).await.expect("a lease from the pool");
-    assert!(lease.proxy().starts_with("e2e-pool/night-"), "{}", lease.proxy());
+    assert!(lease.proxy().as_str().starts_with("e2e-pool/night-"), "{}", lease.proxy());
     // Autoscaling on, while leased: the pool stays.
     spec["autoscale"] =
         json!({ "min": 0, "max": 2, "idleSeconds": 20, "targetLeasedPercent": 100, "stabilizationSeconds": 30 });
@@ -1485,7 +1490,7 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
     })
     .await;
     eprintln!("pool: woken; a lease {:.1?} after the first 503 (Retry-After was {retry_after:?})", asked.elapsed());
-    assert!(lease.proxy().starts_with("e2e-pool/night-"), "{}", lease.proxy());
+    assert!(lease.proxy().as_str().starts_with("e2e-pool/night-"), "{}", lease.proxy());
     lease.release().await.expect("release");
     let described = kubectl(&["describe", "pxp", "night", "-n", namespace]).await;
     for expected in ["ScaledDown", "(Idle)", "ScaledUp", "(Wake)"] {
@@ -1691,7 +1696,8 @@ async fn two_tenants_share_the_fleet_and_one_cannot_ban_a_site_for_the_other() {
     let (a, b, admin) = (accepted(a_token).await, accepted(b_token).await, accepted(admin_token).await);
 
     let site = "www.tenants.example";
-    let lease = a.lease(LeaseOptions::for_target(site).proxy(format!("{namespace}/t-1"))).await.expect("A's lease");
+    let lease =
+        a.lease(LeaseOptions::for_target(site).proxy(&ProxyId::new(namespace, "t-1"))).await.expect("A's lease");
     let first = lease.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
     for _ in 0..19 {
         let again = lease.report(Outcome::Banned, Some(403)).await.expect("ban").expect("a cooldown");
@@ -1717,14 +1723,14 @@ async fn two_tenants_share_the_fleet_and_one_cannot_ban_a_site_for_the_other() {
 
     // B is not held up: the other proxy serves the site, and A's cooldown is not B's to see.
     let theirs = b.lease(LeaseOptions::for_target(site)).await.expect("B's lease");
-    assert_eq!(theirs.proxy(), format!("{namespace}/t-2"));
+    assert_eq!(theirs.proxy(), ProxyId::new(namespace, "t-2"));
     assert!(b.cooldowns(Some(site)).await.expect("B's cooldowns").is_empty());
     assert_eq!(a.cooldowns(Some(site)).await.expect("A's cooldowns").len(), 1);
 
     // The admin clears it: written to the status before the answer, and A leases t-1 for the site at once.
-    let cleared = admin.clear_cooldowns(site, Some(&format!("{namespace}/t-1"))).await.expect("clear");
+    let cleared = admin.clear_cooldowns(site, Some(&ProxyId::new(namespace, "t-1"))).await.expect("clear");
     assert_eq!(cleared.len(), 1);
-    let again = a.lease(LeaseOptions::for_target(site).proxy(format!("{namespace}/t-1"))).await.expect("at once");
+    let again = a.lease(LeaseOptions::for_target(site).proxy(&ProxyId::new(namespace, "t-1"))).await.expect("at once");
     let status = proxies.get("t-1").await.expect("t-1").status.expect("a status");
     let now = k8s_openapi::jiff::Timestamp::now();
     assert!(status.cooldowns.iter().all(|cooldown| cooldown.until.0 <= now), "{:?}", status.cooldowns);

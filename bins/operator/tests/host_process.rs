@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use egress_api::{Proxy, ProxyPhase};
-use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::{
     LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually,
     eventually_every, http_get,
@@ -301,7 +301,10 @@ async fn a_restarted_operator_keeps_its_fleet_ready_its_leases_and_its_bans() {
     let held = client.resume(&held_id, None).await.expect("the lease held across the restart renews");
     held.release().await.expect("and releases");
     let cooldowns = client.cooldowns(Some("banned.example")).await.expect("cooldowns");
-    assert!(cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy), "the ban survived: {cooldowns:?}");
+    assert!(
+        cooldowns.iter().any(|cooldown| cooldown.proxy == banned_proxy.as_str()),
+        "the ban survived: {cooldowns:?}"
+    );
 
     // Two probe rounds later, no Proxy was ever written with a phase other than Ready.
     let probes = |text: &str| -> f64 {
@@ -458,7 +461,7 @@ async fn a_destinations_allow_change_reaches_every_running_proxy_and_refuses_no_
     let mut held = Vec::new();
     for name in names {
         let options = LeaseOptions::for_target("held.example")
-            .proxy(format!("{}/{name}", env.ns.name()))
+            .proxy(&ProxyId::new(env.ns.name(), name))
             .ttl(Duration::from_secs(120));
         let lease = discovery.lease(options).await.expect("a lease on the proxy");
         // Denied by default (a loopback address the providers file does not allow), the first origin served.

@@ -30,6 +30,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
+
+pub use egress_fleet::ProxyId;
 use serde_json::{Value, json};
 
 /// What went wrong with a call.
@@ -142,9 +144,9 @@ impl LeaseOptions {
         self.ttl = Some(ttl);
         self
     }
-    /// A specific proxy, `namespace/name`.
-    pub fn proxy(mut self, proxy: impl Into<String>) -> Self {
-        self.proxy = Some(proxy.into());
+    /// A specific proxy (parse one from its `namespace/name` form with `str::parse`).
+    pub fn proxy(mut self, proxy: &ProxyId) -> Self {
+        self.proxy = Some(proxy.to_string());
         self
     }
     /// A sticky-session key.
@@ -202,6 +204,13 @@ pub struct ProxyInfo {
     /// How long a site's ban cools it down.
     #[serde(default)]
     pub cooldown_policy: Option<CooldownPolicyInfo>,
+}
+
+impl ProxyInfo {
+    /// Which proxy this is.
+    pub fn id(&self) -> ProxyId {
+        ProxyId::new(&self.namespace, &self.name)
+    }
 }
 
 /// A proxy's ban cooldown policy: `base_seconds` after the first ban in a row, times `factor` for each further one,
@@ -472,10 +481,14 @@ impl DiscoveryClient {
     /// Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy`
     /// (`namespace/name`) and the proxies sharing its egress IP, or of every proxy. Returns the cooldowns that were
     /// running.
-    pub async fn clear_cooldowns(&self, target: &str, proxy: Option<&str>) -> Result<Vec<CooldownInfo>, ClientError> {
+    pub async fn clear_cooldowns(
+        &self,
+        target: &str,
+        proxy: Option<&ProxyId>,
+    ) -> Result<Vec<CooldownInfo>, ClientError> {
         let mut path = format!("/v1/cooldowns?target={}", encode(target));
         if let Some(proxy) = proxy {
-            path.push_str(&format!("&proxy={}", encode(proxy)));
+            path.push_str(&format!("&proxy={}", encode(proxy.as_str())));
         }
         let (_, body) = self.call(Method::DELETE, &path, None).await?;
         list_in(&body, "cleared")
@@ -530,9 +543,9 @@ impl LeaseGuard {
         &self.lease.id
     }
 
-    /// The leased proxy as `namespace/name`.
-    pub fn proxy(&self) -> String {
-        format!("{}/{}", self.lease.proxy.namespace, self.lease.proxy.name)
+    /// The leased proxy.
+    pub fn proxy(&self) -> ProxyId {
+        ProxyId::new(&self.lease.proxy.namespace, &self.lease.proxy.name)
     }
 
     /// The proxy URL, `http://[user:password@]host:port`, usable as any HTTP client's proxy (for reqwest:

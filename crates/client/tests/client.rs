@@ -5,13 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, PoolId, ProxyId, ProxyRecord, TokenFile, router, serve};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
-        namespace: "crawl".into(),
-        name: name.into(),
+        id: ProxyId::new("crawl", name),
         host: "127.0.0.1".into(),
         port: 3128,
         egress_ip: None,
@@ -98,7 +97,7 @@ async fn lease_report_renew_and_release() {
     let next = client.lease(LeaseOptions::for_target("example.com")).await.expect("lease");
     assert_ne!(next.proxy(), banned, "the banned proxy is skipped for that site");
     let listed = client.proxies(Some("region=eu"), Some("example.com")).await.expect("list");
-    let cooling = listed.iter().find(|proxy| format!("{}/{}", proxy.namespace, proxy.name) == banned).expect("listed");
+    let cooling = listed.iter().find(|proxy| proxy.id() == banned).expect("listed");
     assert!(cooling.cooling_down_until.is_some());
     assert_eq!((cooling.reported, cooling.success_rate), (Some(11), Some(9.0 / 11.0)));
 
@@ -138,7 +137,7 @@ async fn errors_are_typed() {
     let fixture = start(vec![record("a", 1)]).await;
     let client = lease_client(&fixture);
     let held = client.lease(LeaseOptions::for_target("example.com")).await.expect("lease");
-    match client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await {
+    match client.lease(LeaseOptions::for_target("example.com").proxy(&ProxyId::new("crawl", "a"))).await {
         Err(ClientError::Conflict { reason, .. }) => assert_eq!(reason, "proxy-unavailable"),
         other => panic!("expected a conflict, got {:?}", other.map(|lease| lease.id().to_owned())),
     }
@@ -150,7 +149,7 @@ async fn errors_are_typed() {
         other => panic!("expected unavailable, got {:?}", other.map(|lease| lease.id().to_owned())),
     }
     assert!(matches!(
-        client.lease(LeaseOptions::for_target("example.com").proxy("crawl/nope")).await.err(),
+        client.lease(LeaseOptions::for_target("example.com").proxy(&ProxyId::new("crawl", "nope"))).await.err(),
         Some(ClientError::NotFound(_))
     ));
     assert!(matches!(
@@ -178,19 +177,17 @@ async fn errors_are_typed() {
 
 #[tokio::test]
 async fn a_lease_by_pool_gets_a_member_or_says_the_pool_is_scaling_up() {
-    let member = ProxyRecord { pool: Some("crawl/eu".into()), ..record("eu-0", 1) };
+    let member = ProxyRecord { pool: Some(PoolId::new("crawl", "eu")), ..record("eu-0", 1) };
     let fixture = start(vec![record("loose", 5), member]).await;
     fixture.state.upsert_pool(egress_discovery::PoolRecord {
-        namespace: "crawl".into(),
-        name: "eu".into(),
+        id: PoolId::new("crawl", "eu"),
         replicas: 1,
         ready: 1,
         wakes: true,
         provisioning: Duration::from_secs(7),
     });
     fixture.state.upsert_pool(egress_discovery::PoolRecord {
-        namespace: "crawl".into(),
-        name: "night".into(),
+        id: PoolId::new("crawl", "night"),
         replicas: 0,
         ready: 0,
         wakes: true,
@@ -198,7 +195,7 @@ async fn a_lease_by_pool_gets_a_member_or_says_the_pool_is_scaling_up() {
     });
     let client = lease_client(&fixture);
     let lease = client.lease(LeaseOptions::for_target("example.com").pool("eu")).await.expect("a member");
-    assert_eq!(lease.proxy(), "crawl/eu-0");
+    assert_eq!(lease.proxy(), ProxyId::new("crawl", "eu-0"));
     let listed = client.proxies(None, None).await.expect("list");
     let pools: Vec<Option<&str>> = listed.iter().map(|proxy| proxy.pool.as_deref()).collect();
     assert_eq!(pools, [Some("eu"), None]);
@@ -215,17 +212,21 @@ async fn a_lease_by_pool_gets_a_member_or_says_the_pool_is_scaling_up() {
 async fn an_admin_clears_a_cooldown_and_a_quota_is_its_own_error() {
     let fixture = start(vec![record("a", 5), record("b", 5)]).await;
     let client = lease_client(&fixture);
-    let lease = client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await.expect("lease");
+    let lease =
+        client.lease(LeaseOptions::for_target("example.com").proxy(&ProxyId::new("crawl", "a"))).await.expect("lease");
     lease.report(Outcome::Banned, Some(403)).await.expect("ban");
     let admin = DiscoveryClient::new(&fixture.url, Some("admin-token-0123456789".into())).expect("client");
-    match client.clear_cooldowns("example.com", Some("crawl/a")).await {
+    match client.clear_cooldowns("example.com", Some(&ProxyId::new("crawl", "a"))).await {
         Err(ClientError::Forbidden(_)) => {}
         other => panic!("a lease token may not clear: {other:?}"),
     }
-    let cleared = admin.clear_cooldowns("www.example.com", Some("crawl/a")).await.expect("clear");
+    let cleared = admin.clear_cooldowns("www.example.com", Some(&ProxyId::new("crawl", "a"))).await.expect("clear");
     assert_eq!((cleared.len(), cleared[0].proxy.as_str(), cleared[0].streak), (1, "crawl/a", 1));
     assert!(admin.cooldowns(None).await.expect("cooldowns").is_empty());
-    client.lease(LeaseOptions::for_target("example.com").proxy("crawl/a")).await.expect("a leases at once");
+    client
+        .lease(LeaseOptions::for_target("example.com").proxy(&ProxyId::new("crawl", "a")))
+        .await
+        .expect("a leases at once");
 
     let capped = DiscoveryClient::new(&fixture.url, Some("capped-token-0123456789".into())).expect("client");
     let _held = capped.lease(LeaseOptions::for_target("example.org")).await.expect("the first lease");

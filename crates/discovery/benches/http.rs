@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyRecord, router, serve};
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyId, ProxyRecord, router, serve};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
@@ -23,8 +23,7 @@ const PHASE: Duration = Duration::from_secs(5);
 async fn discovery_server() -> SocketAddr {
     let records = (0..100)
         .map(|index| ProxyRecord {
-            namespace: "bench".into(),
-            name: format!("proxy-{index}"),
+            id: ProxyId::new("bench", &format!("proxy-{index}")),
             host: "127.0.0.1".into(),
             port: 3128,
             egress_ip: None,

@@ -19,7 +19,7 @@ use serde_json::json;
 
 use crate::auth::{Auth, Identity, Scope};
 use crate::problem::Problem;
-use crate::{Discovery, PoolRecord, ProxyRecord};
+use crate::{Discovery, PoolId, PoolRecord, ProxyId, ProxyRecord};
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -198,12 +198,12 @@ fn parse_body<T: DeserializeOwned>(
 /// (`; charset=utf-8`).
 fn is_json_media_type(value: &str) -> bool {
     let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
-    match essence.split_once('/') {
-        Some(("application", "json")) => true,
-        Some(("application", subtype)) => {
+    match essence.strip_prefix("application/") {
+        Some("json") => true,
+        Some(subtype) => {
             subtype.strip_suffix("+json").is_some_and(|name| !name.is_empty() && !name.contains(char::is_whitespace))
         }
-        _ => false,
+        None => false,
     }
 }
 
@@ -310,7 +310,7 @@ async fn list_proxies(
     let query = parse_query(query, &["selector", "target", "pool"])?;
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
-    let pool = query.get("pool").map(|pool| resolve_pool(&state, pool)).transpose()?.map(|pool| pool.id());
+    let pool = query.get("pool").map(|pool| resolve_pool(&state, pool)).transpose()?.map(|pool| pool.id.clone());
     let now = SystemTime::now();
     // Only the matching records are copied (as `Arc`s), and only their loads are looked up: the answer costs what
     // it returns.
@@ -323,19 +323,18 @@ async fn list_proxies(
         .filter(|record| pool.is_none() || record.pool == pool)
         .cloned()
         .collect();
-    let ids: Vec<String> = matching.iter().map(|record| record.id()).collect();
-    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let loads = state.store.loads_of(&id_refs, query.get("target").map(String::as_str), now).map_err(lease_problem)?;
+    let ids: Vec<&ProxyId> = matching.iter().map(|record| &record.id).collect();
+    let loads = state.store.loads_of(&ids, query.get("target").map(String::as_str), now).map_err(lease_problem)?;
     // Credentials only on the caller's own leases (an admin sees them all): a lease token never learns the password
     // of a proxy it was not leased.
     let held = if caller.scope == Scope::Lease { state.store.held_by(caller.owner(), now) } else { Default::default() };
-    let credentials = |record: &ProxyRecord| caller.scope == Scope::Admin || held.contains(&record.id());
+    let credentials = |record: &ProxyRecord| caller.scope == Scope::Admin || held.contains(&record.id);
     let entries: Vec<ProxyEntry> = matching
         .iter()
         .zip(loads)
         .map(|(record, load)| ProxyEntry {
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
+            namespace: record.id.namespace().to_owned(),
+            name: record.id.name().to_owned(),
             host: record.host.clone(),
             port: record.port,
             url: proxy_url(record, credentials(record)),
@@ -343,7 +342,7 @@ async fn list_proxies(
             labels: record.labels.clone(),
             zone: record.zone.clone(),
             provider: record.provider.clone(),
-            pool: record.pool.as_deref().and_then(|pool| pool.split_once('/')).map(|(_, name)| name.to_owned()),
+            pool: record.pool.as_ref().map(|pool| pool.name().to_owned()),
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
             cooldown_policy: record.cooldown.map(CooldownPolicyEntry::from),
@@ -366,13 +365,20 @@ struct LeaseBody {
     pool: Option<String>,
 }
 
+/// The proxy a request names, which must be `namespace/name`.
+fn parse_proxy(proxy: &str) -> Result<ProxyId, Problem> {
+    proxy.parse().map_err(|error: egress_fleet::InvalidName| Problem::bad_request(format!("proxy {error}")))
+}
+
 /// The pool a request names: `namespace/name`, or a name that only one namespace has.
 fn resolve_pool(state: &Discovery, pool: &str) -> Result<Arc<PoolRecord>, Problem> {
     let pools = state.pools.read().expect("pool lock");
     if pool.contains('/') {
-        return pools.get(pool).cloned().ok_or_else(|| unknown_pool(pool));
+        let id: PoolId =
+            pool.parse().map_err(|error: egress_fleet::InvalidName| Problem::bad_request(format!("pool {error}")))?;
+        return pools.get(&id).cloned().ok_or_else(|| unknown_pool(pool));
     }
-    let mut named = pools.values().filter(|record| record.name == pool);
+    let mut named = pools.values().filter(|record| record.id.name() == pool);
     match (named.next(), named.next()) {
         (Some(record), None) => Ok(record.clone()),
         (None, _) => Err(unknown_pool(pool)),
@@ -395,7 +401,7 @@ fn scaling_up(pool: &PoolRecord) -> Problem {
         "The pool is scaling up",
         format!(
             "pool {} has no Ready member yet ({} of {} Ready); a new member takes about {} s",
-            pool.id(),
+            pool.id,
             pool.ready,
             pool.replicas,
             pool.provisioning.as_secs()
@@ -460,8 +466,8 @@ fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool>) -> Resul
     let response = LeaseResponse {
         id: &lease.id,
         proxy: LeasedProxy {
-            namespace: &record.namespace,
-            name: &record.name,
+            namespace: record.id.namespace(),
+            name: record.id.name(),
             host: &record.host,
             port: record.port,
             url: proxy_url(record, true),
@@ -489,11 +495,7 @@ async fn create_lease(
     if body.session.as_ref().is_some_and(|session| session.is_empty() || session.len() > 256) {
         return Err(Problem::bad_request("session must be 1 to 256 characters"));
     }
-    if let Some(proxy) = &body.proxy
-        && proxy.split('/').filter(|part| !part.is_empty()).count() != 2
-    {
-        return Err(Problem::bad_request(format!("proxy {proxy:?} must be namespace/name")));
-    }
+    let proxy = body.proxy.as_deref().map(parse_proxy).transpose()?;
     let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
     let pool = body.pool.as_deref().map(|pool| resolve_pool(&state, pool)).transpose()?;
@@ -503,14 +505,14 @@ async fn create_lease(
     {
         // Nothing to lease: a pool that wakes on demand grows, the crawler comes back when a member is Ready.
         let problem = if pool.wakes {
-            state.refused_for(&pool.id(), |demand| demand.woken = Some(now));
+            state.refused_for(&pool.id, |demand| demand.woken = Some(now));
             scaling_up(pool)
         } else {
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "no-eligible-proxy",
                 "No proxy can be leased now",
-                format!("pool {} has no members (spec.replicas 0) and does not autoscale", pool.id()),
+                format!("pool {} has no members (spec.replicas 0) and does not autoscale", pool.id),
             )
             .with_reason("none-healthy")
             .with_retry_after(Duration::from_secs(30))
@@ -522,11 +524,11 @@ async fn create_lease(
         target: body.target,
         selector,
         ttl: ttl(body.ttl_seconds, &caller)?,
-        proxy: body.proxy,
+        proxy,
         session: body.session,
         owner: caller.owner().to_owned(),
         owner_quota: caller.quota.max_leases,
-        pool: pool.as_ref().map(|pool| pool.id()),
+        pool: pool.as_ref().map(|pool| pool.id.clone()),
     };
     match state.store.lease(&request, now) {
         Ok(lease) => {
@@ -547,11 +549,11 @@ async fn create_lease(
                 // members already on their way are no demand for more.
                 (Some(pool), LeaseError::NoneHealthy) if pool.ready < pool.replicas => scaling_up(pool),
                 (Some(pool), LeaseError::NoneHealthy) => {
-                    state.refused_for(&pool.id(), |demand| demand.none_healthy = Some(now));
+                    state.refused_for(&pool.id, |demand| demand.none_healthy = Some(now));
                     lease_problem(error)
                 }
                 (Some(pool), LeaseError::AllAtCapacity { .. }) => {
-                    state.refused_for(&pool.id(), |demand| demand.at_capacity = Some(now));
+                    state.refused_for(&pool.id, |demand| demand.at_capacity = Some(now));
                     lease_problem(error)
                 }
                 _ => lease_problem(error),
@@ -760,18 +762,14 @@ async fn clear_cooldowns(
     let Some(target) = query.get("target") else {
         return Err(Problem::bad_request("give the site whose cooldowns to clear: ?target=<host or URL>"));
     };
-    let proxy = query.get("proxy");
-    if let Some(proxy) = proxy {
-        if proxy.split('/').filter(|part| !part.is_empty()).count() != 2 {
-            return Err(Problem::bad_request(format!("proxy {proxy:?} must be namespace/name")));
-        }
-        if !state.records.read().expect("record lock").contains_key(proxy) {
-            return Err(Problem::not_found(format!("no proxy {proxy:?}")));
-        }
+    let proxy = query.get("proxy").map(|proxy| parse_proxy(proxy)).transpose()?;
+    if let Some(proxy) = &proxy
+        && !state.records.read().expect("record lock").contains_key(proxy)
+    {
+        return Err(Problem::not_found(format!("no proxy {proxy:?}")));
     }
-    let cleared =
-        state.store.clear_cooldowns(target, proxy.map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
-    let mut proxies: Vec<&str> = cleared.iter().map(|cooldown| cooldown.proxy.as_str()).collect();
+    let cleared = state.store.clear_cooldowns(target, proxy.as_ref(), SystemTime::now()).map_err(lease_problem)?;
+    let mut proxies: Vec<&ProxyId> = cleared.iter().map(|cooldown| &cooldown.proxy).collect();
     proxies.dedup();
     let writes = proxies.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
     futures::future::join_all(writes).await;
@@ -782,7 +780,7 @@ async fn clear_cooldowns(
 
 fn cooldown_json(cooldown: egress_lease::Cooldown) -> serde_json::Value {
     json!({
-        "proxy": cooldown.proxy,
+        "proxy": cooldown.proxy.as_str(),
         "target": cooldown.target,
         "until": timestamp(cooldown.until),
         "streak": cooldown.streak,

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use egress_lease::{Cooldown, LeaseStore};
+use egress_lease::{Cooldown, LeaseStore, ProxyId};
 use tracing::warn;
 
 use crate::DiscoveryMetrics;
@@ -26,7 +26,7 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 pub trait CooldownJournal: Send + Sync {
     /// Replaces the kept cooldowns of proxy `id` (`namespace/name`) with `cooldowns` (at most
     /// [`MAX_PERSISTED_COOLDOWNS`], latest end first).
-    async fn write(&self, id: &str, cooldowns: &[Cooldown]) -> Result<(), String>;
+    async fn write(&self, id: &ProxyId, cooldowns: &[Cooldown]) -> Result<(), String>;
 }
 
 #[derive(Default)]
@@ -43,7 +43,7 @@ struct Progress {
 #[derive(Default)]
 pub(crate) struct Persister {
     journal: Option<Arc<dyn CooldownJournal>>,
-    progress: Mutex<HashMap<String, Progress>>,
+    progress: Mutex<HashMap<ProxyId, Progress>>,
 }
 
 impl Persister {
@@ -51,19 +51,19 @@ impl Persister {
         Self { journal: Some(journal), progress: Mutex::default() }
     }
 
-    fn progress(&self) -> std::sync::MutexGuard<'_, HashMap<String, Progress>> {
+    fn progress(&self) -> std::sync::MutexGuard<'_, HashMap<ProxyId, Progress>> {
         self.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Writes the cooldowns of `proxy` after a change the store already holds; returns once a write that covers
     /// it finished. `false` when it failed (the ban holds in memory and the write is retried).
-    pub(crate) async fn persist(&self, store: &dyn LeaseStore, proxy: &str, metrics: &DiscoveryMetrics) -> bool {
+    pub(crate) async fn persist(&self, store: &dyn LeaseStore, proxy: &ProxyId, metrics: &DiscoveryMetrics) -> bool {
         if self.journal.is_none() {
             return true;
         }
         let (mine, writing) = {
             let mut progress = self.progress();
-            let entry = progress.entry(proxy.to_owned()).or_default();
+            let entry = progress.entry(proxy.clone()).or_default();
             entry.wanted += 1;
             (entry.wanted, entry.writing.clone())
         };
@@ -73,7 +73,7 @@ impl Persister {
     async fn write_covering(
         &self,
         store: &dyn LeaseStore,
-        proxy: &str,
+        proxy: &ProxyId,
         mine: u64,
         writing: &tokio::sync::Mutex<()>,
         metrics: &DiscoveryMetrics,
@@ -101,7 +101,7 @@ impl Persister {
                 true
             }
             Err(error) => {
-                warn!(proxy, %error, "writing the cooldowns failed; they hold in memory and the write is retried");
+                warn!(%proxy, %error, "writing the cooldowns failed; they hold in memory and the write is retried");
                 false
             }
         }
@@ -109,7 +109,7 @@ impl Persister {
 
     /// Writes again every proxy whose last write failed.
     pub(crate) async fn retry(&self, store: &dyn LeaseStore, metrics: &DiscoveryMetrics) {
-        let behind: Vec<(String, u64, Arc<tokio::sync::Mutex<()>>)> = self
+        let behind: Vec<(ProxyId, u64, Arc<tokio::sync::Mutex<()>>)> = self
             .progress()
             .iter()
             .filter(|(_, entry)| entry.written < entry.wanted)
@@ -121,7 +121,7 @@ impl Persister {
     }
 
     /// Drops the bookkeeping of a proxy that is gone.
-    pub(crate) fn forget(&self, proxy: &str) {
+    pub(crate) fn forget(&self, proxy: &ProxyId) {
         self.progress().remove(proxy);
     }
 }

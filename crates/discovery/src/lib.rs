@@ -27,6 +27,8 @@ use std::time::{Duration, SystemTime};
 use axum::Router;
 use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
+pub use egress_fleet::{PoolDemand, PoolId, ProxyId};
+
 pub use api::MAX_BODY_BYTES;
 pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
@@ -39,10 +41,8 @@ pub use server::{
 /// One proxy as the discovery API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyRecord {
-    /// The Proxy's namespace.
-    pub namespace: String,
-    /// The Proxy's name.
-    pub name: String,
+    /// Which Proxy.
+    pub id: ProxyId,
     /// Where crawlers connect.
     pub host: String,
     /// The port.
@@ -64,8 +64,8 @@ pub struct ProxyRecord {
     /// Cooldowns kept for this proxy (by a [`CooldownJournal`]), taken into the lease store when they are newer
     /// than what it knows.
     pub cooldowns: Vec<Cooldown>,
-    /// The pool it is a member of (`namespace/name`), when it has one.
-    pub pool: Option<String>,
+    /// The pool it is a member of, when it has one.
+    pub pool: Option<PoolId>,
     /// Its ban cooldown policy (the Proxy's, else its provider's), when it has one of its own.
     pub cooldown: Option<egress_lease::CooldownPolicy>,
 }
@@ -73,10 +73,8 @@ pub struct ProxyRecord {
 /// One pool of proxies, as the discovery API needs it to answer leases asked for by pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolRecord {
-    /// The pool's namespace.
-    pub namespace: String,
-    /// The pool's name.
-    pub name: String,
+    /// Which pool.
+    pub id: PoolId,
     /// How many members it should have (`spec.replicas`).
     pub replicas: u32,
     /// How many members are Ready.
@@ -88,36 +86,13 @@ pub struct PoolRecord {
     pub provisioning: Duration,
 }
 
-impl PoolRecord {
-    /// `namespace/name`.
-    pub fn id(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
-    }
-}
-
-/// When leases asked for by pool were last refused, by why.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolDemand {
-    /// Every member was at its lease cap.
-    pub at_capacity: Option<SystemTime>,
-    /// No member was healthy while the pool had members.
-    pub none_healthy: Option<SystemTime>,
-    /// The pool had no members.
-    pub woken: Option<SystemTime>,
-}
-
 /// Who hears that a pool's demand changed (the operator's pool controller, which then looks at the pool at once).
 pub trait PoolWaker: Send + Sync {
-    /// Leases for the pool `namespace/name` were refused for lack of members or capacity.
-    fn wake(&self, pool: &str);
+    /// Leases for `pool` were refused for lack of members or capacity.
+    fn wake(&self, pool: &PoolId);
 }
 
 impl ProxyRecord {
-    /// `namespace/name`: the identifier in the lease store.
-    pub fn id(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
-    }
-
     /// `host:port` (`[host]:port` for IPv6): the endpoint leases remember.
     pub fn endpoint(&self) -> String {
         if self.host.contains(':') {
@@ -149,11 +124,11 @@ pub struct Discovery {
     auth: Auth,
     gate: Arc<dyn Gate>,
     metrics: DiscoveryMetrics,
-    records: std::sync::RwLock<BTreeMap<String, Arc<ProxyRecord>>>,
+    records: std::sync::RwLock<BTreeMap<ProxyId, Arc<ProxyRecord>>>,
     synced: AtomicBool,
     journal: journal::Persister,
-    pools: std::sync::RwLock<BTreeMap<String, Arc<PoolRecord>>>,
-    demand: std::sync::Mutex<BTreeMap<String, PoolDemand>>,
+    pools: std::sync::RwLock<BTreeMap<PoolId, Arc<PoolRecord>>>,
+    demand: std::sync::Mutex<BTreeMap<PoolId, PoolDemand>>,
     waker: Option<Arc<dyn PoolWaker>>,
     /// Reports per tenant in the current minute (for `reportsPerMinute`): when the minute started, how many.
     report_windows: std::sync::Mutex<std::collections::HashMap<Arc<str>, (std::time::Instant, u32)>>,
@@ -185,27 +160,27 @@ impl Discovery {
 
     /// Adds or changes one pool.
     pub fn upsert_pool(&self, record: PoolRecord) {
-        self.pools.write().expect("pool lock").insert(record.id(), Arc::new(record));
+        self.pools.write().expect("pool lock").insert(record.id.clone(), Arc::new(record));
     }
 
-    /// Removes one pool (by `namespace/name`).
-    pub fn remove_pool(&self, id: &str) {
+    /// Removes one pool.
+    pub fn remove_pool(&self, id: &PoolId) {
         self.pools.write().expect("pool lock").remove(id);
         self.demand.lock().expect("demand lock").remove(id);
     }
 
-    /// The identifiers (`namespace/name`) of every pool known.
-    pub fn pool_ids(&self) -> Vec<String> {
+    /// Every pool known.
+    pub fn pool_ids(&self) -> Vec<PoolId> {
         self.pools.read().expect("pool lock").keys().cloned().collect()
     }
 
-    /// When leases for the pool `namespace/name` were last refused, by why.
-    pub fn pool_demand(&self, id: &str) -> PoolDemand {
+    /// When leases for pool `id` were last refused, by why.
+    pub fn pool_demand(&self, id: &PoolId) -> PoolDemand {
         self.demand.lock().expect("demand lock").get(id).copied().unwrap_or_default()
     }
 
-    /// The active leases on the proxy `namespace/name`.
-    pub fn active_leases(&self, id: &str) -> u32 {
+    /// The active leases on proxy `id`.
+    pub fn active_leases(&self, id: &ProxyId) -> u32 {
         self.store
             .loads_of(&[id], None, SystemTime::now())
             .ok()
@@ -214,8 +189,8 @@ impl Discovery {
     }
 
     /// Records a refusal for a pool and tells the waker.
-    fn refused_for(&self, pool: &str, record: impl FnOnce(&mut PoolDemand)) {
-        record(self.demand.lock().expect("demand lock").entry(pool.to_owned()).or_default());
+    fn refused_for(&self, pool: &PoolId, record: impl FnOnce(&mut PoolDemand)) {
+        record(self.demand.lock().expect("demand lock").entry(pool.clone()).or_default());
         if let Some(waker) = &self.waker {
             waker.wake(pool);
         }
@@ -236,7 +211,7 @@ impl Discovery {
     /// Adds or changes one proxy. The lease store hears of it only when what it keeps changed (health, cap,
     /// labels); an unhealthy proxy has its leases revoked there. Costs O(log n), whatever the fleet's size.
     pub fn upsert(&self, record: ProxyRecord) {
-        let id = record.id();
+        let id = record.id.clone();
         let mut records = self.records.write().expect("record lock");
         let previous = records.get(&id);
         if previous.is_some_and(|previous| **previous == record) {
@@ -274,12 +249,12 @@ impl Discovery {
 
     /// How many live leases on proxy `id` were last told `endpoint` (`host:port`): while this is above zero, a
     /// replaced instance at that endpoint still has holders who have not renewed since.
-    pub fn leases_on(&self, id: &str, endpoint: &str) -> usize {
+    pub fn leases_on(&self, id: &ProxyId, endpoint: &str) -> usize {
         self.store.leases_on(id, endpoint, SystemTime::now())
     }
 
-    /// Removes one proxy (by `namespace/name`) and revokes its leases.
-    pub fn remove(&self, id: &str) {
+    /// Removes one proxy and revokes its leases.
+    pub fn remove(&self, id: &ProxyId) {
         if self.records.write().expect("record lock").remove(id).is_some() {
             self.store.remove_proxy(id);
             self.journal.forget(id);
@@ -287,7 +262,7 @@ impl Discovery {
     }
 
     /// The identifiers of every proxy known, for a caller that compares its own view against this one.
-    pub fn ids(&self) -> Vec<String> {
+    pub fn ids(&self) -> Vec<ProxyId> {
         self.records.read().expect("record lock").keys().cloned().collect()
     }
 

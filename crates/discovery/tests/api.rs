@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress_discovery::{Auth, CooldownJournal, Discovery, DiscoveryMetrics, ProxyRecord, TokenFile, router, serve};
+use egress_discovery::{
+    Auth, CooldownJournal, Discovery, DiscoveryMetrics, PoolId, ProxyId, ProxyRecord, TokenFile, router, serve,
+};
 use egress_lease::{Cooldown, InMemoryLeaseStore, LeaseConfig, LeaseKey};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -22,8 +24,7 @@ const ADMIN: &str = "admin-token-0123456789";
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
     ProxyRecord {
-        namespace: "crawl".into(),
-        name: name.into(),
+        id: ProxyId::new("crawl", name),
         host: "10.0.0.1".into(),
         port: 3128,
         // An address of its own per proxy (shared addresses share cooldowns: tested below).
@@ -247,6 +248,8 @@ async fn every_error_status_is_a_problem_document() {
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","selector":"re gion=eu"}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"not a host"}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"no-slash"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"crawl/a/b"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","pool":"/eu"}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"crawl/missing"}"#), 404),
         ("POST", "/v1/leases/l-unknown/renew", None, 404),
         ("DELETE", "/v1/leases/l-unknown", None, 404),
@@ -665,12 +668,12 @@ struct SlowJournal {
 
 #[async_trait::async_trait]
 impl CooldownJournal for SlowJournal {
-    async fn write(&self, id: &str, cooldowns: &[Cooldown]) -> Result<(), String> {
+    async fn write(&self, id: &ProxyId, cooldowns: &[Cooldown]) -> Result<(), String> {
         tokio::time::sleep(self.delay).await;
         if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("the apiserver said no".into());
         }
-        self.writes.lock().expect("writes").push((id.to_owned(), cooldowns.to_vec(), std::time::Instant::now()));
+        self.writes.lock().expect("writes").push((id.to_string(), cooldowns.to_vec(), std::time::Instant::now()));
         Ok(())
     }
 }
@@ -743,7 +746,7 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
     let until = std::time::SystemTime::now() + Duration::from_secs(600);
     let mut kept = record("a", 5);
     kept.cooldowns = vec![Cooldown {
-        proxy: "crawl/a".into(),
+        proxy: ProxyId::new("crawl", "a"),
         target: "example.com".into(),
         until,
         streak: 2,
@@ -757,15 +760,15 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
 
     let (_, lease) = server.lease(json!({ "target": "example.org", "proxy": "crawl/a" })).await;
     let id = lease["id"].as_str().expect("id").to_owned();
-    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 1);
+    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 1);
     // The instance is replaced: a new address. The old one keeps its holder until it renews.
     server.state.upsert(ProxyRecord { host: "10.0.0.2".into(), ..record("a", 5) });
-    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 1);
+    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 1);
     let (status, _, renewed) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
     assert_eq!(status, 200, "{renewed}");
     assert_eq!(renewed["replaced"], true);
     assert_eq!(renewed["proxy"]["url"], "http://crawler:p%40ss@10.0.0.2:3128");
-    assert_eq!(server.state.leases_on("crawl/a", "10.0.0.1:3128"), 0, "the old instance is drained");
+    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 0, "the old instance is drained");
     let (_, _, again) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
     assert_eq!(again["replaced"], false);
 }
@@ -834,15 +837,14 @@ async fn a_ban_reaches_every_proxy_behind_the_same_address_and_is_kept_for_each(
 struct Wakes(std::sync::Mutex<Vec<String>>);
 
 impl egress_discovery::PoolWaker for Wakes {
-    fn wake(&self, pool: &str) {
-        self.0.lock().unwrap().push(pool.to_owned());
+    fn wake(&self, pool: &PoolId) {
+        self.0.lock().unwrap().push(pool.to_string());
     }
 }
 
 fn pool(namespace: &str, name: &str, replicas: u32, ready: u32, wakes: bool) -> egress_discovery::PoolRecord {
     egress_discovery::PoolRecord {
-        namespace: namespace.into(),
-        name: name.into(),
+        id: PoolId::new(namespace, name),
         replicas,
         ready,
         wakes,
@@ -852,7 +854,8 @@ fn pool(namespace: &str, name: &str, replicas: u32, ready: u32, wakes: bool) -> 
 
 #[tokio::test]
 async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
-    let member = |name: &str, pool: &str, max: u32| ProxyRecord { pool: Some(pool.into()), ..record(name, max) };
+    let member =
+        |name: &str, pool: &str, max: u32| ProxyRecord { pool: Some(pool.parse().unwrap()), ..record(name, max) };
     let records = vec![member("eu-0", "crawl/eu", 1), member("us-0", "crawl/us", 1), record("loose", 5)];
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let wakes = Arc::new(Wakes::default());
@@ -889,8 +892,8 @@ async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
     assert_eq!(body["proxy"]["name"], "eu-0");
     let (status, body) = server.lease(json!({ "target": "example.com", "pool": "crawl/eu" })).await;
     assert_eq!((status, body["reason"].as_str()), (503, Some("all-at-capacity")), "{body}");
-    assert!(state.pool_demand("crawl/eu").at_capacity.is_some());
-    assert_eq!(state.active_leases("crawl/eu-0"), 1);
+    assert!(state.pool_demand(&PoolId::new("crawl", "eu")).at_capacity.is_some());
+    assert_eq!(state.active_leases(&ProxyId::new("crawl", "eu-0")), 1);
 
     // At zero, a pool that autoscales answers scaling-up with how long a member takes, and is woken.
     let (status, headers, body) = server
@@ -900,17 +903,17 @@ async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
     assert_problem(&headers, &body, 503);
     assert_eq!(body["reason"], "scaling-up", "{body}");
     assert_eq!(headers.get("retry-after").and_then(|v| v.to_str().ok()), Some("42"));
-    assert!(state.pool_demand("crawl/night").woken.is_some());
+    assert!(state.pool_demand(&PoolId::new("crawl", "night")).woken.is_some());
     // Members coming up: scaling-up as well.
     let (status, body) = server.lease(json!({ "target": "example.com", "pool": "booting" })).await;
     assert_eq!((status, body["reason"].as_str()), (503, Some("scaling-up")), "{body}");
     // Its members are on their way: no demand for more.
-    assert_eq!(state.pool_demand("crawl/booting"), egress_discovery::PoolDemand::default());
+    assert_eq!(state.pool_demand(&PoolId::new("crawl", "booting")), egress_discovery::PoolDemand::default());
     assert_eq!(*wakes.0.lock().unwrap(), ["crawl/eu", "crawl/night"]);
     // A pool that does not autoscale has nothing to wake.
     let (status, body) = server.lease(json!({ "target": "example.com", "pool": "off" })).await;
     assert_eq!((status, body["reason"].as_str()), (503, Some("none-healthy")), "{body}");
-    assert!(state.pool_demand("crawl/off").woken.is_none());
+    assert!(state.pool_demand(&PoolId::new("crawl", "off")).woken.is_none());
 
     // Unknown and ambiguous pools.
     let (status, body) = server.lease(json!({ "target": "example.com", "pool": "nope" })).await;

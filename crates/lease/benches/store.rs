@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
-use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseRequest, LeaseStore, Outcome, ProxyInfo, Report};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseRequest, LeaseStore, Outcome, ProxyId, ProxyInfo, Report};
 
 const OPERATIONS: u32 = 200_000;
 const COOLDOWNS: usize = 1_000;
@@ -13,7 +13,7 @@ fn run(proxies: usize) -> Duration {
     let store = InMemoryLeaseStore::new(LeaseConfig::default());
     for index in 0..proxies {
         store.upsert_proxy(ProxyInfo {
-            id: format!("proxy-{index}"),
+            id: ProxyId::new("bench", &format!("proxy-{index}")),
             healthy: true,
             max_leases: 5,
             labels: BTreeMap::new(),
@@ -28,7 +28,7 @@ fn run(proxies: usize) -> Duration {
     for index in 0..COOLDOWNS {
         let request = LeaseRequest {
             target: format!("site-{}.example", index % 500),
-            proxy: Some(format!("proxy-{}", index % proxies)),
+            proxy: Some(ProxyId::new("bench", &format!("proxy-{}", index % proxies))),
             ..LeaseRequest::default()
         };
         if let Ok(lease) = store.lease(&request, now) {

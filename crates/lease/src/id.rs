@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use egress_fleet::ProxyId;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
@@ -95,8 +96,8 @@ pub struct Claims {
     pub serial: u64,
     /// When the lease expires unless renewed, to the second.
     pub expires_at: SystemTime,
-    /// The proxy's identifier.
-    pub proxy: String,
+    /// The proxy.
+    pub proxy: ProxyId,
     /// The normalised target.
     pub target: String,
 }
@@ -104,7 +105,7 @@ pub struct Claims {
 impl Claims {
     fn encode(&self) -> Vec<u8> {
         let seconds = self.expires_at.duration_since(UNIX_EPOCH).map_or(0, |since| since.as_secs());
-        let proxy = self.proxy.as_bytes();
+        let proxy = self.proxy.as_str().as_bytes();
         let proxy_len = u16::try_from(proxy.len()).unwrap_or(u16::MAX);
         let mut out = Vec::with_capacity(18 + proxy.len() + self.target.len());
         out.extend_from_slice(&self.serial.to_be_bytes());
@@ -119,7 +120,7 @@ impl Claims {
         let serial = u64::from_be_bytes(payload.get(..8)?.try_into().ok()?);
         let seconds = u64::from_be_bytes(payload.get(8..16)?.try_into().ok()?);
         let proxy_len = usize::from(u16::from_be_bytes(payload.get(16..18)?.try_into().ok()?));
-        let proxy = std::str::from_utf8(payload.get(18..18 + proxy_len)?).ok()?.to_owned();
+        let proxy = std::str::from_utf8(payload.get(18..18 + proxy_len)?).ok()?.parse().ok()?;
         let target = std::str::from_utf8(payload.get(18 + proxy_len..)?).ok()?.to_owned();
         Some(Self { serial, expires_at: UNIX_EPOCH + Duration::from_secs(seconds), proxy, target })
     }
@@ -133,7 +134,7 @@ mod tests {
         Claims {
             serial: 0x0123_4567_89ab_cdef,
             expires_at: UNIX_EPOCH + Duration::from_secs(1_800_000_000),
-            proxy: "crawl/px-1".into(),
+            proxy: ProxyId::new("crawl", "px-1"),
             target: "example.com".into(),
         }
     }

@@ -20,6 +20,8 @@ mod target;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+pub use egress_fleet::{PoolId, ProxyId};
+
 pub use id::{LeaseKey, MIN_KEY_BYTES, ShortKey};
 pub use selector::{InvalidSelector, Selector};
 pub use store::{InMemoryLeaseStore, InvariantViolation};
@@ -28,8 +30,8 @@ pub use target::{InvalidTarget, TargetMode, normalize};
 /// A proxy as the store knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyInfo {
-    /// A stable identifier (the operator uses `namespace/name`).
-    pub id: String,
+    /// Which proxy.
+    pub id: ProxyId,
     /// Whether it may be handed out.
     pub healthy: bool,
     /// At most this many leases at once; 0 never leases it.
@@ -42,8 +44,8 @@ pub struct ProxyInfo {
     /// The address sites see its requests come from, when known. Proxies that share one share their cooldowns:
     /// a site that banned the address banned all of them.
     pub egress_ip: Option<String>,
-    /// The pool it is a member of (the operator uses `namespace/name`), when it has one.
-    pub pool: Option<String>,
+    /// The pool it is a member of, when it has one.
+    pub pool: Option<PoolId>,
     /// How long a site's ban cools it down; `None`: the store's ([`LeaseConfig::cooldown`]).
     pub cooldown: Option<CooldownPolicy>,
 }
@@ -96,12 +98,12 @@ pub struct LeaseRequest {
     /// How long the lease lasts before it expires unless renewed; default and maximum come from the config.
     pub ttl: Option<Duration>,
     /// A specific proxy.
-    pub proxy: Option<String>,
+    pub proxy: Option<ProxyId>,
     /// A sticky-session key: the same (owner, session, target) gets the same proxy while it stays eligible.
     /// Sessions are the owner's: another owner naming the same key has a session of its own.
     pub session: Option<String>,
     /// Only members of this pool.
-    pub pool: Option<String>,
+    pub pool: Option<PoolId>,
     /// Who asks (the operator: the caller's tenant): the lease is usable only with the same owner.
     pub owner: String,
     /// The most leases `owner` may hold at once, this one included; `None` for no limit.
@@ -122,7 +124,7 @@ pub struct Lease {
     /// Its identifier, used to renew, release and report.
     pub id: String,
     /// The leased proxy.
-    pub proxy: String,
+    pub proxy: ProxyId,
     /// The normalised target.
     pub target: String,
     /// When it expires unless renewed (to the second).
@@ -145,11 +147,11 @@ pub struct Renewed {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reported {
     /// The proxy the lease is on.
-    pub proxy: String,
+    pub proxy: ProxyId,
     /// The end of the cooldown a ban or a throttle started.
     pub cooldown_until: Option<SystemTime>,
     /// Every proxy whose cooldowns the report changed: the lease's, and those leaving through the same egress IP.
-    pub cooled: Vec<String>,
+    pub cooled: Vec<ProxyId>,
 }
 
 /// What a crawler reports about a lease.
@@ -225,7 +227,7 @@ impl Outcomes {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Cooldown {
     /// The proxy.
-    pub proxy: String,
+    pub proxy: ProxyId,
     /// The normalised target.
     pub target: String,
     /// When it ends.
@@ -240,7 +242,7 @@ pub struct Cooldown {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyLoad {
     /// The proxy.
-    pub id: String,
+    pub id: ProxyId,
     /// Active leases.
     pub active_leases: u32,
     /// Its cap.
@@ -276,7 +278,7 @@ pub enum LeaseError {
     #[error("proxy {proxy:?} is cooling down for this target")]
     ProxyCoolingDown {
         /// The proxy.
-        proxy: String,
+        proxy: ProxyId,
         /// When its cooldown ends.
         until: SystemTime,
     },
@@ -284,13 +286,13 @@ pub enum LeaseError {
     #[error("proxy {proxy:?} cannot take a lease now: {why}")]
     ProxyUnavailable {
         /// The proxy.
-        proxy: String,
+        proxy: ProxyId,
         /// Why: at capacity, drained, unhealthy, not matching the selector.
         why: &'static str,
     },
     /// No proxy has that identifier.
     #[error("no proxy {0:?}")]
-    UnknownProxy(String),
+    UnknownProxy(ProxyId),
     /// No live lease has that identifier (never existed, released or expired): a released lease never comes back.
     #[error("no lease {0:?} (it may have expired or been released)")]
     UnknownLease(String),
@@ -354,7 +356,7 @@ pub trait LeaseStore: Send + Sync {
     /// Adds or updates a proxy. A proxy that turns unhealthy has its leases revoked.
     fn upsert_proxy(&self, proxy: ProxyInfo);
     /// Removes a proxy and revokes its leases.
-    fn remove_proxy(&self, id: &str);
+    fn remove_proxy(&self, id: &ProxyId);
     /// Grants a lease.
     fn lease(&self, request: &LeaseRequest, now: SystemTime) -> Result<Lease, LeaseError>;
     /// Extends a lease by `ttl` (or the default) from now. `id` is any ID of the lease, shown by its `owner`; a
@@ -366,7 +368,7 @@ pub trait LeaseStore: Send + Sync {
     /// `report.release`, also ends it.
     fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError>;
     /// The cooldowns (live, or ended but with their streak still remembered) of one proxy, latest end first.
-    fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown>;
+    fn proxy_cooldowns(&self, proxy: &ProxyId, now: SystemTime) -> Vec<Cooldown>;
     /// Takes in cooldowns kept elsewhere (after a restart); one this store already knows to end later is kept,
     /// and so is the clearing of one (an older record of a cleared cooldown is not taken). Returns how many were
     /// taken.
@@ -382,9 +384,14 @@ pub trait LeaseStore: Send + Sync {
     fn restore_ended(&self, records: &[EndedLeaseRecord], now: SystemTime) -> usize;
     /// Ends the cooldowns for `target` (normalised here) now and forgets their streaks: of `proxy` and the
     /// proxies leaving through its egress IP, or of every proxy. Returns the ones that were running.
-    fn clear_cooldowns(&self, target: &str, proxy: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;
+    fn clear_cooldowns(
+        &self,
+        target: &str,
+        proxy: Option<&ProxyId>,
+        now: SystemTime,
+    ) -> Result<Vec<Cooldown>, LeaseError>;
     /// How many live leases on `proxy` were last told `endpoint`.
-    fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize;
+    fn leases_on(&self, proxy: &ProxyId, endpoint: &str, now: SystemTime) -> usize;
     /// Releases every lease that has expired; returns how many.
     fn expire(&self, now: SystemTime) -> usize;
     /// Live cooldowns, for one target (normalised here) or all.
@@ -395,14 +402,14 @@ pub trait LeaseStore: Send + Sync {
     /// listing costs what it returns, not the fleet.
     fn loads_of(
         &self,
-        ids: &[&str],
+        ids: &[&ProxyId],
         target: Option<&str>,
         now: SystemTime,
     ) -> Result<Vec<Option<ProxyLoad>>, LeaseError>;
     /// How many leases are active, without looking at each.
     fn active_leases(&self) -> usize;
     /// The proxies `owner` holds live leases on.
-    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<String>;
+    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<ProxyId>;
     /// How many live leases each owner holds (owners holding none are left out).
     fn leases_by_owner(&self) -> BTreeMap<String, usize>;
     /// How many leases this store took over from IDs it had not issued (since it was made).

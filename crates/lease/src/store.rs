@@ -10,6 +10,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
+use egress_fleet::ProxyId;
+
 use crate::id::{Claims, LeaseKey};
 use crate::{
     Cooldown, EndedLeaseRecord, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, Outcomes, ProxyInfo,
@@ -28,13 +30,13 @@ impl ProxyState {
     fn eligible(&self) -> bool {
         self.info.healthy && self.active < self.info.max_leases
     }
-    fn key(&self) -> (u32, u64, String) {
+    fn key(&self) -> (u32, u64, ProxyId) {
         (self.active, self.last_leased, self.info.id.clone())
     }
 }
 
 struct LeaseState {
-    proxy: String,
+    proxy: ProxyId,
     target: String,
     expires_at: SystemTime,
     /// The order of grant (or adoption), so a lowered cap revokes the newest leases first.
@@ -54,7 +56,8 @@ struct LeaseState {
 /// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
 /// to refuse them (a released lease never comes back) and to still count a late report against its proxy.
 struct EndedLease {
-    proxy: String,
+    /// `None` for one restored from elsewhere until an ID of it is shown (its claims say).
+    proxy: Option<ProxyId>,
     target: String,
     /// Its latest expiry; remembered until then.
     until: SystemTime,
@@ -68,7 +71,7 @@ impl EndedLease {
     /// A live lease that ended now: released by its holder, or revoked.
     fn of(lease: LeaseState, released: bool) -> Self {
         Self {
-            proxy: lease.proxy,
+            proxy: Some(lease.proxy),
             target: lease.target,
             until: lease.expires_at,
             released,
@@ -93,9 +96,9 @@ struct CooldownState {
 
 #[derive(Default)]
 struct Inner {
-    proxies: HashMap<String, ProxyState>,
+    proxies: HashMap<ProxyId, ProxyState>,
     /// Eligible proxies by (active leases, last leased sequence, id).
-    available: BTreeSet<(u32, u64, String)>,
+    available: BTreeSet<(u32, u64, ProxyId)>,
     /// Live leases by serial.
     leases: HashMap<u64, LeaseState>,
     lease_expiries: BTreeSet<(SystemTime, u64)>,
@@ -105,16 +108,16 @@ struct Inner {
     /// Changes whenever a lease ends (or an ended one turns from revoked to released), so a caller that keeps the
     /// ended leases elsewhere knows when to write them again.
     ended_generation: u64,
-    cooldowns: HashMap<(String, String), CooldownState>,
-    cooldown_expiries: BTreeSet<(SystemTime, String, String)>,
+    cooldowns: HashMap<(ProxyId, String), CooldownState>,
+    cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
     /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
-    sessions: HashMap<(String, String), (String, SystemTime)>,
+    sessions: HashMap<(String, String), (ProxyId, SystemTime)>,
     session_expiries: BTreeSet<(SystemTime, String, String)>,
     /// Proxies by the egress IP they were last seen leaving through.
-    by_egress: HashMap<String, BTreeSet<String>>,
+    by_egress: HashMap<String, BTreeSet<ProxyId>>,
     /// What was reported per (proxy, target), and when each is forgotten.
-    outcomes: HashMap<(String, String), (Outcomes, SystemTime)>,
-    outcome_expiries: BTreeSet<(SystemTime, String, String)>,
+    outcomes: HashMap<(ProxyId, String), (Outcomes, SystemTime)>,
+    outcome_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
     sequence: u64,
     /// How many leases were taken over from IDs this store had not issued.
     adopted: u64,
@@ -228,7 +231,7 @@ impl InMemoryLeaseStore {
     }
 
     /// The cooldown of `proxy` after the `streak`-th ban in a row, by its own policy or the store's.
-    fn cooldown_for(&self, inner: &Inner, proxy: &str, streak: u32) -> Duration {
+    fn cooldown_for(&self, inner: &Inner, proxy: &ProxyId, streak: u32) -> Duration {
         let policy = inner.proxies.get(proxy).and_then(|state| state.info.cooldown).unwrap_or(self.config.cooldown);
         policy.after(streak)
     }
@@ -308,7 +311,7 @@ impl InMemoryLeaseStore {
 }
 
 impl Inner {
-    fn unindex_egress(&mut self, id: &str, ip: Option<&str>) {
+    fn unindex_egress(&mut self, id: &ProxyId, ip: Option<&str>) {
         if let Some(ip) = ip
             && let Some(proxies) = self.by_egress.get_mut(ip)
         {
@@ -320,7 +323,7 @@ impl Inner {
     }
 
     /// The other proxies known to leave through the same egress IP as `proxy`.
-    fn siblings(&self, proxy: &str) -> Vec<String> {
+    fn siblings(&self, proxy: &ProxyId) -> Vec<ProxyId> {
         let Some(ip) = self.proxies.get(proxy).and_then(|state| state.info.egress_ip.as_ref()) else {
             return Vec::new();
         };
@@ -335,13 +338,13 @@ impl Inner {
     fn share_cooldown(
         &mut self,
         store: &InMemoryLeaseStore,
-        proxy: &str,
+        proxy: &ProxyId,
         target: &str,
         until: SystemTime,
         streak: u32,
         (owner, ban): (&str, bool),
         now: SystemTime,
-    ) -> Vec<String> {
+    ) -> Vec<ProxyId> {
         let siblings = self.siblings(proxy);
         for sibling in &siblings {
             let key = (sibling.clone(), target.to_owned());
@@ -360,18 +363,18 @@ impl Inner {
         siblings
     }
 
-    fn outcomes_of(&self, proxy: &str, target: &str) -> Option<Outcomes> {
+    fn outcomes_of(&self, proxy: &ProxyId, target: &str) -> Option<Outcomes> {
         self.outcomes.get(&(proxy.to_owned(), target.to_owned())).map(|(outcomes, _)| *outcomes)
     }
 
-    fn cooling_until(&self, proxy: &str, target: &str, now: SystemTime) -> Option<SystemTime> {
+    fn cooling_until(&self, proxy: &ProxyId, target: &str, now: SystemTime) -> Option<SystemTime> {
         self.cooldowns
             .get(&(proxy.to_owned(), target.to_owned()))
             .map(|cooldown| cooldown.until)
             .filter(|until| *until > now)
     }
 
-    fn reindex(&mut self, id: &str, update: impl FnOnce(&mut ProxyState)) {
+    fn reindex(&mut self, id: &ProxyId, update: impl FnOnce(&mut ProxyState)) {
         let Some(proxy) = self.proxies.get_mut(id) else { return };
         self.available.remove(&proxy.key());
         update(proxy);
@@ -425,12 +428,12 @@ impl Inner {
         true
     }
 
-    fn revoke_all(&mut self, proxy: &str) {
+    fn revoke_all(&mut self, proxy: &ProxyId) {
         self.revoke_above(proxy, 0);
     }
 
     /// Revokes the newest leases of `proxy` until at most `keep` remain.
-    fn revoke_above(&mut self, proxy: &str, keep: u32) {
+    fn revoke_above(&mut self, proxy: &ProxyId, keep: u32) {
         let mut serials: Vec<(u64, u64)> = self
             .proxies
             .get(proxy)
@@ -449,7 +452,7 @@ impl Inner {
 
     /// Notes that `owner`'s report (a ban or a throttle) made the cooldown of `key`: added to who counted in it
     /// when it was running already, else the first.
-    fn reported_by(&mut self, key: &(String, String), owner: &str, ban: bool, running: bool) {
+    fn reported_by(&mut self, key: &(ProxyId, String), owner: &str, ban: bool, running: bool) {
         if let Some(cooldown) = self.cooldowns.get_mut(key) {
             if !running {
                 cooldown.reporters.clear();
@@ -464,7 +467,7 @@ impl Inner {
     fn grant(
         &mut self,
         store: &InMemoryLeaseStore,
-        proxy: &str,
+        proxy: &ProxyId,
         target: &str,
         owner: &str,
         ttl: Duration,
@@ -502,7 +505,7 @@ impl Inner {
 
     /// Adds `counted` to what (proxy, target) has seen reported, remembered for an hour after the last report;
     /// beyond the configured bound, the least recently reported pairs go.
-    fn count(&mut self, store: &InMemoryLeaseStore, key: (String, String), counted: Outcomes, now: SystemTime) {
+    fn count(&mut self, store: &InMemoryLeaseStore, key: (ProxyId, String), counted: Outcomes, now: SystemTime) {
         if counted.total() == 0 {
             return;
         }
@@ -526,7 +529,7 @@ impl Inner {
     fn set_cooldown(
         &mut self,
         store: &InMemoryLeaseStore,
-        proxy: String,
+        proxy: ProxyId,
         target: String,
         until: SystemTime,
         streak: u32,
@@ -639,7 +642,7 @@ impl LeaseStore for InMemoryLeaseStore {
         }
     }
 
-    fn remove_proxy(&self, id: &str) {
+    fn remove_proxy(&self, id: &ProxyId) {
         let mut inner = self.lock();
         inner.revoke_all(id);
         if let Some(state) = inner.proxies.remove(id) {
@@ -691,7 +694,7 @@ impl LeaseStore for InMemoryLeaseStore {
             return Ok(inner.grant(self, &name, &target, owner, ttl, now));
         }
 
-        let usable = |inner: &Inner, id: &str| {
+        let usable = |inner: &Inner, id: &ProxyId| {
             inner.proxies.get(id).is_some_and(|proxy| proxy.eligible() && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
@@ -754,7 +757,7 @@ impl LeaseStore for InMemoryLeaseStore {
             inner.end(
                 claims.serial,
                 EndedLease {
-                    proxy: claims.proxy,
+                    proxy: Some(claims.proxy),
                     target: claims.target,
                     until: now + self.config.max_ttl,
                     released: true,
@@ -783,7 +786,7 @@ impl LeaseStore for InMemoryLeaseStore {
                     inner.end(
                         serial,
                         EndedLease {
-                            proxy: claims.proxy.clone(),
+                            proxy: Some(claims.proxy.clone()),
                             target: claims.target.clone(),
                             until: claims.expires_at,
                             released: false,
@@ -797,14 +800,19 @@ impl LeaseStore for InMemoryLeaseStore {
         }
         // One restored from elsewhere knows neither proxy nor target; the ID's claims (verified) say them.
         if let Some(ended) = inner.ended.get_mut(&serial)
-            && ended.proxy.is_empty()
+            && ended.proxy.is_none()
         {
-            ended.proxy.clone_from(&claims.proxy);
+            ended.proxy = Some(claims.proxy.clone());
             ended.target.clone_from(&claims.target);
         }
         let (proxy, target, granted_at, reported) = match (inner.leases.get(&serial), inner.ended.get(&serial)) {
             (Some(lease), _) => (lease.proxy.clone(), lease.target.clone(), lease.granted_at, lease.reported),
-            (None, Some(ended)) => (ended.proxy.clone(), ended.target.clone(), ended.granted_at, ended.reported),
+            (None, Some(ended)) => (
+                ended.proxy.clone().unwrap_or_else(|| claims.proxy.clone()),
+                ended.target.clone(),
+                ended.granted_at,
+                ended.reported,
+            ),
             (None, None) => return Err(unknown()),
         };
         // What one lease's reports may count is bounded by what it could have sent: a burst, then a rate over its
@@ -908,7 +916,7 @@ impl LeaseStore for InMemoryLeaseStore {
         Ok(Reported { proxy, cooldown_until, cooled })
     }
 
-    fn proxy_cooldowns(&self, proxy: &str, now: SystemTime) -> Vec<Cooldown> {
+    fn proxy_cooldowns(&self, proxy: &ProxyId, now: SystemTime) -> Vec<Cooldown> {
         let mut inner = self.lock();
         inner.expire(now);
         let mut cooldowns: Vec<Cooldown> = inner
@@ -962,7 +970,7 @@ impl LeaseStore for InMemoryLeaseStore {
             inner.end(
                 record.serial,
                 EndedLease {
-                    proxy: String::new(),
+                    proxy: None,
                     target: String::new(),
                     until: record.until,
                     released: record.released,
@@ -1005,11 +1013,16 @@ impl LeaseStore for InMemoryLeaseStore {
         restored
     }
 
-    fn clear_cooldowns(&self, target: &str, proxy: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError> {
+    fn clear_cooldowns(
+        &self,
+        target: &str,
+        proxy: Option<&ProxyId>,
+        now: SystemTime,
+    ) -> Result<Vec<Cooldown>, LeaseError> {
         let target = normalize(target, self.config.target_mode)?;
         let mut inner = self.lock();
         inner.expire(now);
-        let proxies: Vec<String> = match proxy {
+        let proxies: Vec<ProxyId> = match proxy {
             // The proxy's cooldown was shared with every proxy leaving through its address: so is the clearing.
             Some(proxy) => std::iter::once(proxy.to_owned()).chain(inner.siblings(proxy)).collect(),
             None => inner.cooldowns.keys().filter(|(_, cooled)| *cooled == target).map(|(id, _)| id.clone()).collect(),
@@ -1037,7 +1050,7 @@ impl LeaseStore for InMemoryLeaseStore {
         Ok(cleared)
     }
 
-    fn leases_on(&self, proxy: &str, endpoint: &str, now: SystemTime) -> usize {
+    fn leases_on(&self, proxy: &ProxyId, endpoint: &str, now: SystemTime) -> usize {
         let mut inner = self.lock();
         inner.expire(now);
         let Some(state) = inner.proxies.get(proxy) else { return 0 };
@@ -1095,7 +1108,7 @@ impl LeaseStore for InMemoryLeaseStore {
 
     fn loads_of(
         &self,
-        ids: &[&str],
+        ids: &[&ProxyId],
         target: Option<&str>,
         now: SystemTime,
     ) -> Result<Vec<Option<ProxyLoad>>, LeaseError> {
@@ -1121,7 +1134,7 @@ impl LeaseStore for InMemoryLeaseStore {
         self.lock().leases.len()
     }
 
-    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<String> {
+    fn held_by(&self, owner: &str, now: SystemTime) -> std::collections::BTreeSet<ProxyId> {
         let mut inner = self.lock();
         inner.expire(now);
         inner

@@ -16,6 +16,7 @@ use std::net::IpAddr;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
+use egress_fleet::NamespacedName;
 use egress_provider::config::{KubernetesConfig, ProviderConfig, ProviderSettings, ResourceProfile};
 use egress_provider::destinations::DestinationPolicy;
 use egress_provider::registry::Built;
@@ -86,16 +87,13 @@ impl KubernetesProvider {
     }
 }
 
-/// Splits `<namespace>/<pod>`.
-fn parse_provider_id(provider_id: &str) -> Result<(&str, &str), ProviderError> {
-    match provider_id.split_once('/') {
-        Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => {
-            Ok((namespace, name))
-        }
-        _ => Err(ProviderError::permanent(format!(
+/// The pod a provider ID (`<namespace>/<pod>`) names.
+fn parse_provider_id(provider_id: &str) -> Result<NamespacedName, ProviderError> {
+    provider_id.parse().map_err(|_| {
+        ProviderError::permanent(format!(
             "{provider_id:?} is not a kubernetes provider ID (expected <namespace>/<pod>)"
-        ))),
-    }
+        ))
+    })
 }
 
 /// Classifies a Kubernetes API error.
@@ -149,7 +147,7 @@ pub fn instance_from_pod(pod: &Pod) -> Instance {
     };
     let created_at = pod.metadata.creation_timestamp.as_ref().map(|time| SystemTime::from(time.0));
     let tags = objects::tags_from_labels(pod.metadata.labels.as_ref().unwrap_or(&BTreeMap::new()));
-    Instance::new(name.clone(), format!("{namespace}/{name}"), state, ip, created_at, tags)
+    Instance::new(name.clone(), NamespacedName::new(&namespace, &name).to_string(), state, ip, created_at, tags)
 }
 
 #[async_trait]
@@ -237,15 +235,17 @@ impl Provider for KubernetesProvider {
 
     #[instrument(skip(self), fields(provider = "kubernetes"))]
     async fn get(&self, provider_id: &str) -> Result<Instance, ProviderError> {
-        let (namespace, name) = parse_provider_id(provider_id)?;
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let pod = pods.get(name).await.map_err(|error| classify(&format!("reading pod {provider_id}"), error))?;
+        let pod_id = parse_provider_id(provider_id)?;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), pod_id.namespace());
+        let pod =
+            pods.get(pod_id.name()).await.map_err(|error| classify(&format!("reading pod {provider_id}"), error))?;
         Ok(instance_from_pod(&pod))
     }
 
     #[instrument(skip(self), fields(provider = "kubernetes"))]
     async fn delete(&self, provider_id: &str) -> Result<(), ProviderError> {
-        let (namespace, name) = parse_provider_id(provider_id)?;
+        let pod_id = parse_provider_id(provider_id)?;
+        let (namespace, name) = (pod_id.namespace(), pod_id.name());
         let params = DeleteParams::background();
         let ignore_missing = |result: Result<_, kube::Error>, what: &str| match result {
             Ok(_) => Ok(()),
@@ -309,7 +309,8 @@ mod tests {
 
     #[test]
     fn provider_ids_parse_strictly() {
-        assert_eq!(parse_provider_id("egress/px-a").expect("valid"), ("egress", "px-a"));
+        let pod = parse_provider_id("egress/px-a").expect("valid");
+        assert_eq!((pod.namespace(), pod.name()), ("egress", "px-a"));
         for bad in ["px-a", "/px-a", "egress/", "a/b/c", ""] {
             assert_eq!(parse_provider_id(bad).expect_err(bad).class(), ErrorClass::Permanent, "{bad:?}");
         }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use egress_api::annotations::{self, FINALIZER};
 use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
+use egress_fleet::ProxyId;
 use egress_provider::destinations::DestinationRule;
 use egress_provider::{
     CreateRequest, ErrorClass, Instance, Provider, ProviderError, ProxyCredentials, Sensitive, Tags,
@@ -31,6 +32,7 @@ use crate::credentials::CredentialStore;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
 use crate::feed::{Change, ProxyFeed};
 use crate::health::{ProbeKey, ProxyVerdicts, seed_from_status, verdict_of};
+use crate::ids::proxy_id;
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
 use crate::status::time;
@@ -73,8 +75,8 @@ impl ControllerConfig {
 /// Who holds leases on which endpoint: the discovery API, so a replaced instance is kept until its holders were
 /// told the new one.
 pub trait LeaseDrain: Send + Sync {
-    /// How many live leases on Proxy `proxy` (`namespace/name`) were last told `endpoint` (`host:port`).
-    fn leases_on(&self, proxy: &str, endpoint: &str) -> usize;
+    /// How many live leases on `proxy` were last told `endpoint` (`host:port`).
+    fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize;
 }
 
 /// Everything a reconcile needs, shared by all of them.
@@ -241,8 +243,7 @@ pub async fn run(
                         }
                         None => {
                             // Gone. A Proxy without our finalizer (External) is never reconciled on its way out.
-                            let namespace = reference.namespace.as_deref().unwrap_or_default();
-                            metrics.phase(&format!("{namespace}/{}", reference.name), None);
+                            metrics.phase(&crate::ids::proxy_id_of(&reference), None);
                             seen.remove(&reference);
                         }
                     },
@@ -424,7 +425,7 @@ async fn reconcile_one(object: Arc<DeserializeGuard<Proxy>>, context: &Arc<Conte
     // which removes it on deletion.
     let result = if proxy.spec.mode == ProxyMode::External && !proxy.finalizers().iter().any(|name| name == FINALIZER) {
         if proxy.metadata.deletion_timestamp.is_some() {
-            context.metrics.phase(&proxy_key(&proxy), None);
+            context.metrics.phase(&proxy_id(&proxy), None);
             Ok(Requeue::AwaitChange)
         } else {
             apply(&proxy, context).await
@@ -495,11 +496,6 @@ fn observed(instance: &Instance) -> Observed {
         ip: instance.ip.map(|ip| ip.to_string()),
         created_at: instance.created_at,
     }
-}
-
-/// `namespace/name`, how the phase gauges know a Proxy.
-fn proxy_key(proxy: &Proxy) -> String {
-    format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any())
 }
 
 /// The `provider` label of the phase gauges: `spec.provider`, `external` for an External Proxy, `none` for a
@@ -581,7 +577,7 @@ async fn observe(
             };
             if let (Some(drain), Some(ip)) = (&context.drain, &previous.ip) {
                 let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
-                facts.previous_leases = drain.leases_on(&format!("{namespace}/{name}"), &endpoint.address());
+                facts.previous_leases = drain.leases_on(&proxy_id(proxy), &endpoint.address());
             }
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
@@ -738,7 +734,7 @@ async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     for event in &events {
         context.publish(proxy, event).await;
     }
-    context.metrics.phase(&proxy_key(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
+    context.metrics.phase(&proxy_id(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
     Ok(match requeue {
         Requeue::AwaitChange => Requeue::AwaitChange,
         Requeue::After(after) => Requeue::After(after.max(Duration::from_millis(100))),
@@ -751,7 +747,7 @@ async fn latch(proxy: &Proxy, context: &Context, facts: &Facts, error: &Provider
     let (status, event) = decide::on_permanent_failure(facts, &error.chain());
     write_status(proxy, context, &facts.status, &status).await?;
     context.publish(proxy, &event).await;
-    context.metrics.phase(&proxy_key(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
+    context.metrics.phase(&proxy_id(proxy), status.phase.map(|phase| (phase, provider_label(proxy))));
     Ok(Requeue::AwaitChange)
 }
 
@@ -919,7 +915,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
             if let Some(event) = event {
                 context.publish(proxy, &event).await;
             }
-            context.metrics.phase(&proxy_key(proxy), None);
+            context.metrics.phase(&proxy_id(proxy), None);
             info!("cleanup finished; releasing the finalizer");
             Ok(Requeue::AwaitChange)
         }
@@ -939,7 +935,7 @@ async fn cleanup(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
             if before.phase != Some(ProxyPhase::Deleting) {
                 let after = ProxyStatus { phase: Some(ProxyPhase::Deleting), ..before.clone() };
                 write_status(proxy, context, &before, &after).await?;
-                context.metrics.phase(&proxy_key(proxy), Some((ProxyPhase::Deleting, provider_label(proxy))));
+                context.metrics.phase(&proxy_id(proxy), Some((ProxyPhase::Deleting, provider_label(proxy))));
             }
             debug!(instances = provider_ids.len(), "deleting instances; waiting until they are gone");
             Ok(Requeue::After(decide::DELETING_REQUEUE))

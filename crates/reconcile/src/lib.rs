@@ -16,6 +16,7 @@ pub mod feed;
 pub mod gc;
 mod health;
 pub mod health_feed;
+pub mod ids;
 mod metrics;
 pub mod monitor;
 pub mod pool;

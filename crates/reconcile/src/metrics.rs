@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use egress_api::ProxyPhase;
+use egress_fleet::ProxyId;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,7 +44,7 @@ pub struct ReconcileMetrics {
     duration: Family<ResultLabels, Histogram>,
     errors: Family<KindLabels, Counter>,
     proxies: Family<PhaseLabels, Gauge>,
-    phases: Arc<Mutex<HashMap<String, (ProxyPhase, String)>>>,
+    phases: Arc<Mutex<HashMap<ProxyId, (ProxyPhase, String)>>>,
     orphans: Family<OrphanLabels, Counter>,
 }
 
@@ -119,11 +120,11 @@ impl ReconcileMetrics {
 
     /// Records the phase of one Proxy (`namespace/name`) on `provider` (`None` when it is gone) and moves it between
     /// the per-phase gauges: O(1), whatever the fleet's size.
-    pub(crate) fn phase(&self, proxy: &str, state: Option<(ProxyPhase, &str)>) {
+    pub(crate) fn phase(&self, proxy: &ProxyId, state: Option<(ProxyPhase, &str)>) {
         let mut phases = self.phases.lock().expect("phase map");
         let state = state.map(|(phase, provider)| (phase, provider.to_owned()));
         let previous = match &state {
-            Some(state) => phases.insert(proxy.to_owned(), state.clone()),
+            Some(state) => phases.insert(proxy.clone(), state.clone()),
             None => phases.remove(proxy),
         };
         if previous == state {
@@ -184,19 +185,19 @@ mod tests {
         prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
         assert_eq!(text.lines().filter(|line| line.starts_with("proxies{")).count(), 2 * PHASES.len(), "{text}");
         assert!(PHASES.iter().all(|phase| count(&metrics, *phase, "pods") == 0), "every phase starts at 0");
-        metrics.phase("ns/a", Some((ProxyPhase::Running, "pods")));
-        metrics.phase("ns/b", Some((ProxyPhase::Running, "pods")));
-        metrics.phase("ns/a", Some((ProxyPhase::Ready, "pods")));
-        metrics.phase("ns/a", Some((ProxyPhase::Ready, "pods")));
-        metrics.phase("ns/x", Some((ProxyPhase::Ready, "external")));
+        metrics.phase(&ProxyId::new("ns", "a"), Some((ProxyPhase::Running, "pods")));
+        metrics.phase(&ProxyId::new("ns", "b"), Some((ProxyPhase::Running, "pods")));
+        metrics.phase(&ProxyId::new("ns", "a"), Some((ProxyPhase::Ready, "pods")));
+        metrics.phase(&ProxyId::new("ns", "a"), Some((ProxyPhase::Ready, "pods")));
+        metrics.phase(&ProxyId::new("ns", "x"), Some((ProxyPhase::Ready, "external")));
         assert_eq!((count(&metrics, ProxyPhase::Running, "pods"), count(&metrics, ProxyPhase::Ready, "pods")), (1, 1));
         assert_eq!(count(&metrics, ProxyPhase::Ready, "external"), 1);
         // A Proxy moved to another provider (a spec change) leaves the first provider's gauge.
-        metrics.phase("ns/b", Some((ProxyPhase::Running, "vms")));
+        metrics.phase(&ProxyId::new("ns", "b"), Some((ProxyPhase::Running, "vms")));
         assert_eq!((count(&metrics, ProxyPhase::Running, "pods"), count(&metrics, ProxyPhase::Running, "vms")), (0, 1));
-        metrics.phase("ns/b", None);
-        metrics.phase("ns/b", None);
-        metrics.phase("ns/gone", None);
+        metrics.phase(&ProxyId::new("ns", "b"), None);
+        metrics.phase(&ProxyId::new("ns", "b"), None);
+        metrics.phase(&ProxyId::new("ns", "gone"), None);
         assert_eq!((count(&metrics, ProxyPhase::Running, "vms"), count(&metrics, ProxyPhase::Ready, "pods")), (0, 1));
     }
 }

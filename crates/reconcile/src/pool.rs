@@ -10,7 +10,8 @@ pub mod decide;
 pub mod index;
 pub mod metrics;
 
-pub use controller::{NoSignals, POOL_FIELD_MANAGER, PoolContext, PoolDemand, PoolSignals, PoolTrigger, run_pools};
+pub use controller::{NoSignals, POOL_FIELD_MANAGER, PoolContext, PoolSignals, PoolTrigger, run_pools};
+pub use egress_fleet::PoolDemand;
 pub use metrics::PoolMetrics;
 
 use std::time::Duration;

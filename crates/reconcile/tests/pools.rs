@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use egress_api::pool::POOL_LABEL;
 use egress_api::{Proxy, ProxyPool};
+use egress_reconcile::ids::{PoolId, ProxyId};
 use egress_reconcile::pool::{NoSignals, PoolContext, PoolDemand, PoolMetrics, PoolSignals, run_pools};
 use egress_reconcile::{PoolFeed, ProxyFeed};
 use egress_testenv::eventually_every;
@@ -31,15 +32,15 @@ const LOOK: Duration = Duration::from_millis(200);
 /// Lease counts and demand the test sets, standing for the discovery API.
 #[derive(Default)]
 struct TestSignals {
-    leases: Mutex<HashMap<String, u32>>,
+    leases: Mutex<HashMap<ProxyId, u32>>,
     demand: Mutex<PoolDemand>,
 }
 
 impl PoolSignals for TestSignals {
-    fn leases_of(&self, proxy: &str) -> u32 {
+    fn leases_of(&self, proxy: &ProxyId) -> u32 {
         self.leases.lock().unwrap().get(proxy).copied().unwrap_or(0)
     }
-    fn demand(&self, _pool: &str) -> PoolDemand {
+    fn demand(&self, _pool: &PoolId) -> PoolDemand {
         *self.demand.lock().unwrap()
     }
 }
@@ -376,7 +377,7 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     let signals = Arc::new(TestSignals::default());
     // A lease on eu-0 from the start keeps the pool busy: idleness must not begin while its members come up.
     let namespace = harness.ns.name().to_owned();
-    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 1);
+    signals.leases.lock().unwrap().insert(ProxyId::new(&namespace, "eu-0"), 1);
     let pools_controller = PoolController::start(&harness, signals.clone());
     let spec = json!({
         "replicas": 2,
@@ -409,7 +410,7 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_request_wakes_it() {
     assert_eq!(status.last_scale.map(|last| last.reason), Some("Wake".into()));
 
     // Every member at its cap and a refusal: one more.
-    signals.leases.lock().unwrap().insert(format!("{namespace}/eu-0"), 5);
+    signals.leases.lock().unwrap().insert(ProxyId::new(&namespace, "eu-0"), 5);
     signals.demand.lock().unwrap().at_capacity = Some(SystemTime::now());
     settle(
         &harness,
@@ -505,7 +506,7 @@ async fn a_refused_status_write_after_a_scale_neither_repeats_it_nor_calls_it_ma
     let signals = Arc::new(TestSignals::default());
     let namespace = harness.ns.name().to_owned();
     // One of two members leased: at the target share, so neither more nor fewer are wanted.
-    signals.leases.lock().unwrap().insert(format!("{namespace}/cap-0"), 1);
+    signals.leases.lock().unwrap().insert(ProxyId::new(&namespace, "cap-0"), 1);
     let pools_controller = PoolController::start(&harness, signals.clone());
     let spec = json!({
         "replicas": 2,
@@ -542,7 +543,7 @@ async fn a_refused_status_write_after_a_scale_neither_repeats_it_nor_calls_it_ma
 
     // A member at its cap and a refusal: the autoscaler scales to 3; its status write is refused pass after pass.
     let errors_before = pools_controller.metrics.reconciles(false);
-    signals.leases.lock().unwrap().insert(format!("{namespace}/cap-0"), 5);
+    signals.leases.lock().unwrap().insert(ProxyId::new(&namespace, "cap-0"), 5);
     signals.demand.lock().unwrap().at_capacity = Some(SystemTime::now());
     settle(&harness, "cap", "3 Ready members", |_| {}, |members| members.len() == 3 && members.values().all(settled))
         .await;

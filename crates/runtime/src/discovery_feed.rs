@@ -12,6 +12,7 @@ use std::sync::Arc;
 use egress_api::pool::POOL_LABEL;
 use egress_api::{Proxy, ProxyPool};
 use egress_discovery::{Discovery, PoolRecord, ProxyRecord};
+use egress_reconcile::ids::{PoolId, ProxyId, pool_id, pool_id_of, proxy_id, proxy_id_of, proxy_ref};
 use egress_reconcile::pool::{PoolDemand, PoolMetrics, PoolSignals, provisioning_estimate};
 use egress_reconcile::{
     Change, CredentialStore, GuardedPool, GuardedProxy, LeaseDrain, PoolFeed, ProbeKey, ProxyFeed, ProxyVerdicts,
@@ -56,13 +57,13 @@ pub fn proxy_record(
     }
     let endpoint = proxy.effective_endpoint()?;
     let port = u16::try_from(endpoint.port).ok()?;
-    let namespace = proxy.namespace().unwrap_or_default();
-    let name = proxy.name_any();
+    let id = proxy_id(proxy);
+    let (namespace, name) = (id.namespace(), id.name());
     let host = endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned();
     // The verdict store has the newest verdict, ahead of the status write it triggers.
-    let healthy = verdicts.is_healthy(&ProbeKey::new(&namespace, &name, endpoint));
+    let healthy = verdicts.is_healthy(&ProbeKey::new(namespace, name, endpoint));
     let credentials = proxy.spec.auth.as_ref().and_then(|auth| {
-        credentials.credentials(&namespace, &auth.secret_ref.name).map(|found| (found.username, found.password))
+        credentials.credentials(namespace, &auth.secret_ref.name).map(|found| (found.username, found.password))
     });
     Some(ProxyRecord {
         credentials,
@@ -75,10 +76,9 @@ pub fn proxy_record(
         port,
         healthy,
         cooldowns: crate::durable::cooldowns_of(proxy),
-        pool: pool_of(proxy).map(|pool| format!("{namespace}/{pool}")),
+        pool: pool_of(proxy).map(|pool| PoolId::new(namespace, pool)),
         cooldown: Some(cooldown_policy(proxy, cooldowns)),
-        namespace,
-        name,
+        id,
     })
 }
 
@@ -100,8 +100,7 @@ pub fn pool_record(pool: &ProxyPool) -> Option<PoolRecord> {
     }
     let status = pool.status.clone().unwrap_or_default();
     Some(PoolRecord {
-        namespace: pool.namespace().unwrap_or_default(),
-        name: pool.name_any(),
+        id: pool_id(pool),
         replicas: pool.spec.replicas.max(0).unsigned_abs(),
         ready: status.ready_replicas.max(0).unsigned_abs(),
         wakes: pool.spec.autoscale.as_ref().is_some_and(|autoscale| autoscale.max >= 1),
@@ -113,23 +112,22 @@ pub fn pool_record(pool: &ProxyPool) -> Option<PoolRecord> {
 pub struct DiscoverySignals(pub Arc<Discovery>);
 
 impl PoolSignals for DiscoverySignals {
-    fn leases_of(&self, proxy: &str) -> u32 {
+    fn leases_of(&self, proxy: &ProxyId) -> u32 {
         self.0.active_leases(proxy)
     }
 
-    fn demand(&self, pool: &str) -> PoolDemand {
-        let demand = self.0.pool_demand(pool);
-        PoolDemand { at_capacity: demand.at_capacity, none_healthy: demand.none_healthy, woken: demand.woken }
+    fn demand(&self, pool: &PoolId) -> PoolDemand {
+        self.0.pool_demand(pool)
     }
 }
 
 /// Tells the pool controller (whichever term of leadership is running) of a pool whose leases were refused.
-pub struct PoolWakes(pub tokio::sync::broadcast::Sender<String>);
+pub struct PoolWakes(pub tokio::sync::broadcast::Sender<PoolId>);
 
 impl egress_discovery::PoolWaker for PoolWakes {
-    fn wake(&self, pool: &str) {
+    fn wake(&self, pool: &PoolId) {
         // Nobody listening (a follower, or between terms) is fine: the next term looks at every pool.
-        drop(self.0.send(pool.to_owned()));
+        drop(self.0.send(pool.clone()));
     }
 }
 
@@ -138,17 +136,13 @@ fn update_pool(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics, r
     let record = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok()).and_then(pool_record);
     match record {
         Some(record) => discovery.upsert_pool(record),
-        None => remove_pool(
-            discovery,
-            metrics,
-            &format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name),
-        ),
+        None => remove_pool(discovery, metrics, &pool_id_of(reference)),
     }
 }
 
 /// A pool that is gone: discovery forgets it, and so do its series in `/metrics` (the pool controller sees no
 /// deleted pool, so it cannot).
-fn remove_pool(discovery: &Discovery, metrics: &PoolMetrics, id: &str) {
+fn remove_pool(discovery: &Discovery, metrics: &PoolMetrics, id: &PoolId) {
     discovery.remove_pool(id);
     metrics.forget(id);
 }
@@ -158,7 +152,7 @@ fn resync_pools(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics) 
     let mut seen = std::collections::BTreeSet::new();
     for object in &stored {
         let reference = reference_of(object.as_ref());
-        seen.insert(format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name));
+        seen.insert(pool_id_of(&reference));
         update_pool(pools, discovery, metrics, &reference);
     }
     for id in discovery.pool_ids() {
@@ -172,7 +166,7 @@ fn resync_pools(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics) 
 pub struct DiscoveryDrain(pub Arc<Discovery>);
 
 impl LeaseDrain for DiscoveryDrain {
-    fn leases_on(&self, proxy: &str, endpoint: &str) -> usize {
+    fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize {
         self.0.leases_on(proxy, endpoint)
     }
 }
@@ -198,12 +192,13 @@ impl Records {
             && !*self.leading.borrow()
             && let Some(endpoint) = proxy.effective_endpoint()
         {
-            let key = ProbeKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any(), endpoint);
+            let id = proxy_id(proxy);
+            let key = ProbeKey::new(id.namespace(), id.name(), endpoint);
             egress_reconcile::follow_status(&self.verdicts, proxy, &key);
         }
         match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.cooldowns)) {
             Some(record) => self.discovery.upsert(record),
-            None => self.discovery.remove(&id_of(reference)),
+            None => self.discovery.remove(&proxy_id_of(reference)),
         }
     }
 
@@ -217,8 +212,7 @@ impl Records {
         }
         let store = self.feed.store();
         for id in self.discovery.ids() {
-            let Some((namespace, name)) = id.split_once('/') else { continue };
-            let reference = ObjectRef::new(name).within(namespace);
+            let reference = proxy_ref(&id);
             if store.get(&reference).is_none() {
                 self.update(&reference);
             }
@@ -233,10 +227,6 @@ impl Records {
             }
         }
     }
-}
-
-fn id_of(reference: &ObjectRef<GuardedProxy>) -> String {
-    format!("{}/{}", reference.namespace.as_deref().unwrap_or_default(), reference.name)
 }
 
 /// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass. While `leading` is

@@ -11,13 +11,14 @@ use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use egress_api::{CooldownStatus, Proxy};
 use egress_discovery::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
-use egress_lease::{Cooldown, EndedLeaseRecord, LeaseKey, LeaseStore, MIN_KEY_BYTES};
+use egress_lease::{Cooldown, EndedLeaseRecord, LeaseKey, LeaseStore, MIN_KEY_BYTES, ProxyId};
+use egress_reconcile::ids::proxy_id;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::Client;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -60,7 +61,7 @@ pub fn cooldown_status(cooldowns: &[Cooldown]) -> Vec<CooldownStatus> {
 
 /// The cooldowns a Proxy's status keeps, for the lease store.
 pub fn cooldowns_of(proxy: &Proxy) -> Vec<Cooldown> {
-    let id = format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any());
+    let id = proxy_id(proxy);
     proxy
         .status
         .iter()
@@ -77,18 +78,17 @@ pub fn cooldowns_of(proxy: &Proxy) -> Vec<Cooldown> {
 
 #[async_trait]
 impl CooldownJournal for StatusCooldownJournal {
-    async fn write(&self, id: &str, cooldowns: &[Cooldown]) -> Result<(), String> {
-        let Some((namespace, name)) = id.split_once('/') else { return Err(format!("{id:?} is not namespace/name")) };
-        let api: Api<Proxy> = Api::namespaced(self.client.clone(), namespace);
+    async fn write(&self, id: &ProxyId, cooldowns: &[Cooldown]) -> Result<(), String> {
+        let api: Api<Proxy> = Api::namespaced(self.client.clone(), id.namespace());
         let patch = serde_json::json!({
             "apiVersion": "crawl.example.com/v1alpha1",
             "kind": "Proxy",
             "status": { "cooldowns": cooldown_status(cooldowns) },
         });
         let params = PatchParams::apply(COOLDOWN_FIELD_MANAGER).force();
-        match api.patch_status(name, &params, &Patch::Apply(&patch)).await {
+        match api.patch_status(id.name(), &params, &Patch::Apply(&patch)).await {
             Ok(_) => {
-                debug!(proxy = id, cooldowns = cooldowns.len(), "cooldowns written");
+                debug!(proxy = %id, cooldowns = cooldowns.len(), "cooldowns written");
                 Ok(())
             }
             // A Proxy deleted meanwhile has no cooldowns to keep.
@@ -119,7 +119,7 @@ pub async fn lease_key(client: &Client, namespace: &str, name: &str) -> Result<L
     };
     match secrets.create(&PostParams::default(), &secret).await {
         Ok(created) => {
-            info!(secret = %format!("{namespace}/{name}"), "created the lease-key Secret");
+            info!(namespace, secret = name, "created the lease-key Secret");
             key_of(&created, namespace, name)
         }
         Err(kube::Error::Api(status)) if status.code == 409 => {
@@ -340,7 +340,7 @@ mod tests {
     fn cooldowns_round_trip_through_the_status_to_the_second() {
         let until = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let cooldowns = vec![Cooldown {
-            proxy: "crawl/a".into(),
+            proxy: ProxyId::new("crawl", "a"),
             target: "example.com".into(),
             until,
             streak: 3,

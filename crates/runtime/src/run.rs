@@ -17,14 +17,13 @@ use egress_provider::registry::{Constructors, ProviderSet};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
+use egress_reconcile::ids::{PoolId, pool_ref};
 use egress_reconcile::monitor::{MonitorMetrics, ProviderMonitor};
 use egress_reconcile::pool::{PoolContext, PoolMetrics, PoolSignals, PoolTrigger, run_pools};
 use egress_reconcile::{
     Context as ReconcileContext, ControllerConfig, CredentialStore, LeaseDrain, PoolFeed, ProxyFeed, ProxyVerdicts,
     ReconcileMetrics,
 };
-use futures::StreamExt;
-use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -63,20 +62,16 @@ impl Gate for LeaderGate {
 /// The pools named on `wakes`, as pool controller triggers; a lagging receiver skips what it missed (each pool is
 /// looked at on its own schedule anyway).
 fn pool_triggers(
-    wakes: tokio::sync::broadcast::Receiver<String>,
+    wakes: tokio::sync::broadcast::Receiver<PoolId>,
 ) -> impl futures::Stream<Item = PoolTrigger> + Send + 'static {
     futures::stream::unfold(wakes, |mut wakes| async move {
         loop {
             match wakes.recv().await {
-                Ok(pool) => return Some((pool, wakes)),
+                Ok(pool) => return Some((pool_ref(&pool), wakes)),
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
             }
         }
-    })
-    .filter_map(|pool| async move {
-        let (namespace, name) = pool.split_once('/')?;
-        Some(ObjectRef::new(name).within(namespace))
     })
 }
 
@@ -138,7 +133,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let (feed, _watch) = ProxyFeed::start(client.clone(), settings.watch_namespace.as_deref());
     let (pools, _pool_watch) = PoolFeed::start(client.clone(), settings.watch_namespace.as_deref());
     // Leases refused for a pool's lack of members or capacity wake the pool controller of the current term.
-    let (pool_wakes, _) = tokio::sync::broadcast::channel::<String>(1024);
+    let (pool_wakes, _) = tokio::sync::broadcast::channel::<PoolId>(1024);
     let (credentials, _secret_watch) =
         CredentialStore::start(client.clone(), settings.watch_namespace.as_deref(), &feed);
 
@@ -491,7 +486,7 @@ struct Leading {
     /// Where the pool controller reads lease counts and refused leases.
     pool_signals: Arc<dyn PoolSignals>,
     /// Pools whose leases were refused, from the discovery API.
-    pool_wakes: tokio::sync::broadcast::Sender<String>,
+    pool_wakes: tokio::sync::broadcast::Sender<PoolId>,
 }
 
 /// Runs the leader-only parts for each term of leadership, until `stop`.

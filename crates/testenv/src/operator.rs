@@ -172,9 +172,10 @@ impl Drop for OperatorProcess {
 
 /// A plain HTTP/1.1 GET of `url` (`http://host:port/path`); returns the status and the body.
 pub async fn http_get(url: &str) -> Result<(u16, String)> {
-    let rest = url.strip_prefix("http://").context("only http:// URLs")?;
-    let (authority, path) =
-        rest.split_once('/').map_or((rest, "/".to_owned()), |(authority, path)| (authority, format!("/{path}")));
+    let uri: http::Uri = url.parse().with_context(|| format!("{url:?} is not a URL"))?;
+    anyhow::ensure!(uri.scheme_str() == Some("http"), "only http:// URLs: {url}");
+    let authority = uri.authority().context("the URL has no host")?.as_str();
+    let path = uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
     let address: SocketAddr = authority.parse().context("the URL's host must be an IP address and port")?;
     let exchange = async {
         let mut stream = TcpStream::connect(address).await?;

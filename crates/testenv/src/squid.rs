@@ -38,9 +38,11 @@ pub const POD_NETWORK_ENV: &str = "EGRESS_TEST_POD_NETWORK";
 /// When the variable is set but is not an IPv4 network of /16 to /24.
 pub fn pod_network() -> Option<(Ipv4Addr, u8)> {
     let value = std::env::var(POD_NETWORK_ENV).ok().filter(|value| !value.is_empty())?;
-    let parsed = value.split_once('/').and_then(|(address, prefix)| {
-        Some((address.parse::<Ipv4Addr>().ok()?, prefix.parse::<u8>().ok().filter(|p| (16..=24).contains(p))?))
-    });
+    let parsed = value
+        .parse::<ipnet::Ipv4Net>()
+        .ok()
+        .filter(|network| (16..=24).contains(&network.prefix_len()))
+        .map(|network| (network.addr(), network.prefix_len()));
     Some(parsed.unwrap_or_else(|| panic!("{POD_NETWORK_ENV}={value:?} is not an IPv4 network of /16 to /24")))
 }
 

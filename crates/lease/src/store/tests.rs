@@ -5,15 +5,25 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::*;
-use crate::{CooldownPolicy, Selector, TargetMode};
+use crate::{CooldownPolicy, PoolId, Selector, TargetMode};
 
 fn t(seconds: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + seconds)
 }
 
+/// Proxy `text` (`namespace/name`, or a name in namespace `test`).
+fn p(text: &str) -> ProxyId {
+    text.parse().unwrap_or_else(|_| ProxyId::new("test", text))
+}
+
+/// Pool `namespace/name`.
+fn pool_id(text: &str) -> PoolId {
+    text.parse().expect("namespace/name")
+}
+
 fn proxy(id: &str, max: u32) -> ProxyInfo {
     ProxyInfo {
-        id: id.into(),
+        id: p(id),
         healthy: true,
         max_leases: max,
         labels: BTreeMap::new(),
@@ -43,10 +53,11 @@ fn store_with(proxies: &[ProxyInfo]) -> InMemoryLeaseStore {
 #[test]
 fn least_loaded_wins_and_ties_go_to_the_least_recently_leased() {
     let store = store_with(&[proxy("a", 5), proxy("b", 5), proxy("c", 5)]);
-    let first: Vec<String> = (0..3).map(|_| store.lease(&request("example.com"), t(0)).expect("lease").proxy).collect();
+    let first: Vec<ProxyId> =
+        (0..3).map(|_| store.lease(&request("example.com"), t(0)).expect("lease").proxy).collect();
     let mut sorted = first.clone();
     sorted.sort();
-    assert_eq!(sorted, ["a", "b", "c"], "one each before any proxy gets a second");
+    assert_eq!(sorted, [p("a"), p("b"), p("c")], "one each before any proxy gets a second");
     // All have one lease now; the least recently leased (the first one chosen) is next.
     assert_eq!(store.lease(&request("example.com"), t(0)).expect("lease").proxy, first[0]);
     store.check_invariants().expect("invariants");
@@ -56,12 +67,12 @@ fn least_loaded_wins_and_ties_go_to_the_least_recently_leased() {
 fn caps_and_drained_proxies_are_respected() {
     let store = store_with(&[proxy("a", 1), proxy("drained", 0)]);
     let lease = store.lease(&request("example.com"), t(0)).expect("lease");
-    assert_eq!(lease.proxy, "a");
+    assert_eq!(lease.proxy, p("a"));
     let refused = store.lease(&request("example.com"), t(0)).expect_err("full");
     assert_eq!(refused, LeaseError::AllAtCapacity { retry_at: Some(lease.expires_at) });
     store.release(&lease.id, "", t(1)).expect("release");
-    assert_eq!(store.lease(&request("example.com"), t(1)).expect("lease again").proxy, "a");
-    let named = LeaseRequest { proxy: Some("drained".into()), ..request("example.com") };
+    assert_eq!(store.lease(&request("example.com"), t(1)).expect("lease again").proxy, p("a"));
+    let named = LeaseRequest { proxy: Some(p("drained")), ..request("example.com") };
     assert!(matches!(
         store.lease(&named, t(1)),
         Err(LeaseError::ProxyUnavailable { why: "it is drained (maxLeases 0)", .. })
@@ -70,18 +81,18 @@ fn caps_and_drained_proxies_are_respected() {
 
 #[test]
 fn a_pool_request_is_given_members_only_and_refused_for_the_pool_alone() {
-    let member = |id: &str, pool: &str| ProxyInfo { pool: Some(pool.into()), ..proxy(id, 1) };
+    let member = |id: &str, pool: &str| ProxyInfo { pool: Some(pool_id(pool)), ..proxy(id, 1) };
     let store = store_with(&[member("ns/eu-0", "ns/eu"), member("ns/us-0", "ns/us"), proxy("ns/loose", 5)]);
-    let eu = LeaseRequest { pool: Some("ns/eu".into()), ..request("example.com") };
-    assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, "ns/eu-0");
+    let eu = LeaseRequest { pool: Some(pool_id("ns/eu")), ..request("example.com") };
+    assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, p("ns/eu-0"));
     // The only member is at its cap: refused for the pool's capacity, though other proxies are free.
     assert!(matches!(store.lease(&eu, t(0)), Err(LeaseError::AllAtCapacity { .. })), "{:?}", store.lease(&eu, t(0)));
-    let elsewhere = LeaseRequest { proxy: Some("ns/us-0".into()), ..eu.clone() };
+    let elsewhere = LeaseRequest { proxy: Some(p("ns/us-0")), ..eu.clone() };
     assert!(matches!(store.lease(&elsewhere, t(0)), Err(LeaseError::ProxyUnavailable { .. })));
-    let empty = LeaseRequest { pool: Some("ns/none".into()), ..request("example.com") };
+    let empty = LeaseRequest { pool: Some(pool_id("ns/none")), ..request("example.com") };
     assert_eq!(store.lease(&empty, t(0)), Err(LeaseError::NoneHealthy));
     // Without a pool, members are proxies like any other.
-    assert_eq!(store.lease(&request("example.com"), t(0)).expect("lease").proxy, "ns/loose");
+    assert_eq!(store.lease(&request("example.com"), t(0)).expect("lease").proxy, p("ns/loose"));
 }
 
 #[test]
@@ -89,12 +100,12 @@ fn selectors_and_named_proxies() {
     let store = store_with(&[labelled("eu-1", "eu"), labelled("us-1", "us")]);
     let eu = LeaseRequest { selector: Selector::parse("region=eu").expect("selector"), ..request("example.com") };
     for _ in 0..3 {
-        assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, "eu-1");
+        assert_eq!(store.lease(&eu, t(0)).expect("lease").proxy, p("eu-1"));
     }
-    let named = LeaseRequest { proxy: Some("us-1".into()), ..request("example.com") };
-    assert_eq!(store.lease(&named, t(0)).expect("lease").proxy, "us-1");
-    let missing = LeaseRequest { proxy: Some("nope".into()), ..request("example.com") };
-    assert_eq!(store.lease(&missing, t(0)), Err(LeaseError::UnknownProxy("nope".into())));
+    let named = LeaseRequest { proxy: Some(p("us-1")), ..request("example.com") };
+    assert_eq!(store.lease(&named, t(0)).expect("lease").proxy, p("us-1"));
+    let missing = LeaseRequest { proxy: Some(p("nope")), ..request("example.com") };
+    assert_eq!(store.lease(&missing, t(0)), Err(LeaseError::UnknownProxy(p("nope"))));
     let none = LeaseRequest { selector: Selector::parse("region=ap").expect("selector"), ..request("example.com") };
     assert_eq!(store.lease(&none, t(0)), Err(LeaseError::NoneHealthy));
 }
@@ -107,7 +118,7 @@ fn sticky_sessions_keep_their_proxy_while_it_is_eligible() {
     for _ in 0..3 {
         assert_eq!(store.lease(&session, t(0)).expect("lease").proxy, first, "same session, same target");
     }
-    store.upsert_proxy(ProxyInfo { healthy: false, ..proxy(&first, 5) });
+    store.upsert_proxy(ProxyInfo { healthy: false, ..proxy(first.name(), 5) });
     let moved = store.lease(&session, t(1)).expect("lease").proxy;
     assert_ne!(moved, first, "an unhealthy proxy is not sticky");
 }
@@ -140,7 +151,7 @@ fn ttl_renew_and_expiry() {
 #[test]
 fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
-    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("www.shop.example.co.uk") };
+    let on_a = LeaseRequest { proxy: Some(p("a")), ..request("www.shop.example.co.uk") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     assert_eq!(lease.target, "example.co.uk");
     assert_eq!(
@@ -149,15 +160,15 @@ fn bans_cool_down_one_proxy_for_one_site_with_a_growing_streak() {
     );
     // The same site (any subdomain) avoids "a"; another site does not.
     for _ in 0..4 {
-        assert_eq!(store.lease(&request("img.shop.example.co.uk"), t(1)).expect("lease").proxy, "b");
+        assert_eq!(store.lease(&request("img.shop.example.co.uk"), t(1)).expect("lease").proxy, p("b"));
     }
     assert!(matches!(
-        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.co.uk") }, t(1)),
+        store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("example.co.uk") }, t(1)),
         Err(LeaseError::ProxyCoolingDown { .. })
     ));
     assert_eq!(
-        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("other.org") }, t(1)).expect("other site").proxy,
-        "a"
+        store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("other.org") }, t(1)).expect("other site").proxy,
+        p("a")
     );
 
     // A second ban in a row doubles the cooldown; a third doubles again; the cap holds.
@@ -186,7 +197,7 @@ fn ban_cooldowns(store: &InMemoryLeaseStore, proxy: &str, bans: usize) -> (Vec<u
     let mut now = t(0);
     let mut cooldowns = Vec::new();
     for _ in 0..bans {
-        let request = LeaseRequest { proxy: Some(proxy.into()), ..request("example.com") };
+        let request = LeaseRequest { proxy: Some(p(proxy)), ..request("example.com") };
         let lease = store.lease(&request, now).expect("lease");
         let until = store
             .report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), now)
@@ -231,10 +242,10 @@ fn a_proxy_with_a_cooldown_policy_of_its_own_follows_it() {
 #[test]
 fn unhealthy_or_removed_proxies_have_their_leases_revoked() {
     let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
-    let on_a = store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(0)).expect("lease");
-    let on_b = store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("example.com") }, t(0)).expect("lease");
+    let on_a = store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("example.com") }, t(0)).expect("lease");
+    let on_b = store.lease(&LeaseRequest { proxy: Some(p("b")), ..request("example.com") }, t(0)).expect("lease");
     store.upsert_proxy(ProxyInfo { healthy: false, ..proxy("a", 5) });
-    store.remove_proxy("b");
+    store.remove_proxy(&p("b"));
     assert_eq!(store.renew(&on_a.id, "", None, t(1)), Err(LeaseError::Revoked(on_a.id.clone())));
     assert_eq!(store.renew(&on_b.id, "", None, t(1)), Err(LeaseError::Revoked(on_b.id.clone())));
     // A ban reported on a revoked lease still counts.
@@ -300,7 +311,7 @@ fn ended_leases_kept_elsewhere_are_refused_by_a_store_that_never_saw_them() {
     new.renew(&leases[2].id, owner, None, t(4)).expect("held: adopted");
     assert_eq!(new.active_leases(), 1);
     let report = Report { outcome: Some(Outcome::Ok), ..Report::default() };
-    assert_eq!(new.report(&leases[0].id, owner, &report, t(5)).expect("late report").proxy, "a");
+    assert_eq!(new.report(&leases[0].id, owner, &report, t(5)).expect("late report").proxy, p("a"));
     new.check_invariants().expect("invariants");
     // Nothing is restored past its expiry.
     assert_eq!(keyed(&key, &[proxy("a", 5)]).restore_ended(&kept, leases[0].expires_at), 0);
@@ -316,7 +327,7 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
 
     // Renewing on the new store adopts it: same proxy and target, counted against the cap, the expiry extended.
     let renewed = new.renew(&lease.id, owner, Some(Duration::from_secs(600)), t(10)).expect("adopted");
-    assert_eq!((renewed.lease.proxy.as_str(), renewed.lease.target.as_str()), ("a", "example.com"));
+    assert_eq!((renewed.lease.proxy.name(), renewed.lease.target.as_str()), ("a", "example.com"));
     assert_eq!(renewed.lease.expires_at, t(610));
     assert_eq!(new.adopted(), 1);
     assert_eq!(new.active_leases(), 1);
@@ -343,7 +354,7 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
     let third = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.org") }, t(0)).expect("lease");
     let reported =
         new.report(&third.id, owner, &Report::of(Outcome::Banned).and_release(), t(20)).expect("adopted report");
-    assert_eq!(reported, Reported { proxy: "a".into(), cooldown_until: Some(t(620)), cooled: vec!["a".into()] });
+    assert_eq!(reported, Reported { proxy: p("a"), cooldown_until: Some(t(620)), cooled: vec![p("a")] });
     let fourth = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.net") }, t(0)).expect("lease");
     new.release(&fourth.id, owner, t(20)).expect("release of an unseen lease");
     assert_eq!(new.active_leases(), 1);
@@ -377,28 +388,28 @@ fn adopted_leases_may_exceed_the_cap_but_nothing_new_is_granted_above_it() {
 fn cooldowns_read_per_proxy_restore_into_another_store() {
     let old = store_with(&[proxy("a", 5), proxy("b", 5)]);
     for (target, at) in [("example.com", 0), ("example.org", 5)] {
-        let lease = old.lease(&LeaseRequest { proxy: Some("a".into()), ..request(target) }, t(at)).expect("lease");
+        let lease = old.lease(&LeaseRequest { proxy: Some(p("a")), ..request(target) }, t(at)).expect("lease");
         old.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(at)).expect("ban");
     }
-    let saved = old.proxy_cooldowns("a", t(10));
+    let saved = old.proxy_cooldowns(&p("a"), t(10));
     assert_eq!(
         saved.iter().map(|c| (c.target.as_str(), c.until, c.streak)).collect::<Vec<_>>(),
         [("example.org", t(605), 1), ("example.com", t(600), 1)]
     );
-    assert!(old.proxy_cooldowns("b", t(10)).is_empty());
+    assert!(old.proxy_cooldowns(&p("b"), t(10)).is_empty());
 
     let new = store_with(&[proxy("a", 5), proxy("b", 5)]);
     assert_eq!(new.restore_cooldowns(&saved, t(10)), 2);
     for _ in 0..3 {
-        assert_eq!(new.lease(&request("example.com"), t(11)).expect("lease").proxy, "b", "a is cooling down");
+        assert_eq!(new.lease(&request("example.com"), t(11)).expect("lease").proxy, p("b"), "a is cooling down");
     }
     // The streak survives: the next ban in a row doubles.
-    let on_a = new.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(600)).expect("lease");
+    let on_a = new.lease(&LeaseRequest { proxy: Some(p("a")), ..request("example.com") }, t(600)).expect("lease");
     let reported = new.report(&on_a.id, "", &Report::of(Outcome::Banned).and_release(), t(600)).expect("ban");
     assert_eq!(reported.cooldown_until, Some(t(600 + 1200)));
     // An older record never rolls back what the store knows; ended and forgotten ones are not taken.
     assert_eq!(new.restore_cooldowns(&saved, t(601)), 0);
-    assert_eq!(new.proxy_cooldowns("a", t(601))[0].until, t(1800));
+    assert_eq!(new.proxy_cooldowns(&p("a"), t(601))[0].until, t(1800));
     assert_eq!(store_with(&[proxy("a", 5)]).restore_cooldowns(&saved, t(100_000)), 0);
     new.check_invariants().expect("invariants");
 }
@@ -409,23 +420,23 @@ fn a_renew_after_a_replacement_moves_the_lease_to_the_new_endpoint() {
     let lease = store.lease(&request("example.com"), t(0)).expect("lease");
     assert_eq!(lease.endpoint, "a:3128");
     store.upsert_proxy(ProxyInfo { endpoint: "a-new:3128".into(), ..proxy("a", 5) });
-    assert_eq!(store.leases_on("a", "a:3128", t(1)), 1, "the old instance still has its holder");
+    assert_eq!(store.leases_on(&p("a"), "a:3128", t(1)), 1, "the old instance still has its holder");
     let renewed = store.renew(&lease.id, "", None, t(1)).expect("renew");
     assert_eq!(renewed.moved_from.as_deref(), Some("a:3128"));
     assert_eq!(renewed.lease.endpoint, "a-new:3128");
-    assert_eq!(store.leases_on("a", "a:3128", t(1)), 0, "drained");
-    assert_eq!(store.leases_on("a", "a-new:3128", t(1)), 1);
+    assert_eq!(store.leases_on(&p("a"), "a:3128", t(1)), 0, "drained");
+    assert_eq!(store.leases_on(&p("a"), "a-new:3128", t(1)), 1);
     assert_eq!(store.renew(&lease.id, "", None, t(2)).expect("renew").moved_from, None, "told once");
 }
 
 #[test]
 fn a_throttle_cools_down_for_the_sites_retry_after_and_leaves_the_streak_alone() {
     let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
-    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("shop.example.com") };
+    let on_a = LeaseRequest { proxy: Some(p("a")), ..request("shop.example.com") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     let throttled = Report::of(Outcome::Throttled { retry_after: Some(Duration::from_secs(30)) });
     assert_eq!(store.report(&lease.id, "", &throttled, t(0)).expect("throttle").cooldown_until, Some(t(30)));
-    assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, "b", "a is throttled");
+    assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, p("b"), "a is throttled");
     assert!(matches!(store.lease(&on_a, t(10)), Err(LeaseError::ProxyCoolingDown { until, .. }) if until == t(30)));
     // Back after the site's Retry-After, and the next ban is still the first in a row.
     let again = store.lease(&on_a, t(30)).expect("back after Retry-After");
@@ -434,10 +445,10 @@ fn a_throttle_cools_down_for_the_sites_retry_after_and_leaves_the_streak_alone()
     // A throttle never shortens a running cooldown; without Retry-After it takes the default, capped by config.
     let shorter = store.report(&again.id, "", &Report::of(Outcome::Throttled { retry_after: None }), t(40)).expect("t");
     assert_eq!(shorter.cooldown_until, Some(t(630)));
-    let lease = store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("other.org") }, t(0)).expect("lease");
+    let lease = store.lease(&LeaseRequest { proxy: Some(p("b")), ..request("other.org") }, t(0)).expect("lease");
     let long = Report::of(Outcome::Throttled { retry_after: Some(Duration::from_secs(86_400)) });
     assert_eq!(store.report(&lease.id, "", &long, t(0)).expect("t").cooldown_until, Some(t(3600)), "capped");
-    let streak = store.proxy_cooldowns("a", t(50)).into_iter().find(|c| c.target == "example.com").expect("kept");
+    let streak = store.proxy_cooldowns(&p("a"), t(50)).into_iter().find(|c| c.target == "example.com").expect("kept");
     assert_eq!(streak.streak, 1);
     store.check_invariants().expect("invariants");
 }
@@ -456,7 +467,7 @@ fn counts_in_reports_feed_the_success_rate_per_proxy_and_site() {
     assert_eq!(counted.success_rate(), Some(45.0 / 49.0));
     assert_eq!(load("other.org"), None, "per site");
     // A ban in the same report as served requests is the first in a row.
-    assert_eq!(store.proxy_cooldowns("a", t(4))[0].streak, 1);
+    assert_eq!(store.proxy_cooldowns(&p("a"), t(4))[0].streak, 1);
     // Forgotten an hour after the last report, like everything else.
     store.expire(t(3 + 3600));
     assert_eq!(store.sizes().4, 0);
@@ -467,34 +478,30 @@ fn proxies_leaving_through_one_address_share_their_cooldowns() {
     let via = |id: &str, ip: Option<&str>| ProxyInfo { egress_ip: ip.map(Into::into), ..proxy(id, 5) };
     let store =
         store_with(&[via("a", Some("198.51.100.7")), via("b", Some("198.51.100.7")), via("c", Some("198.51.100.8"))]);
-    let on_a = LeaseRequest { proxy: Some("a".into()), ..request("shop.example.com") };
+    let on_a = LeaseRequest { proxy: Some(p("a")), ..request("shop.example.com") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     let reported = store.report(&lease.id, "", &Report::of(Outcome::Banned), t(0)).expect("ban");
-    assert_eq!(reported.cooled, ["a", "b"], "the site banned the address, so both proxies behind it");
+    assert_eq!(reported.cooled, [p("a"), p("b")], "the site banned the address, so both proxies behind it");
     for _ in 0..4 {
-        assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, "c");
+        assert_eq!(store.lease(&request("shop.example.com"), t(1)).expect("lease").proxy, p("c"));
     }
     assert!(matches!(
-        store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("example.com") }, t(1)),
+        store.lease(&LeaseRequest { proxy: Some(p("b")), ..request("example.com") }, t(1)),
         Err(LeaseError::ProxyCoolingDown { until, .. }) if until == t(600)
     ));
-    assert!(
-        store.lease(&LeaseRequest { proxy: Some("b".into()), ..request("other.org") }, t(1)).is_ok(),
-        "that site only"
-    );
+    assert!(store.lease(&LeaseRequest { proxy: Some(p("b")), ..request("other.org") }, t(1)).is_ok(), "that site only");
     // An address that changes moves the proxy out of the group; a removed proxy leaves it.
     store.upsert_proxy(via("b", Some("198.51.100.9")));
-    store.remove_proxy("c");
-    let lease =
-        store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("news.example.net") }, t(2)).expect("lease");
-    assert_eq!(store.report(&lease.id, "", &Report::of(Outcome::Banned), t(2)).expect("ban").cooled, ["a"]);
+    store.remove_proxy(&p("c"));
+    let lease = store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("news.example.net") }, t(2)).expect("lease");
+    assert_eq!(store.report(&lease.id, "", &Report::of(Outcome::Banned), t(2)).expect("ban").cooled, [p("a")]);
     store.check_invariants().expect("invariants");
 }
 
 #[test]
 fn one_owner_reporting_again_and_again_never_lengthens_a_cooldown() {
     let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
-    let on_a = LeaseRequest { proxy: Some("a".into()), owner: "tenant-a".into(), ..request("example.com") };
+    let on_a = LeaseRequest { proxy: Some(p("a")), owner: "tenant-a".into(), ..request("example.com") };
     let lease = store.lease(&on_a, t(0)).expect("lease");
     let first = store.report(&lease.id, "tenant-a", &Report::of(Outcome::Banned), t(0)).expect("ban");
     assert_eq!((first.cooldown_until, first.cooled.len()), (Some(t(600)), 1));
@@ -508,15 +515,15 @@ fn one_owner_reporting_again_and_again_never_lengthens_a_cooldown() {
         assert_eq!(again.cooldown_until, Some(t(600)), "a throttle from the same owner does not lengthen it");
     }
     store
-        .lease(&LeaseRequest { proxy: Some("a".into()), owner: "tenant-a".into(), ..request("other.org") }, t(30))
+        .lease(&LeaseRequest { proxy: Some(p("a")), owner: "tenant-a".into(), ..request("other.org") }, t(30))
         .expect("another site leases a");
-    assert_eq!(store.proxy_cooldowns("a", t(30))[0].streak, 1);
+    assert_eq!(store.proxy_cooldowns(&p("a"), t(30))[0].streak, 1);
     assert_eq!(store.cooldowns(Some("example.com"), t(30)).expect("cooldowns")[0].until, t(600));
     // Another owner's ban on another site is its own.
     let theirs = LeaseRequest { owner: "tenant-b".into(), ..on_a.clone() };
     let lease_b =
         store.lease(&LeaseRequest { proxy: None, ..theirs.clone() }, t(40)).expect("b leases the other proxy");
-    assert_eq!(lease_b.proxy, "b");
+    assert_eq!(lease_b.proxy, p("b"));
     let b_on_a = store.lease(&LeaseRequest { target: "example.net".into(), ..theirs }, t(40)).expect("b on a");
     let banned_by_b = store.report(&b_on_a.id, "tenant-b", &Report::of(Outcome::Banned), t(40)).expect("ban");
     assert_eq!(banned_by_b.cooldown_until, Some(t(640)), "example.net is a site of its own");
@@ -541,7 +548,7 @@ fn a_second_owners_ban_counts_once_while_the_first_cooldown_runs() {
         let again = store.report(&b, "tenant-b", &Report::of(Outcome::Banned), t(200)).expect("ban");
         assert_eq!((again.cooldown_until, again.cooled.len()), (Some(t(1300)), 0));
     }
-    assert_eq!(store.proxy_cooldowns("a", t(200))[0].streak, 2);
+    assert_eq!(store.proxy_cooldowns(&p("a"), t(200))[0].streak, 2);
 }
 
 #[test]
@@ -575,7 +582,7 @@ fn released_leases_never_come_back_and_never_pass_the_cap() {
         store.release(id, "", t(10)).expect("a second release is accepted");
         // A late report still counts against the proxy it was on, and does not bring the lease back.
         let reported = store.report(id, "", &Report { ok: 1, ..Report::default() }, t(10)).expect("late report");
-        assert_eq!(reported.proxy, "a");
+        assert_eq!(reported.proxy, p("a"));
     }
     assert_eq!(store.active_leases(), 0);
     assert_eq!(store.adopted(), 0);
@@ -602,23 +609,23 @@ fn an_administrator_clears_a_cooldown_and_an_older_record_does_not_bring_it_back
     let via = |id: &str, ip: &str| ProxyInfo { egress_ip: Some(ip.into()), ..proxy(id, 5) };
     let store = store_with(&[via("a", "198.51.100.7"), via("b", "198.51.100.7"), via("c", "198.51.100.8")]);
     for (proxy, target) in [("a", "example.com"), ("c", "example.com"), ("c", "example.org")] {
-        let lease = store.lease(&LeaseRequest { proxy: Some(proxy.into()), ..request(target) }, t(0)).expect("lease");
+        let lease = store.lease(&LeaseRequest { proxy: Some(p(proxy)), ..request(target) }, t(0)).expect("lease");
         store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
     }
-    let kept = store.proxy_cooldowns("a", t(1));
+    let kept = store.proxy_cooldowns(&p("a"), t(1));
     // Clearing a's cooldown clears the proxy sharing its address too, and nothing else.
-    let cleared = store.clear_cooldowns("www.example.com", Some("a"), t(1)).expect("clear");
-    assert_eq!(cleared.iter().map(|c| c.proxy.as_str()).collect::<Vec<_>>(), ["a", "b"]);
-    store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(1)).expect("a leases at once");
+    let cleared = store.clear_cooldowns("www.example.com", Some(&p("a")), t(1)).expect("clear");
+    assert_eq!(cleared.iter().map(|c| c.proxy.name()).collect::<Vec<_>>(), ["a", "b"]);
+    store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("example.com") }, t(1)).expect("a leases at once");
     assert_eq!(store.cooldowns(None, t(1)).expect("cooldowns").len(), 2, "c's two remain");
     assert_eq!(store.restore_cooldowns(&kept, t(2)), 0, "the journal's older record is not restored");
     // The streak is forgotten: the next ban is a first one.
-    let lease = store.lease(&LeaseRequest { proxy: Some("a".into()), ..request("example.com") }, t(3)).expect("lease");
+    let lease = store.lease(&LeaseRequest { proxy: Some(p("a")), ..request("example.com") }, t(3)).expect("lease");
     let again = store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(3)).expect("ban");
     assert_eq!(again.cooldown_until, Some(t(603)));
     // Without a proxy: every proxy's cooldown for the site.
     let cleared = store.clear_cooldowns("example.com", None, t(4)).expect("clear");
-    assert_eq!(cleared.iter().map(|c| c.proxy.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(cleared.iter().map(|c| c.proxy.name()).collect::<Vec<_>>(), ["a", "b", "c"]);
     assert_eq!(store.cooldowns(None, t(4)).expect("cooldowns").len(), 1, "example.org stays");
     assert!(store.clear_cooldowns("javascript:alert(1)", None, t(4)).is_err());
     store.check_invariants().expect("invariants");
@@ -654,7 +661,7 @@ fn random_step(
             let target = targets[rng.below(3) as usize];
             let mut request = request(target);
             if rng.below(4) == 0 {
-                request.proxy = Some(proxy_id);
+                request.proxy = Some(p(&proxy_id));
             }
             if rng.below(4) == 0 {
                 request.session = Some(format!("s{}", rng.below(3)));
@@ -701,10 +708,10 @@ fn random_step(
         5 => {
             store.upsert_proxy(ProxyInfo { healthy: rng.below(3) != 0, ..proxy(&proxy_id, 1 + rng.below(4) as u32) });
         }
-        6 if rng.below(4) == 0 => store.remove_proxy(&proxy_id),
+        6 if rng.below(4) == 0 => store.remove_proxy(&p(&proxy_id)),
         6 if rng.below(3) == 0 => {
-            let proxy = (rng.below(2) == 0).then_some(proxy_id.as_str());
-            store.clear_cooldowns(targets[rng.below(3) as usize], proxy, now).expect("a valid target");
+            let proxy = (rng.below(2) == 0).then(|| p(&proxy_id));
+            store.clear_cooldowns(targets[rng.below(3) as usize], proxy.as_ref(), now).expect("a valid target");
         }
         _ => {
             store.expire(now);

@@ -22,6 +22,7 @@ use egress_api::proxy::CONDITION_READY;
 use egress_api::{
     Proxy, ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ScalingDecision, SpreadStatus, annotations,
 };
+use egress_fleet::{PoolDemand, PoolId, ProxyId};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -37,6 +38,7 @@ use super::index::{MemberIndex, pool_of};
 use super::metrics::{PoolCounts, PoolMetrics};
 use crate::Error;
 use crate::feed::{Change, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed};
+use crate::ids::{pool_id, proxy_id};
 use crate::status::{ConditionSpec, merge_conditions, micro_time, system_micro_time, system_time};
 
 /// The field manager of every write the pool controller makes (members and pool status).
@@ -58,31 +60,20 @@ const CONCURRENCY: u16 = 4;
 /// What the discovery API knows about a pool's leases: the pool controller reads it on the leader, where discovery
 /// serves.
 pub trait PoolSignals: Send + Sync {
-    /// Active leases on the Proxy `namespace/name`.
-    fn leases_of(&self, proxy: &str) -> u32;
-    /// When leases for the pool `namespace/name` were last refused, by reason.
-    fn demand(&self, pool: &str) -> PoolDemand;
-}
-
-/// When leases for a pool were last refused, by reason.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolDemand {
-    /// Every member was at its lease cap.
-    pub at_capacity: Option<SystemTime>,
-    /// No member was healthy while the pool had members.
-    pub none_healthy: Option<SystemTime>,
-    /// The pool had no members.
-    pub woken: Option<SystemTime>,
+    /// Active leases on `proxy`.
+    fn leases_of(&self, proxy: &ProxyId) -> u32;
+    /// When leases for `pool` were last refused, by reason.
+    fn demand(&self, pool: &PoolId) -> PoolDemand;
 }
 
 /// Signals of a process without a discovery API: no leases, no demand. Pools then follow `spec.replicas` only.
 pub struct NoSignals;
 
 impl PoolSignals for NoSignals {
-    fn leases_of(&self, _proxy: &str) -> u32 {
+    fn leases_of(&self, _proxy: &ProxyId) -> u32 {
         0
     }
-    fn demand(&self, _pool: &str) -> PoolDemand {
+    fn demand(&self, _pool: &PoolId) -> PoolDemand {
         PoolDemand::default()
     }
 }
@@ -131,7 +122,7 @@ pub struct PoolContext {
     signals: Arc<dyn PoolSignals>,
     metrics: PoolMetrics,
     reporter: Reporter,
-    memory: Mutex<HashMap<String, PoolMemory>>,
+    memory: Mutex<HashMap<PoolId, PoolMemory>>,
 }
 
 impl PoolContext {
@@ -168,13 +159,13 @@ impl PoolContext {
         }
     }
 
-    fn with_memory<T>(&self, key: &str, change: impl FnOnce(&mut PoolMemory) -> T) -> T {
-        change(self.memory.lock().expect("pool memory").entry(key.to_owned()).or_default())
+    fn with_memory<T>(&self, key: &PoolId, change: impl FnOnce(&mut PoolMemory) -> T) -> T {
+        change(self.memory.lock().expect("pool memory").entry(key.clone()).or_default())
     }
 
     /// Whether the store shows what the last pass expected (or it waited long enough); clears the expectations
     /// when it does.
-    fn expectations_met(&self, key: &str, namespace: &str) -> bool {
+    fn expectations_met(&self, key: &PoolId, namespace: &str) -> bool {
         let store = &self.proxies;
         self.with_memory(key, |memory| {
             let met = memory.expected.iter().all(|expected| {
@@ -190,7 +181,7 @@ impl PoolContext {
             });
             let timed_out = memory.expected_since.is_some_and(|since| since.elapsed() >= EXPECTATION_TIMEOUT);
             if timed_out && !met {
-                warn!(pool = key, "the store did not show the pool's last writes in time; acting on what it shows");
+                warn!(pool = %key, "the store did not show the pool's last writes in time; acting on what it shows");
             }
             if met || timed_out {
                 memory.expected.clear();
@@ -201,7 +192,7 @@ impl PoolContext {
     }
 
     /// Whether the pool as stored shows the last scaling decision this controller wrote (or it waited long enough).
-    fn shows_last_scale(&self, key: &str, pool: &ProxyPool) -> bool {
+    fn shows_last_scale(&self, key: &PoolId, pool: &ProxyPool) -> bool {
         let stored = pool.status.as_ref().and_then(|status| status.last_scale.as_ref());
         self.with_memory(key, |memory| {
             if let Some((written, since)) = &memory.scale_written {
@@ -222,7 +213,7 @@ impl PoolContext {
     }
 
     /// The scale this controller patched whose decision the stored status does not name yet, when `pool` shows it.
-    fn pending_scale(&self, key: &str, pool: &ProxyPool) -> Option<ScalingDecision> {
+    fn pending_scale(&self, key: &PoolId, pool: &ProxyPool) -> Option<ScalingDecision> {
         self.with_memory(key, |memory| {
             memory
                 .scale_patched
@@ -232,7 +223,7 @@ impl PoolContext {
         })
     }
 
-    fn expect(&self, key: &str, expected: Vec<Expectation>) {
+    fn expect(&self, key: &PoolId, expected: Vec<Expectation>) {
         if expected.is_empty() {
             return;
         }
@@ -321,7 +312,7 @@ pub async fn run_pools(
 }
 
 fn error_policy(object: Arc<GuardedPool>, error: &Error, context: Arc<PoolContext>) -> Action {
-    let key = format!("{}/{}", object.namespace().unwrap_or_default(), object.name_any());
+    let key = pool_id(object.as_ref());
     let failures = context.with_memory(&key, |memory| {
         memory.failures = memory.failures.saturating_add(1);
         memory.failures
@@ -342,7 +333,7 @@ async fn reconcile(object: Arc<GuardedPool>, context: Arc<PoolContext>) -> Resul
         }
     };
     let namespace = pool.namespace().unwrap_or_default();
-    let key = format!("{namespace}/{}", pool.name_any());
+    let key = pool_id(pool);
     if pool.metadata.deletion_timestamp.is_some() {
         // The garbage collector deletes the members through their owner references.
         context.metrics.forget(&key);
@@ -448,7 +439,7 @@ fn slot_specs(pool: &ProxyPool) -> Vec<SlotSpec> {
         .collect()
 }
 
-async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolContext) -> Result<Duration, Error> {
+async fn apply(pool: &ProxyPool, key: &PoolId, namespace: &str, context: &PoolContext) -> Result<Duration, Error> {
     let now = SystemTime::now();
     let name = pool.name_any();
     let (owned, foreign) = members(pool, namespace, context);
@@ -475,7 +466,7 @@ async fn apply(pool: &ProxyPool, key: &str, namespace: &str, context: &PoolConte
                 current,
                 ready: is_ready(proxy),
                 replacing: is_replacing(proxy),
-                leases: context.signals.leases_of(&format!("{namespace}/{}", proxy.name_any())),
+                leases: context.signals.leases_of(&proxy_id(proxy.as_ref())),
                 born,
                 max_age: jittered_max_age(pool, proxy),
                 deleting: proxy.metadata.deletion_timestamp.is_some(),
@@ -652,7 +643,7 @@ struct Acted {
 /// The owner reference every member carries.
 fn owner_reference(pool: &ProxyPool) -> OwnerReference {
     OwnerReference {
-        api_version: format!("{}/{}", egress_api::GROUP, egress_api::VERSION),
+        api_version: ProxyPool::api_version(&()).into_owned(),
         kind: "ProxyPool".into(),
         name: pool.name_any(),
         uid: pool.metadata.uid.clone().unwrap_or_default(),

@@ -1,5 +1,6 @@
 //! Pool metrics: members per pool by state, scaling decisions by reason, and pool reconciles by result.
 
+use egress_fleet::PoolId;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -67,18 +68,18 @@ impl PoolMetrics {
         metrics
     }
 
-    pub(crate) fn counts(&self, pool: &str, counts: PoolCounts) {
+    pub(crate) fn counts(&self, pool: &PoolId, counts: PoolCounts) {
         let values = [counts.desired, counts.current, counts.ready, counts.leased, counts.updated];
         for (state, value) in STATES.into_iter().zip(values) {
-            self.replicas.get_or_create(&PoolStateLabels { pool: pool.to_owned(), state }).set(i64::from(value));
+            self.replicas.get_or_create(&PoolStateLabels { pool: pool.to_string(), state }).set(i64::from(value));
         }
     }
 
-    /// Drops a deleted pool's gauges (`namespace/name`), so a pool that is gone is not reported below its desired
+    /// Drops a deleted pool's gauges, so a pool that is gone is not reported below its desired
     /// count for ever.
-    pub fn forget(&self, pool: &str) {
+    pub fn forget(&self, pool: &PoolId) {
         for state in STATES {
-            self.replicas.remove(&PoolStateLabels { pool: pool.to_owned(), state });
+            self.replicas.remove(&PoolStateLabels { pool: pool.to_string(), state });
         }
     }
 

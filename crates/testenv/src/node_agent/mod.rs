@@ -129,7 +129,7 @@ pub struct AgentConfig {
 
 /// One pod the agent runs.
 struct PodEntry {
-    key: String,
+    key: (String, String),
     ip: Ipv4Addr,
     containers: Arc<Mutex<Vec<Arc<Mutex<View>>>>>,
     /// `Some(grace)` asks the pod to stop; `delete` says whether to finish its deletion afterwards.
@@ -365,8 +365,8 @@ impl Drop for NodeAgent {
     }
 }
 
-fn key(namespace: &str, name: &str) -> String {
-    format!("{namespace}/{name}")
+fn key(namespace: &str, name: &str) -> (String, String) {
+    (namespace.to_owned(), name.to_owned())
 }
 
 /// What every pod worker shares.
