@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
-use egress_discovery::{Auth, Discovery, DiscoveryMetrics, PoolId, ProxyId, ProxyRecord, TokenFile, router, serve};
+use egress_discovery::{
+    Auth, Discovery, DiscoveryMetrics, PoolId, ProxyCredentials, ProxyId, ProxyRecord, TokenFile, router, serve,
+};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 
 fn record(name: &str, max_leases: u32) -> ProxyRecord {
@@ -19,7 +21,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         provider: None,
         max_leases,
         healthy: true,
-        credentials: Some(("crawler".into(), "secret".into())),
+        credentials: Some(ProxyCredentials::new("crawler", "secret")),
         cooldowns: Vec::new(),
         pool: None,
         cooldown: None,

@@ -246,8 +246,9 @@ fn userinfo(text: &str) -> String {
 /// The proxy URL; with credentials only when `credentials` (the caller holds a lease on it, or is an admin).
 fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
     match &record.credentials {
-        Some((user, password)) if credentials => {
-            format!("http://{}:{}@{}", userinfo(user), userinfo(password), record.endpoint())
+        Some(found) if credentials => {
+            let (user, password) = (userinfo(&found.username), userinfo(found.password.expose()));
+            format!("http://{user}:{password}@{}", record.endpoint())
         }
         _ => format!("http://{}", record.endpoint()),
     }

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 use axum::Router;
 use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
-pub use egress_fleet::{PoolDemand, PoolId, ProxyId};
+pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
 pub use api::MAX_BODY_BYTES;
 pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
@@ -60,7 +60,7 @@ pub struct ProxyRecord {
     /// The health engine's current verdict.
     pub healthy: bool,
     /// Proxy credentials (user, password), handed only to `lease`-scope tokens.
-    pub credentials: Option<(String, String)>,
+    pub credentials: Option<ProxyCredentials>,
     /// Cooldowns kept for this proxy (by a [`CooldownJournal`]), taken into the lease store when they are newer
     /// than what it knows.
     pub cooldowns: Vec<Cooldown>,

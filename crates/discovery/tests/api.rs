@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress_discovery::{
-    Auth, CooldownJournal, Discovery, DiscoveryMetrics, PoolId, ProxyId, ProxyRecord, TokenFile, router, serve,
+    Auth, CooldownJournal, Discovery, DiscoveryMetrics, PoolId, ProxyCredentials, ProxyId, ProxyRecord, TokenFile,
+    router, serve,
 };
 use egress_lease::{Cooldown, InMemoryLeaseStore, LeaseConfig, LeaseKey};
 use http_body_util::{BodyExt, Full};
@@ -34,7 +35,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         provider: Some("gcp-eu".into()),
         max_leases,
         healthy: true,
-        credentials: Some(("crawler".into(), "p@ss".into())),
+        credentials: Some(ProxyCredentials::new("crawler", "p@ss")),
         cooldowns: Vec::new(),
         pool: None,
         cooldown: None,

@@ -1,4 +1,4 @@
-//! The names egress-operator's parts share without Kubernetes types.
+//! The names egress-operator's parts share without Kubernetes types, and the one shape of a proxy's credentials.
 //!
 //! A Proxy crosses from the controllers (which know it as a Kubernetes object reference) to the lease store, the
 //! discovery API, the cooldown journal and metrics (which must not depend on Kubernetes). [`ProxyId`] and
@@ -182,6 +182,47 @@ typed_name! {
     PoolId
 }
 
+/// A value that must never reach a log: its `Debug` prints a placeholder.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Sensitive<T>(T);
+
+impl<T> Sensitive<T> {
+    /// Wraps a secret value.
+    pub fn new(value: T) -> Self {
+        Self(value)
+    }
+
+    /// The secret value itself, for the places that must send it (a backend's API call, a proxy URL, a probe's
+    /// `Proxy-Authorization`).
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> fmt::Debug for Sensitive<T> {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("<redacted>")
+    }
+}
+
+/// The basic-auth credentials a proxy requires from its clients: what a Proxy's auth Secret holds, what Squid is
+/// configured with, what the health engine probes with and what a lease hands its holder. `Debug` shows the user
+/// name only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyCredentials {
+    /// The user name (not secret).
+    pub username: String,
+    /// The password.
+    pub password: Sensitive<String>,
+}
+
+impl ProxyCredentials {
+    /// `username` with `password`.
+    pub fn new(username: impl Into<String>, password: impl Into<String>) -> Self {
+        Self { username: username.into(), password: Sensitive::new(password.into()) }
+    }
+}
+
 /// When leases asked for by a pool were last refused, by why: what the discovery API tells the pool autoscaler.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolDemand {
@@ -220,6 +261,14 @@ mod tests {
             assert_eq!(error.why, why, "{text:?}");
             assert_eq!(error.to_string(), format!("{text:?} is not namespace/name: {why}"));
         }
+    }
+
+    #[test]
+    fn credentials_never_show_their_password() {
+        let credentials = ProxyCredentials::new("crawler", "s3cret");
+        let shown = format!("{credentials:?} {:?}", Some(&credentials));
+        assert!(!shown.contains("s3cret") && shown.contains("crawler"), "{shown}");
+        assert_eq!(credentials.password.expose(), "s3cret");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use egress_fleet::ProxyCredentials;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -20,7 +21,7 @@ use tokio_rustls::TlsConnector;
 use tracing::{Instrument, debug, info_span};
 
 use crate::metrics::HealthMetrics;
-use crate::probe::{Credentials, FailureReason, ProbeSuccess, ProbeUrl, probe};
+use crate::probe::{FailureReason, ProbeSuccess, ProbeUrl, probe};
 use crate::thresholds::{Counters, Verdict as Threshold};
 use crate::verdicts::{CurrentVerdict, TargetKey, Verdicts};
 
@@ -34,7 +35,7 @@ pub struct Target<K = String> {
     /// The proxy's port.
     pub proxy_port: u16,
     /// Credentials the proxy requires.
-    pub credentials: Option<Credentials>,
+    pub credentials: Option<ProxyCredentials>,
     /// The URL fetched through the proxy.
     pub probe_url: ProbeUrl,
     /// Time between probes (at least one second).

@@ -13,11 +13,11 @@ mod probe;
 mod thresholds;
 mod verdicts;
 
+pub use egress_fleet::ProxyCredentials;
 pub use engine::{EngineConfig, HealthEngine, Target, Transition};
 pub use metrics::HealthMetrics;
 pub use probe::{
-    Credentials, FailureReason, InvalidProbeUrl, ProbeSuccess, ProbeUrl, TlsSetupError, USER_AGENT, probe,
-    tls_connector,
+    FailureReason, InvalidProbeUrl, ProbeSuccess, ProbeUrl, TlsSetupError, USER_AGENT, probe, tls_connector,
 };
 pub use thresholds::{Counters, Verdict};
 pub use verdicts::{CurrentVerdict, TargetKey, Verdicts};

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use egress_fleet::ProxyCredentials;
 use http::{Method, Request, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Bytes;
@@ -164,26 +165,10 @@ impl ProbeUrl {
     }
 }
 
-/// Basic credentials for the proxy. `Debug` does not show the password.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Credentials {
-    /// The user name.
-    pub username: String,
-    /// The password.
-    pub password: String,
-}
-
-impl fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Credentials").field("username", &self.username).field("password", &"<redacted>").finish()
-    }
-}
-
-impl Credentials {
-    fn header(&self) -> String {
-        let token = base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", self.username, self.password));
-        format!("Basic {token}")
-    }
+/// The `Proxy-Authorization` value for `credentials`.
+fn basic_authorization(credentials: &ProxyCredentials) -> String {
+    let pair = format!("{}:{}", credentials.username, credentials.password.expose());
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
 }
 
 /// What a successful probe found.
@@ -199,7 +184,7 @@ pub struct ProbeSuccess {
 pub async fn probe(
     proxy_host: &str,
     proxy_port: u16,
-    credentials: Option<&Credentials>,
+    credentials: Option<&ProxyCredentials>,
     url: &ProbeUrl,
     timeout: Duration,
     tls: &TlsConnector,
@@ -283,7 +268,7 @@ async fn read_success_body(response: hyper::Response<hyper::body::Incoming>) -> 
 
 async fn absolute_get(
     stream: TcpStream,
-    credentials: Option<&Credentials>,
+    credentials: Option<&ProxyCredentials>,
     url: &ProbeUrl,
 ) -> Result<Bytes, FailureReason> {
     let mut request = Request::get(url.as_str())
@@ -291,7 +276,7 @@ async fn absolute_get(
         .header(header::USER_AGENT, USER_AGENT)
         .header(header::CONNECTION, "close");
     if let Some(credentials) = credentials {
-        request = request.header(header::PROXY_AUTHORIZATION, credentials.header());
+        request = request.header(header::PROXY_AUTHORIZATION, basic_authorization(credentials));
     }
     let request = request.body(Empty::new()).map_err(protocol)?;
     read_success_body(send(stream, request, false).await?).await
@@ -299,7 +284,7 @@ async fn absolute_get(
 
 async fn through_tunnel(
     stream: TcpStream,
-    credentials: Option<&Credentials>,
+    credentials: Option<&ProxyCredentials>,
     url: &ProbeUrl,
     tls: &TlsConnector,
 ) -> Result<Bytes, FailureReason> {
@@ -307,7 +292,7 @@ async fn through_tunnel(
     let mut connect =
         Request::builder().method(Method::CONNECT).uri(authority.as_str()).header(header::HOST, authority.as_str());
     if let Some(credentials) = credentials {
-        connect = connect.header(header::PROXY_AUTHORIZATION, credentials.header());
+        connect = connect.header(header::PROXY_AUTHORIZATION, basic_authorization(credentials));
     }
     let connect = connect.body(Empty::new()).map_err(protocol)?;
     let response = send(stream, connect, true).await?;
@@ -391,9 +376,9 @@ mod tests {
 
     #[test]
     fn credentials_do_not_show_in_debug_output() {
-        let credentials = Credentials { username: "crawler".into(), password: "s3cret".into() };
+        let credentials = ProxyCredentials::new("crawler", "s3cret");
         assert!(!format!("{credentials:?}").contains("s3cret"));
-        assert_eq!(credentials.header(), "Basic Y3Jhd2xlcjpzM2NyZXQ=");
+        assert_eq!(basic_authorization(&credentials), "Basic Y3Jhd2xlcjpzM2NyZXQ=");
     }
 
     #[test]

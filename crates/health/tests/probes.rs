@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use egress_health::{
-    Credentials, EngineConfig, FailureReason, HealthEngine, HealthMetrics, ProbeUrl, Target, Transition, probe,
+    EngineConfig, FailureReason, HealthEngine, HealthMetrics, ProbeUrl, ProxyCredentials, Target, Transition, probe,
     tls_connector,
 };
 use egress_testenv::pki::TestCa;
@@ -42,7 +42,7 @@ async fn next_transition(transitions: &mut Receiver<Transition>) -> Transition {
 async fn probe_once(
     proxy: SocketAddr,
     url: &str,
-    credentials: Option<&Credentials>,
+    credentials: Option<&ProxyCredentials>,
     timeout: Duration,
     tls: &TlsConnector,
 ) -> Result<(), FailureReason> {
@@ -107,8 +107,8 @@ async fn failure_reasons_are_told_apart() {
         Squid::start(SquidOptions { credentials: Some(("crawler".into(), "right".into())), ..SquidOptions::default() })
             .await
             .expect("squid with auth");
-    let wrong = Credentials { username: "crawler".into(), password: "wrong".into() };
-    let right = Credentials { username: "crawler".into(), password: "right".into() };
+    let wrong = ProxyCredentials::new("crawler", "wrong");
+    let right = ProxyCredentials::new("crawler", "right");
     assert_eq!(
         probe_once(authenticated.address(), &origin.url(), None, timeout, &tls).await,
         Err(FailureReason::ProxyAuthRequired)

@@ -27,7 +27,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use egress_health::{Credentials, EngineConfig, HealthEngine, HealthMetrics, ProbeUrl, Target};
+use egress_health::{EngineConfig, HealthEngine, HealthMetrics, ProbeUrl, Target};
 use egress_provider::config::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider::destinations::DestinationPolicy;
 use egress_provider::{CreateRequest, Instance, InstanceState, Provider, ProxyCredentials, Sensitive, Tags};
@@ -393,10 +393,7 @@ async fn boot_all() {
                         id: (*name).to_owned(),
                         proxy_host: ip.to_string(),
                         proxy_port: 3128,
-                        credentials: request.credentials.as_ref().map(|credentials| Credentials {
-                            username: credentials.username.clone(),
-                            password: credentials.password.expose().clone(),
-                        }),
+                        credentials: request.credentials.clone(),
                         probe_url: probe_url.clone(),
                         interval: Duration::from_secs(1),
                         timeout: Duration::from_secs(5),

@@ -2,7 +2,6 @@
 //! garbage-collection contract.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::IpAddr;
 use std::time::SystemTime;
 
@@ -66,36 +65,7 @@ impl Instance {
     }
 }
 
-/// A value that must never reach a log: its `Debug` prints a placeholder.
-#[derive(Clone, PartialEq, Eq, Default)]
-pub struct Sensitive<T>(T);
-
-impl<T> Sensitive<T> {
-    /// Wraps a secret value.
-    pub fn new(value: T) -> Self {
-        Self(value)
-    }
-
-    /// The secret value itself, for the one place that must send it (the backend's API call).
-    pub fn expose(&self) -> &T {
-        &self.0
-    }
-}
-
-impl<T> fmt::Debug for Sensitive<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-/// Basic-auth credentials Squid requires from clients.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProxyCredentials {
-    /// The user name (not secret).
-    pub username: String,
-    /// The password.
-    pub password: Sensitive<String>,
-}
+pub use egress_fleet::{ProxyCredentials, Sensitive};
 
 /// Everything a provider needs to create one instance.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,9 +13,7 @@ use egress_api::annotations::{self, FINALIZER};
 use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
 use egress_fleet::ProxyId;
 use egress_provider::destinations::DestinationRule;
-use egress_provider::{
-    CreateRequest, ErrorClass, Instance, Provider, ProviderError, ProxyCredentials, Sensitive, Tags,
-};
+use egress_provider::{CreateRequest, ErrorClass, Instance, Provider, ProviderError, Sensitive, Tags};
 use futures::{FutureExt, Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
@@ -842,7 +840,7 @@ async fn create_request(
                      reached the operator's credential store yet"
                 )))
             })?;
-            Some(ProxyCredentials { username: found.username, password: Sensitive::new(found.password) })
+            Some(found)
         }
         None => None,
     };

@@ -13,9 +13,10 @@
 //! Helm release in those namespaces would cross the wire and sit in memory).
 
 use std::collections::{HashMap, HashSet};
-use std::fmt::Debug;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use egress_fleet::ProxyCredentials;
 use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
@@ -28,25 +29,18 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::feed::{Change, Fanout, ProxyFeed, SecretIndex, auth_secret_of, reference_of, trim_metadata};
+use crate::feed::{Change, Fanout, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of, trim_metadata};
 
-/// A proxy's user name and password, as read from its auth Secret (`username`, `password`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct AuthCredentials {
-    /// The user name.
-    pub username: String,
-    /// The password.
-    pub password: String,
+/// The auth Secrets that Proxies name, and which Proxy names which; see the module documentation.
+///
+/// The index of who names what is the one the store itself follows (its resolver updates it before it reads a
+/// newly named Secret), so a consumer that hears of a changed Secret finds every Proxy that named it by then:
+/// consumers keep no copy of their own.
+#[derive(Clone)]
+pub struct CredentialStore {
+    secrets: Fanout<Secret>,
+    named: Arc<RwLock<SecretIndex>>,
 }
-
-impl Debug for AuthCredentials {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("AuthCredentials").field("username", &self.username).finish_non_exhaustive()
-    }
-}
-
-/// The auth Secrets that Proxies name; see the module documentation.
-pub type CredentialStore = Fanout<Secret>;
 
 /// How often a named Secret whose read failed (not a 404) is read again.
 const RETRY_FAILED_READS: Duration = Duration::from_secs(5);
@@ -71,7 +65,8 @@ impl CredentialStore {
                 receiver,
                 |mut receiver| async move { receiver.recv().await.map(|event| (Ok(event), receiver)) },
             );
-        let (store, _store_task) = Self::spawn(events, trim_secret, "Secret");
+        let (secrets, _store_task) = Fanout::spawn(events, trim_secret, "Secret");
+        let named = Arc::new(RwLock::new(SecretIndex::default()));
         // A watch of `PartialObjectMeta` asks the apiserver for metadata only.
         let metadata: Api<PartialObjectMeta<Secret>> = match namespace {
             Some(namespace) => Api::namespaced(client.clone(), namespace),
@@ -81,25 +76,41 @@ impl CredentialStore {
             client,
             metadata,
             events: sender,
-            named: SecretIndex::default(),
+            named: named.clone(),
             held: HashMap::new(),
             failed: HashSet::new(),
         };
         let task = tokio::spawn(resolver.run(proxies.clone()).instrument(info_span!("credentials")));
-        (store, task)
+        (Self { secrets, named }, task)
+    }
+
+    /// Whether the store is ready: see [`Fanout::ready`].
+    pub async fn ready(&self) -> bool {
+        self.secrets.ready().await
+    }
+
+    /// The store's changes: see [`Fanout::subscribe`].
+    pub fn subscribe(&self) -> impl futures::Stream<Item = Change<Secret>> + Send + 'static {
+        self.secrets.subscribe()
+    }
+
+    /// The Proxies a change of the store affects: those naming the changed Secret, or on a resync every Proxy that
+    /// names one.
+    pub fn affected(&self, change: &Change<Secret>) -> Vec<ObjectRef<GuardedProxy>> {
+        self.named.read().unwrap_or_else(std::sync::PoisonError::into_inner).affected(change)
     }
 
     /// The credentials in `namespace/name`, when the store holds that Secret with both keys.
-    pub fn credentials(&self, namespace: &str, name: &str) -> Option<AuthCredentials> {
-        let secret = self.store().get(&ObjectRef::new(name).within(namespace))?;
+    pub fn credentials(&self, namespace: &str, name: &str) -> Option<ProxyCredentials> {
+        let secret = self.secrets.store().get(&ObjectRef::new(name).within(namespace))?;
         let data = secret.data.as_ref()?;
         let field = |key: &str| data.get(key).map(|value| String::from_utf8_lossy(&value.0).into_owned());
-        Some(AuthCredentials { username: field("username")?, password: field("password")? })
+        Some(ProxyCredentials::new(field("username")?, field("password")?))
     }
 
     /// Whether the store holds `namespace/name` (named by a Proxy, existing, and read).
     pub fn holds(&self, namespace: &str, name: &str) -> bool {
-        self.store().get(&ObjectRef::new(name).within(namespace)).is_some()
+        self.secrets.store().get(&ObjectRef::new(name).within(namespace)).is_some()
     }
 }
 
@@ -108,8 +119,8 @@ struct Resolver {
     client: Client,
     metadata: Api<PartialObjectMeta<Secret>>,
     events: mpsc::UnboundedSender<watcher::Event<Secret>>,
-    /// Which Secret each Proxy names.
-    named: SecretIndex,
+    /// Which Secret each Proxy names (shared with the store's consumers; written here only).
+    named: Arc<RwLock<SecretIndex>>,
     /// What the store holds (as sent to it), so a relist can be replayed and an unchanged version skipped.
     held: HashMap<ObjectRef<Secret>, Secret>,
     /// Named Secrets whose read failed for a reason other than absence; read again every few seconds.
@@ -142,7 +153,7 @@ impl Resolver {
                 },
                 _ = retry.tick() => {
                     for secret in std::mem::take(&mut self.failed) {
-                        if self.named.names(&secret) {
+                        if self.names(&secret) {
                             self.read(&secret).await;
                         }
                     }
@@ -156,23 +167,28 @@ impl Resolver {
 
     /// Follows which Secrets are named: reads a newly named one, drops one no Proxy names any more.
     async fn proxies_changed(&mut self, proxies: &ProxyFeed, change: &Change<crate::GuardedProxy>) {
-        let before: HashSet<ObjectRef<Secret>> = self.named.secrets().cloned().collect();
-        match change {
-            Change::Object(reference) => {
-                let secret = proxies.proxy(reference).and_then(|proxy| proxy.0.as_ref().ok().and_then(auth_secret_of));
-                self.named.set(reference, secret);
-            }
-            Change::Resync => {
-                let mut named = SecretIndex::default();
-                for proxy in proxies.store().state() {
-                    if let Ok(valid) = proxy.0.as_ref() {
-                        named.set(&reference_of(proxy.as_ref()), auth_secret_of(valid));
-                    }
+        let (before, after) = {
+            let mut index = self.named.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let before: HashSet<ObjectRef<Secret>> = index.secrets().cloned().collect();
+            match change {
+                Change::Object(reference) => {
+                    let secret =
+                        proxies.proxy(reference).and_then(|proxy| proxy.0.as_ref().ok().and_then(auth_secret_of));
+                    index.set(reference, secret);
                 }
-                self.named = named;
+                Change::Resync => {
+                    let mut named = SecretIndex::default();
+                    for proxy in proxies.store().state() {
+                        if let Ok(valid) = proxy.0.as_ref() {
+                            named.set(&reference_of(proxy.as_ref()), auth_secret_of(valid));
+                        }
+                    }
+                    *index = named;
+                }
             }
-        }
-        let after: HashSet<ObjectRef<Secret>> = self.named.secrets().cloned().collect();
+            let after: HashSet<ObjectRef<Secret>> = index.secrets().cloned().collect();
+            (before, after)
+        };
         for gone in before.difference(&after) {
             self.forget(gone);
         }
@@ -217,9 +233,14 @@ impl Resolver {
         }
     }
 
+    /// Whether some Proxy names `secret`.
+    fn names(&self, secret: &ObjectRef<Secret>) -> bool {
+        self.named.read().unwrap_or_else(std::sync::PoisonError::into_inner).names(secret)
+    }
+
     /// Reads a named Secret whose metadata changed (or appeared); an unnamed one is not read.
     async fn refresh(&mut self, reference: &ObjectRef<Secret>, meta: &PartialObjectMeta<Secret>) {
-        if !self.named.names(reference) {
+        if !self.names(reference) {
             return;
         }
         let held_version = self.held.get(reference).and_then(|secret| secret.metadata.resource_version.as_deref());

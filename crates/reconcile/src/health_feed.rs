@@ -17,7 +17,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use egress_api::{Endpoint, InstanceState, Proxy, ProxyMode, ProxyPhase};
-use egress_health::{Credentials, HealthEngine, ProbeUrl, Target, Transition};
+use egress_health::{HealthEngine, ProbeUrl, Target, Transition};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
@@ -27,7 +27,7 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use crate::controller::Trigger;
 use crate::credentials::CredentialStore;
-use crate::feed::{Change, GuardedProxy, ProxyFeed, SecretIndex, auth_secret_of, reference_of};
+use crate::feed::{Change, GuardedProxy, ProxyFeed, reference_of};
 use crate::health::{ProbeKey, seed_from_status};
 
 /// How many Proxies a resync handles before it lets other tasks run.
@@ -79,7 +79,6 @@ struct Targets {
     config: HealthFeedConfig,
     engine: Arc<HealthEngine<ProbeKey>>,
     of_proxy: HashMap<ObjectRef<GuardedProxy>, Vec<ProbeKey>>,
-    secrets: SecretIndex,
 }
 
 impl Targets {
@@ -105,7 +104,6 @@ impl Targets {
         if !keys.is_empty() {
             self.of_proxy.insert(reference.clone(), keys);
         }
-        self.secrets.set(reference, proxy.and_then(auth_secret_of));
     }
 
     fn targets_of(&self, reference: &ObjectRef<GuardedProxy>, proxy: &Proxy) -> Vec<Target<ProbeKey>> {
@@ -124,9 +122,7 @@ impl Targets {
         // A Secret not in the store probes without credentials; the proxy answers 407, and the failure names it.
         let credentials = proxy.spec.auth.as_ref().and_then(|auth| {
             let namespace = proxy.namespace().unwrap_or_default();
-            self.credentials
-                .credentials(&namespace, &auth.secret_ref.name)
-                .map(|found| Credentials { username: found.username, password: found.password })
+            self.credentials.credentials(&namespace, &auth.secret_ref.name)
         });
         endpoints
             .into_iter()
@@ -157,13 +153,7 @@ impl Targets {
             }
         }
         let store = self.feed.store();
-        let gone: Vec<_> = self
-            .secrets
-            .proxies()
-            .chain(self.of_proxy.keys())
-            .filter(|key| store.get(key).is_none())
-            .cloned()
-            .collect();
+        let gone: Vec<_> = self.of_proxy.keys().filter(|key| store.get(key).is_none()).cloned().collect();
         for reference in gone {
             self.apply(&reference);
         }
@@ -171,7 +161,7 @@ impl Targets {
 
     /// Recomputes the Proxies that name a changed auth Secret (all that name one, on a resync of the Secrets).
     async fn secret_changed(&mut self, change: Change<Secret>) {
-        let users = self.secrets.affected(&change);
+        let users = self.credentials.affected(&change);
         for (index, reference) in users.iter().enumerate() {
             self.apply(reference);
             if index % YIELD_EVERY == YIELD_EVERY - 1 {
@@ -193,8 +183,7 @@ pub async fn run_health_feed(
 ) {
     let mut changes = feed.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
-    let mut targets =
-        Targets { feed, credentials, config, engine, of_proxy: HashMap::new(), secrets: SecretIndex::default() };
+    let mut targets = Targets { feed, credentials, config, engine, of_proxy: HashMap::new() };
     let work = async {
         loop {
             tokio::select! {

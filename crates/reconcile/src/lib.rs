@@ -24,11 +24,10 @@ mod providers;
 mod status;
 
 pub use controller::{Context, ControllerConfig, LeaseDrain, Trigger, run, trigger_channel};
-pub use credentials::{AuthCredentials, CredentialStore};
+pub use credentials::CredentialStore;
+pub use egress_fleet::ProxyCredentials;
 pub use error::Error;
-pub use feed::{
-    Change, Fanout, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed, SecretIndex, auth_secret_of, reference_of,
-};
+pub use feed::{Change, Fanout, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed, auth_secret_of, reference_of};
 pub use health::{ProbeKey, ProxyVerdicts, Verdict, follow_status, seed_from_status, verdict_of};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};

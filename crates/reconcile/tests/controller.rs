@@ -542,7 +542,8 @@ async fn the_credential_store_holds_exactly_the_secrets_proxies_name() {
     let (store, _task) = egress_reconcile::CredentialStore::start(ns.client(), Some(ns.name()), &feed);
     assert!(tokio::time::timeout(WAIT, store.ready()).await.expect("ready in time"));
     // Named when the operator started: held as soon as the store is ready.
-    let held = |name: &str| store.credentials(ns.name(), name).map(|found| (found.username, found.password));
+    let held =
+        |name: &str| store.credentials(ns.name(), name).map(|found| (found.username, found.password.expose().clone()));
     assert_eq!(held("first"), Some(("u1".to_owned(), "p1".to_owned())));
     assert_eq!(held("second"), None);
     assert_eq!(held("unnamed"), None);

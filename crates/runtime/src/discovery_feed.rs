@@ -16,7 +16,7 @@ use egress_reconcile::ids::{PoolId, ProxyId, pool_id, pool_id_of, proxy_id, prox
 use egress_reconcile::pool::{PoolDemand, PoolMetrics, PoolSignals, provisioning_estimate};
 use egress_reconcile::{
     Change, CredentialStore, GuardedPool, GuardedProxy, LeaseDrain, PoolFeed, ProbeKey, ProxyFeed, ProxyVerdicts,
-    SecretIndex, auth_secret_of, reference_of,
+    reference_of,
 };
 use futures::StreamExt;
 use kube::ResourceExt;
@@ -62,9 +62,8 @@ pub fn proxy_record(
     let host = endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned();
     // The verdict store has the newest verdict, ahead of the status write it triggers.
     let healthy = verdicts.is_healthy(&ProbeKey::new(namespace, name, endpoint));
-    let credentials = proxy.spec.auth.as_ref().and_then(|auth| {
-        credentials.credentials(namespace, &auth.secret_ref.name).map(|found| (found.username, found.password))
-    });
+    let credentials =
+        proxy.spec.auth.as_ref().and_then(|auth| credentials.credentials(namespace, &auth.secret_ref.name));
     Some(ProxyRecord {
         credentials,
         egress_ip: proxy.status.as_ref().and_then(|status| status.egress_ip.clone()),
@@ -180,14 +179,12 @@ struct Records {
     cooldowns: Arc<ProviderCooldowns>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
-    secrets: SecretIndex,
 }
 
 impl Records {
     fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
         let stored = self.feed.proxy(reference);
         let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
-        self.secrets.set(reference, proxy.and_then(auth_secret_of));
         if let Some(proxy) = proxy
             && !*self.leading.borrow()
             && let Some(endpoint) = proxy.effective_endpoint()
@@ -247,15 +244,7 @@ pub async fn run_discovery_feed(
     let mut pool_changes = pools.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
     let mut verdict_changes = verdicts.subscribe();
-    let mut records = Records {
-        feed,
-        verdicts,
-        leading,
-        cooldowns,
-        credentials: credentials.clone(),
-        discovery,
-        secrets: SecretIndex::default(),
-    };
+    let mut records = Records { feed, verdicts, leading, cooldowns, credentials: credentials.clone(), discovery };
     let work = async move {
         // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass; and for the pools', so
         // a lease asked for by pool is never refused as unknown by a replica that reports ready.
@@ -278,7 +267,7 @@ pub async fn run_discovery_feed(
                     Change::Resync => resync_pools(&pools, &records.discovery, &pool_metrics),
                 },
                 Some(change) = secret_changes.next() => {
-                    let affected = records.secrets.affected(&change);
+                    let affected = records.credentials.affected(&change);
                     records.update_all(affected).await;
                 }
                 verdict = verdict_changes.recv() => match verdict {
