@@ -20,6 +20,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::controller::{age, recorded_names};
 use crate::decide::EventSpec;
+use crate::events::Events;
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
 
@@ -193,25 +194,12 @@ impl OrphanCollector {
     }
 
     async fn publish(&self, proxy: &Proxy, provider_id: &str) {
-        use kube::Resource;
-        use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-        let recorder =
-            Recorder::new(self.client.clone(), Reporter { controller: "egress-operator".into(), instance: None });
         let spec = EventSpec {
             warning: false,
             reason: "OrphanDeleted",
             note: format!("deleted {provider_id}, which the Proxy no longer uses"),
         };
-        let event = Event {
-            type_: EventType::Normal,
-            reason: spec.reason.into(),
-            note: Some(spec.note),
-            action: "CollectOrphans".into(),
-            secondary: None,
-        };
-        if let Err(error) = recorder.publish(&event, &proxy.object_ref(&())).await {
-            warn!(%error, "publishing an OrphanDeleted Event failed");
-        }
+        Events::new(self.client.clone()).publish(proxy, &spec, "CollectOrphans").await;
     }
 
     /// Collects every `interval` until `shutdown` resolves.

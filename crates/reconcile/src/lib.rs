@@ -12,6 +12,7 @@ mod controller;
 mod credentials;
 pub mod decide;
 mod error;
+mod events;
 pub mod feed;
 pub mod gc;
 mod health;
