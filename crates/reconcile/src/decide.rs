@@ -227,226 +227,289 @@ fn decide_managed(facts: &Facts) -> Decision {
         }
         status.failure = None;
     }
-    let mut events = Vec::new();
-    let replacing = |status: &ProxyStatus| status.previous_instance.is_some();
-
-    // The spec went back to what the previous instance runs while its replacement was in flight: cancel the
-    // replacement. Otherwise the create below would adopt the previous instance by name, making it both current and
-    // previous, and the switch would delete the instance that serves.
-    let current_matches = status.instance.as_ref().is_some_and(|current| current.spec_hash == facts.desired_hash);
-    if !current_matches
-        && let Some(previous) = status.previous_instance.take_if(|previous| previous.spec_hash == facts.desired_hash)
-    {
-        let name = previous.name.clone();
-        // The phase stays as it is (the previous instance kept serving); the next pass sets it from the facts.
-        let unfinished = status.instance.replace(previous);
-        return match unfinished {
-            Some(unfinished) => {
-                events.push(EventSpec::normal(
-                    "ReplacementCancelled",
-                    format!("the spec is back to instance {name}'s; deleting the unfinished {}", unfinished.name),
-                ));
-                Decision {
-                    action: Action::Delete { provider_id: unfinished.provider_id },
-                    status,
-                    events,
-                    requeue: Requeue::After(Duration::ZERO),
-                }
-            }
-            None => Decision { action: Action::Nothing, status, events, requeue: Requeue::After(Duration::ZERO) },
-        };
+    if let Some(decision) = cancel_replacement(facts, &mut status) {
+        return decision;
     }
-
-    let current = status.instance.clone();
-    let Some(current) = current.filter(|current| current.spec_hash == facts.desired_hash) else {
-        // No instance with the desired spec: create it (the create is idempotent by name, so this also finds an
-        // instance created before a crash that never reached the status).
-        if let Some(stale) = status.instance.take() {
-            if status.previous_instance.is_some() {
-                // A replacement is already in flight and the spec changed again: the unfinished instance never
-                // served, so delete it now; the previous one keeps serving until the newest is ready.
-                status.phase = Some(ProxyPhase::Replacing);
-                return Decision {
-                    action: Action::Delete { provider_id: stale.provider_id },
-                    status,
-                    events,
-                    requeue: Requeue::After(Duration::ZERO),
-                };
-            }
-            events.push(EventSpec::normal(
-                "Replacing",
-                format!("{}; creating a new instance before deleting {}", facts.replacement_cause, stale.name),
-            ));
-            status.previous_instance = Some(stale);
-        } else if !matches!(status.phase, Some(ProxyPhase::Provisioning | ProxyPhase::Replacing)) {
-            events.push(EventSpec::normal("Provisioning", "creating the instance"));
-        }
-        status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
-        return Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) };
+    let Some(current) = status.instance.clone().filter(|current| current.spec_hash == facts.desired_hash) else {
+        return create_desired(facts, status);
     };
-
     match &facts.desired {
-        Observed::NotRecorded | Observed::NotFound => {
-            if current.state != InstanceState::Terminated {
-                events.push(EventSpec::warning(
-                    "InstanceLost",
-                    format!("instance {} disappeared from the provider; creating it again", current.name),
-                ));
-            }
-            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
-            Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) }
-        }
+        Observed::NotRecorded | Observed::NotFound => instance_lost(status, &current),
         Observed::Found { state: InstanceState::Terminated | InstanceState::Stopped, .. } => {
-            if current.state != InstanceState::Terminated {
-                events.push(EventSpec::warning(
-                    "InstanceLost",
-                    format!(
-                        "instance {} stopped unexpectedly (preempted or failed); deleting and creating it again",
-                        current.name
-                    ),
-                ));
-            }
-            let instance = status.instance.as_mut().expect("the current instance is recorded");
-            instance.state = InstanceState::Terminated;
-            instance.ip = None;
-            if !replacing(&status) {
-                status.endpoint = None;
-            }
-            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
-            Decision {
-                action: Action::Delete { provider_id: current.provider_id.clone() },
-                status,
-                events,
-                requeue: Requeue::After(DELETING_REQUEUE),
-            }
+            instance_stopped(status, &current)
         }
         Observed::Found { state, ip, .. } if *state != InstanceState::Running || ip.is_none() => {
-            let instance = status.instance.as_mut().expect("the current instance is recorded");
-            instance.state = InstanceState::Provisioning;
-            instance.ip = ip.clone();
-            status.phase = Some(if replacing(&status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning });
-            Decision { action: Action::Nothing, status, events, requeue: Requeue::After(PROVISIONING_REQUEUE) }
+            instance_coming_up(status, ip.clone())
         }
         Observed::Found { ip, created_at, .. } => {
-            let ip = ip.clone().unwrap_or_default();
-            let instance = status.instance.as_mut().expect("the current instance is recorded");
-            let first_run = instance.state != InstanceState::Running;
-            instance.state = InstanceState::Running;
-            instance.ip = Some(ip.clone());
-            if first_run {
-                events.push(EventSpec::normal("Provisioned", format!("instance {} runs at {ip}", current.name)));
-            }
-            let candidate = Endpoint { host: ip, port: facts.port };
-            let healthy = facts.health.as_ref().map(|verdict| verdict.healthy);
-            if let Some(previous) = status.previous_instance.clone() {
-                if healthy != Some(true) {
-                    // Make before break: the old instance serves until the new one is proven healthy.
-                    status.phase = Some(ProxyPhase::Replacing);
-                    // A replacement that is itself dead is replaced in turn, each time after twice as long.
-                    let factor = 1_u32 << status.replacements.unwrap_or(0).min(4);
-                    let requeue = match self_heal(facts, &mut status, &mut events, &current.name, factor) {
-                        Some(wait) => wait.min(facts.resync),
-                        None => facts.resync,
-                    };
-                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) };
-                }
-                // The new instance is healthy: switch the endpoint in this one write.
-                status.endpoint = Some(EndpointStatus::from(&candidate));
-                apply_health(facts, &mut status, &mut events);
-                status.phase = Some(ProxyPhase::Ready);
-                return match facts.previous {
-                    PreviousObserved::Present => {
-                        // Drain: the old instance serves the leases still on it until their holders renew (and
-                        // are told the new URL), release, or let them expire, or until the drain timeout.
-                        let since = previous.draining_since.as_ref().map_or(facts.now, crate::status::system_time);
-                        let deadline = since + facts.drain_timeout;
-                        if facts.previous_leases > 0 && facts.now < deadline {
-                            if previous.draining_since.is_none() {
-                                events.push(EventSpec::normal(
-                                    "Draining",
-                                    format!(
-                                        "instance {} serves; {} keeps serving {} lease(s) until their holders renew \
-                                         onto it, release or expire (at most {}s)",
-                                        current.name,
-                                        previous.name,
-                                        facts.previous_leases,
-                                        facts.drain_timeout.as_secs()
-                                    ),
-                                ));
-                            }
-                            if let Some(previous) = status.previous_instance.as_mut() {
-                                previous.draining_since = Some(time(since));
-                            }
-                            let left = deadline.duration_since(facts.now).unwrap_or_default();
-                            let requeue = DRAIN_RECHECK.min(left).max(Duration::from_millis(100));
-                            return Decision {
-                                action: Action::Nothing,
-                                status,
-                                events,
-                                requeue: Requeue::After(requeue),
-                            };
-                        }
-                        if facts.previous_leases > 0 {
-                            events.push(EventSpec::warning(
-                                "DrainTimedOut",
-                                format!(
-                                    "deleting {} with {} lease(s) still on it after the {}s drain timeout",
-                                    previous.name,
-                                    facts.previous_leases,
-                                    facts.drain_timeout.as_secs()
-                                ),
-                            ));
-                        }
-                        Decision {
-                            action: Action::Delete { provider_id: previous.provider_id },
-                            status,
-                            events,
-                            requeue: Requeue::After(DELETING_REQUEUE),
-                        }
-                    }
-                    PreviousObserved::Gone | PreviousObserved::None => {
-                        status.previous_instance = None;
-                        events.push(EventSpec::normal(
-                            "Replaced",
-                            format!("instance {} replaced {}", current.name, previous.name),
-                        ));
-                        Decision { action: Action::Nothing, status, events, requeue: Requeue::After(facts.resync) }
-                    }
-                };
-            }
-            status.endpoint = Some(EndpointStatus::from(&candidate));
-            apply_health(facts, &mut status, &mut events);
-            status.phase = Some(match healthy {
-                Some(true) => ProxyPhase::Ready,
-                Some(false) => ProxyPhase::Unhealthy,
-                None => ProxyPhase::Running,
-            });
-            let mut requeue = facts.resync;
-            if let Some(wait) = self_heal(facts, &mut status, &mut events, &current.name, 1) {
-                if wait.is_zero() {
-                    return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(wait) };
-                }
-                requeue = requeue.min(wait);
-            }
-            if let (Some(max_age), Some(created_at)) = (facts.max_age, created_at) {
-                let expires = *created_at + max_age;
-                match expires.duration_since(facts.now) {
-                    Ok(left) => requeue = requeue.min(left),
-                    Err(_) => {
-                        // Older than maxAge: count a rotation, which changes the desired spec hash; the next
-                        // reconcile creates the replacement. Recording it in status first survives a crash.
-                        status.max_age_rotations = Some(status.max_age_rotations.unwrap_or(0) + 1);
-                        events.push(EventSpec::normal(
-                            "Replacing",
-                            format!("instance {} reached maxAge; replacing it for a new address", current.name),
-                        ));
-                        requeue = Duration::ZERO;
-                    }
-                }
-            }
-            Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) }
+            instance_running(facts, status, &current, ip.clone().unwrap_or_default(), *created_at)
         }
     }
+}
+
+fn replacing(status: &ProxyStatus) -> bool {
+    status.previous_instance.is_some()
+}
+
+/// The phase of a Proxy whose current instance is not serving yet: `Replacing` while a previous one serves.
+fn coming_up_phase(status: &ProxyStatus) -> ProxyPhase {
+    if replacing(status) { ProxyPhase::Replacing } else { ProxyPhase::Provisioning }
+}
+
+/// The spec went back to what the previous instance runs while its replacement was in flight: cancel the
+/// replacement. Otherwise the create that follows would adopt the previous instance by name, making it both current
+/// and previous, and the switch would delete the instance that serves.
+fn cancel_replacement(facts: &Facts, status: &mut ProxyStatus) -> Option<Decision> {
+    let current_matches = status.instance.as_ref().is_some_and(|current| current.spec_hash == facts.desired_hash);
+    if current_matches {
+        return None;
+    }
+    let previous = status.previous_instance.take_if(|previous| previous.spec_hash == facts.desired_hash)?;
+    let name = previous.name.clone();
+    // The phase stays as it is (the previous instance kept serving); the next pass sets it from the facts.
+    let unfinished = status.instance.replace(previous);
+    let status = status.clone();
+    Some(match unfinished {
+        Some(unfinished) => Decision {
+            action: Action::Delete { provider_id: unfinished.provider_id },
+            status,
+            events: vec![EventSpec::normal(
+                "ReplacementCancelled",
+                format!("the spec is back to instance {name}'s; deleting the unfinished {}", unfinished.name),
+            )],
+            requeue: Requeue::After(Duration::ZERO),
+        },
+        None => {
+            Decision { action: Action::Nothing, status, events: Vec::new(), requeue: Requeue::After(Duration::ZERO) }
+        }
+    })
+}
+
+/// No instance with the desired spec: create it (the create is idempotent by name, so this also finds an instance
+/// created before a crash that never reached the status), keeping a stale current one as the previous instance.
+fn create_desired(facts: &Facts, mut status: ProxyStatus) -> Decision {
+    let mut events = Vec::new();
+    if let Some(stale) = status.instance.take() {
+        if status.previous_instance.is_some() {
+            // A replacement is already in flight and the spec changed again: the unfinished instance never
+            // served, so delete it now; the previous one keeps serving until the newest is ready.
+            status.phase = Some(ProxyPhase::Replacing);
+            return Decision {
+                action: Action::Delete { provider_id: stale.provider_id },
+                status,
+                events,
+                requeue: Requeue::After(Duration::ZERO),
+            };
+        }
+        events.push(EventSpec::normal(
+            "Replacing",
+            format!("{}; creating a new instance before deleting {}", facts.replacement_cause, stale.name),
+        ));
+        status.previous_instance = Some(stale);
+    } else if !matches!(status.phase, Some(ProxyPhase::Provisioning | ProxyPhase::Replacing)) {
+        events.push(EventSpec::normal("Provisioning", "creating the instance"));
+    }
+    status.phase = Some(coming_up_phase(&status));
+    Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) }
+}
+
+/// The provider does not know the current instance: create it again.
+fn instance_lost(mut status: ProxyStatus, current: &InstanceStatus) -> Decision {
+    let mut events = Vec::new();
+    if current.state != InstanceState::Terminated {
+        events.push(EventSpec::warning(
+            "InstanceLost",
+            format!("instance {} disappeared from the provider; creating it again", current.name),
+        ));
+    }
+    status.phase = Some(coming_up_phase(&status));
+    Decision { action: Action::Create, status, events, requeue: Requeue::After(Duration::ZERO) }
+}
+
+/// The current instance stopped (preempted or failed): delete it; the next pass creates it again.
+fn instance_stopped(mut status: ProxyStatus, current: &InstanceStatus) -> Decision {
+    let mut events = Vec::new();
+    if current.state != InstanceState::Terminated {
+        events.push(EventSpec::warning(
+            "InstanceLost",
+            format!(
+                "instance {} stopped unexpectedly (preempted or failed); deleting and creating it again",
+                current.name
+            ),
+        ));
+    }
+    let instance = status.instance.as_mut().expect("the current instance is recorded");
+    instance.state = InstanceState::Terminated;
+    instance.ip = None;
+    if !replacing(&status) {
+        status.endpoint = None;
+    }
+    status.phase = Some(coming_up_phase(&status));
+    Decision {
+        action: Action::Delete { provider_id: current.provider_id.clone() },
+        status,
+        events,
+        requeue: Requeue::After(DELETING_REQUEUE),
+    }
+}
+
+/// The current instance exists but is not running with an address yet.
+fn instance_coming_up(mut status: ProxyStatus, ip: Option<String>) -> Decision {
+    let instance = status.instance.as_mut().expect("the current instance is recorded");
+    instance.state = InstanceState::Provisioning;
+    instance.ip = ip;
+    status.phase = Some(coming_up_phase(&status));
+    Decision { action: Action::Nothing, status, events: Vec::new(), requeue: Requeue::After(PROVISIONING_REQUEUE) }
+}
+
+/// The current instance runs at `ip`: it serves (or, during a replacement, takes over once healthy).
+fn instance_running(
+    facts: &Facts,
+    mut status: ProxyStatus,
+    current: &InstanceStatus,
+    ip: String,
+    created_at: Option<SystemTime>,
+) -> Decision {
+    let mut events = Vec::new();
+    let instance = status.instance.as_mut().expect("the current instance is recorded");
+    let first_run = instance.state != InstanceState::Running;
+    instance.state = InstanceState::Running;
+    instance.ip = Some(ip.clone());
+    if first_run {
+        events.push(EventSpec::normal("Provisioned", format!("instance {} runs at {ip}", current.name)));
+    }
+    let candidate = Endpoint { host: ip, port: facts.port };
+    if let Some(previous) = status.previous_instance.clone() {
+        return take_over(facts, status, events, current, &previous, &candidate);
+    }
+    serve(facts, status, events, current, &candidate, created_at)
+}
+
+/// A replacement whose new instance runs: make before break. The old instance serves until the new one is proven
+/// healthy; then the endpoint switches in one write and the old one drains and goes.
+fn take_over(
+    facts: &Facts,
+    mut status: ProxyStatus,
+    mut events: Vec<EventSpec>,
+    current: &InstanceStatus,
+    previous: &InstanceStatus,
+    candidate: &Endpoint,
+) -> Decision {
+    if facts.health.as_ref().map(|verdict| verdict.healthy) != Some(true) {
+        status.phase = Some(ProxyPhase::Replacing);
+        // A replacement that is itself dead is replaced in turn, each time after twice as long.
+        let factor = 1_u32 << status.replacements.unwrap_or(0).min(4);
+        let requeue = match self_heal(facts, &mut status, &mut events, &current.name, factor) {
+            Some(wait) => wait.min(facts.resync),
+            None => facts.resync,
+        };
+        return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) };
+    }
+    status.endpoint = Some(EndpointStatus::from(candidate));
+    apply_health(facts, &mut status, &mut events);
+    status.phase = Some(ProxyPhase::Ready);
+    match facts.previous {
+        PreviousObserved::Present => drain_previous(facts, status, events, current, previous),
+        PreviousObserved::Gone | PreviousObserved::None => {
+            status.previous_instance = None;
+            events.push(EventSpec::normal("Replaced", format!("instance {} replaced {}", current.name, previous.name)));
+            Decision { action: Action::Nothing, status, events, requeue: Requeue::After(facts.resync) }
+        }
+    }
+}
+
+/// The old instance of a finished replacement serves the leases still on it until their holders renew (and are
+/// told the new URL), release, or let them expire, or until the drain timeout; then it is deleted.
+fn drain_previous(
+    facts: &Facts,
+    mut status: ProxyStatus,
+    mut events: Vec<EventSpec>,
+    current: &InstanceStatus,
+    previous: &InstanceStatus,
+) -> Decision {
+    let since = previous.draining_since.as_ref().map_or(facts.now, crate::status::system_time);
+    let deadline = since + facts.drain_timeout;
+    if facts.previous_leases > 0 && facts.now < deadline {
+        if previous.draining_since.is_none() {
+            events.push(EventSpec::normal(
+                "Draining",
+                format!(
+                    "instance {} serves; {} keeps serving {} lease(s) until their holders renew onto it, release or \
+                     expire (at most {}s)",
+                    current.name,
+                    previous.name,
+                    facts.previous_leases,
+                    facts.drain_timeout.as_secs()
+                ),
+            ));
+        }
+        if let Some(previous) = status.previous_instance.as_mut() {
+            previous.draining_since = Some(time(since));
+        }
+        let left = deadline.duration_since(facts.now).unwrap_or_default();
+        let requeue = DRAIN_RECHECK.min(left).max(Duration::from_millis(100));
+        return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) };
+    }
+    if facts.previous_leases > 0 {
+        events.push(EventSpec::warning(
+            "DrainTimedOut",
+            format!(
+                "deleting {} with {} lease(s) still on it after the {}s drain timeout",
+                previous.name,
+                facts.previous_leases,
+                facts.drain_timeout.as_secs()
+            ),
+        ));
+    }
+    Decision {
+        action: Action::Delete { provider_id: previous.provider_id.clone() },
+        status,
+        events,
+        requeue: Requeue::After(DELETING_REQUEUE),
+    }
+}
+
+/// The current instance serves: its phase from the health verdict, self-healing of a dead instance, and the
+/// `maxAge` rotation.
+fn serve(
+    facts: &Facts,
+    mut status: ProxyStatus,
+    mut events: Vec<EventSpec>,
+    current: &InstanceStatus,
+    candidate: &Endpoint,
+    created_at: Option<SystemTime>,
+) -> Decision {
+    status.endpoint = Some(EndpointStatus::from(candidate));
+    apply_health(facts, &mut status, &mut events);
+    status.phase = Some(match facts.health.as_ref().map(|verdict| verdict.healthy) {
+        Some(true) => ProxyPhase::Ready,
+        Some(false) => ProxyPhase::Unhealthy,
+        None => ProxyPhase::Running,
+    });
+    let mut requeue = facts.resync;
+    if let Some(wait) = self_heal(facts, &mut status, &mut events, &current.name, 1) {
+        if wait.is_zero() {
+            return Decision { action: Action::Nothing, status, events, requeue: Requeue::After(wait) };
+        }
+        requeue = requeue.min(wait);
+    }
+    if let (Some(max_age), Some(created_at)) = (facts.max_age, created_at) {
+        let expires = created_at + max_age;
+        match expires.duration_since(facts.now) {
+            Ok(left) => requeue = requeue.min(left),
+            Err(_) => {
+                // Older than maxAge: count a rotation, which changes the desired spec hash; the next
+                // reconcile creates the replacement. Recording it in status first survives a crash.
+                status.max_age_rotations = Some(status.max_age_rotations.unwrap_or(0) + 1);
+                events.push(EventSpec::normal(
+                    "Replacing",
+                    format!("instance {} reached maxAge; replacing it for a new address", current.name),
+                ));
+                requeue = Duration::ZERO;
+            }
+        }
+    }
+    Decision { action: Action::Nothing, status, events, requeue: Requeue::After(requeue) }
 }
 
 /// Self-healing: when the instance `name` has been dead (unhealthy, and the failure says it does not answer) for

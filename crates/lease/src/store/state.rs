@@ -1,0 +1,420 @@
+//! The store's state under its one mutex: proxies with their eligibility index, live and ended leases, cooldowns,
+//! sessions and outcomes, each with its expiry set; and the operations on it that keep those indexes in step.
+
+use super::*;
+
+pub(super) struct ProxyState {
+    pub(super) info: ProxyInfo,
+    pub(super) active: u32,
+    pub(super) last_leased: u64,
+    /// Serials of its live leases.
+    pub(super) leases: HashSet<u64>,
+}
+
+impl ProxyState {
+    pub(super) fn eligible(&self) -> bool {
+        self.info.healthy && self.active < self.info.max_leases
+    }
+    pub(super) fn key(&self) -> (u32, u64, ProxyId) {
+        (self.active, self.last_leased, self.info.id.clone())
+    }
+}
+
+pub(super) struct LeaseState {
+    pub(super) proxy: ProxyId,
+    pub(super) target: String,
+    pub(super) expires_at: SystemTime,
+    /// The order of grant (or adoption), so a lowered cap revokes the newest leases first.
+    pub(super) sequence: u64,
+    pub(super) granted_at: SystemTime,
+    /// The proxy's endpoint the holder was last told, so a replaced instance is drained until its leases move.
+    pub(super) endpoint: String,
+    /// Taken over from an ID another store issued (after a restart or a change of leader): it may have been
+    /// granted before a cooldown this store knows, and it may take its proxy above the cap.
+    pub(super) adopted: bool,
+    /// Requests its reports have counted so far (bounded by what the lease could have made).
+    pub(super) reported: u64,
+    /// Who holds it (the owner its IDs are bound to).
+    pub(super) owner: String,
+}
+
+/// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
+/// to refuse them (a released lease never comes back) and to still count a late report against its proxy.
+pub(super) struct EndedLease {
+    /// `None` for one restored from elsewhere until an ID of it is shown (its claims say).
+    pub(super) proxy: Option<ProxyId>,
+    pub(super) target: String,
+    /// Its latest expiry; remembered until then.
+    pub(super) until: SystemTime,
+    /// Released by its holder (404 from now on) rather than revoked by the store (410).
+    pub(super) released: bool,
+    pub(super) granted_at: SystemTime,
+    pub(super) reported: u64,
+}
+
+impl EndedLease {
+    /// A live lease that ended now: released by its holder, or revoked.
+    pub(super) fn of(lease: LeaseState, released: bool) -> Self {
+        Self {
+            proxy: Some(lease.proxy),
+            target: lease.target,
+            until: lease.expires_at,
+            released,
+            granted_at: lease.granted_at,
+            reported: lease.reported,
+        }
+    }
+}
+
+pub(super) struct CooldownState {
+    pub(super) until: SystemTime,
+    pub(super) streak: u32,
+    pub(super) forget_at: SystemTime,
+    /// The store sequence when the ban was reported, to tell a cooldown that predates a lease from a later one.
+    pub(super) started: u64,
+    /// Who made the running cooldown (lease owners), and whether with a ban: one owner's further reports while
+    /// it runs change nothing (a ban after only a throttle still counts), another owner's ban counts once.
+    pub(super) reporters: Vec<(String, bool)>,
+    /// The end of a cooldown an administrator cleared: an older record of it (in the journal) is not restored.
+    pub(super) cleared_until: Option<SystemTime>,
+}
+
+#[derive(Default)]
+pub(super) struct Inner {
+    pub(super) proxies: HashMap<ProxyId, ProxyState>,
+    /// Eligible proxies by (active leases, last leased sequence, id).
+    pub(super) available: BTreeSet<(u32, u64, ProxyId)>,
+    /// Live leases by serial.
+    pub(super) leases: HashMap<u64, LeaseState>,
+    pub(super) lease_expiries: BTreeSet<(SystemTime, u64)>,
+    /// Leases revoked or released before their expiry, kept until then.
+    pub(super) ended: HashMap<u64, EndedLease>,
+    pub(super) ended_expiries: BTreeSet<(SystemTime, u64)>,
+    /// Changes whenever a lease ends (or an ended one turns from revoked to released), so a caller that keeps the
+    /// ended leases elsewhere knows when to write them again.
+    pub(super) ended_generation: u64,
+    pub(super) cooldowns: HashMap<(ProxyId, String), CooldownState>,
+    pub(super) cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
+    /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
+    pub(super) sessions: HashMap<(String, String), (ProxyId, SystemTime)>,
+    pub(super) session_expiries: BTreeSet<(SystemTime, String, String)>,
+    /// Proxies by the egress IP they were last seen leaving through.
+    pub(super) by_egress: HashMap<String, BTreeSet<ProxyId>>,
+    /// What was reported per (proxy, target), and when each is forgotten.
+    pub(super) outcomes: HashMap<(ProxyId, String), (Outcomes, SystemTime)>,
+    pub(super) outcome_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
+    pub(super) sequence: u64,
+    /// How many leases were taken over from IDs this store had not issued.
+    pub(super) adopted: u64,
+    /// Live leases by owner.
+    pub(super) owners: HashMap<String, HashSet<u64>>,
+}
+
+/// The key of an owner's session: sessions of different owners never meet, whatever they are called.
+pub(super) fn session_key(owner: &str, session: &str) -> String {
+    format!("{owner}\n{session}")
+}
+
+/// How long a (proxy, target) pair's reported outcomes are kept after its last report.
+pub(super) const OUTCOMES_KEPT: Duration = Duration::from_secs(3600);
+
+impl Inner {
+    pub(super) fn unindex_egress(&mut self, id: &ProxyId, ip: Option<&str>) {
+        if let Some(ip) = ip
+            && let Some(proxies) = self.by_egress.get_mut(ip)
+        {
+            proxies.remove(id);
+            if proxies.is_empty() {
+                self.by_egress.remove(ip);
+            }
+        }
+    }
+
+    /// The other proxies known to leave through the same egress IP as `proxy`.
+    pub(super) fn siblings(&self, proxy: &ProxyId) -> Vec<ProxyId> {
+        let Some(ip) = self.proxies.get(proxy).and_then(|state| state.info.egress_ip.as_ref()) else {
+            return Vec::new();
+        };
+        self.by_egress
+            .get(ip)
+            .map_or_else(Vec::new, |proxies| proxies.iter().filter(|other| *other != proxy).cloned().collect())
+    }
+
+    /// Extends the cooldown of every sibling of `proxy` for `target` to at least `until` and `streak`: the site
+    /// sees one address. `owner`'s report (a ban when `ban`) made it, on each of them.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn share_cooldown(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        proxy: &ProxyId,
+        target: &str,
+        until: SystemTime,
+        streak: u32,
+        (owner, ban): (&str, bool),
+        now: SystemTime,
+    ) -> Vec<ProxyId> {
+        let siblings = self.siblings(proxy);
+        for sibling in &siblings {
+            let key = (sibling.clone(), target.to_owned());
+            let known = self.cooldowns.get(&key);
+            let running = known.is_some_and(|cooldown| cooldown.until > now);
+            let (known_until, known_streak) = known.map_or((until, 0), |cooldown| (cooldown.until, cooldown.streak));
+            self.set_cooldown(
+                store,
+                sibling.clone(),
+                target.to_owned(),
+                known_until.max(until),
+                known_streak.max(streak),
+            );
+            self.reported_by(&key, owner, ban, running);
+        }
+        siblings
+    }
+
+    pub(super) fn outcomes_of(&self, proxy: &ProxyId, target: &str) -> Option<Outcomes> {
+        self.outcomes.get(&(proxy.to_owned(), target.to_owned())).map(|(outcomes, _)| *outcomes)
+    }
+
+    pub(super) fn cooling_until(&self, proxy: &ProxyId, target: &str, now: SystemTime) -> Option<SystemTime> {
+        self.cooldowns
+            .get(&(proxy.to_owned(), target.to_owned()))
+            .map(|cooldown| cooldown.until)
+            .filter(|until| *until > now)
+    }
+
+    pub(super) fn reindex(&mut self, id: &ProxyId, update: impl FnOnce(&mut ProxyState)) {
+        let Some(proxy) = self.proxies.get_mut(id) else { return };
+        self.available.remove(&proxy.key());
+        update(proxy);
+        if proxy.eligible() {
+            self.available.insert(proxy.key());
+        }
+    }
+
+    /// Frees a live lease's slot. Returns its state, or `None` if it is not live (so a slot is never freed twice).
+    pub(super) fn free(&mut self, serial: u64) -> Option<LeaseState> {
+        let lease = self.leases.remove(&serial)?;
+        self.lease_expiries.remove(&(lease.expires_at, serial));
+        if let Some(held) = self.owners.get_mut(&lease.owner) {
+            held.remove(&serial);
+            if held.is_empty() {
+                self.owners.remove(&lease.owner);
+            }
+        }
+        let proxy = lease.proxy.clone();
+        self.reindex(&proxy, |state| {
+            state.active -= 1;
+            state.leases.remove(&serial);
+        });
+        Some(lease)
+    }
+
+    /// Remembers a lease that ended before `until` (its latest expiry), so its IDs are refused until then.
+    pub(super) fn end(&mut self, serial: u64, ended: EndedLease) {
+        let until = ended.until;
+        if let Some(previous) = self.ended.insert(serial, ended) {
+            self.ended_expiries.remove(&(previous.until, serial));
+        }
+        self.ended_expiries.insert((until, serial));
+        self.ended_generation += 1;
+    }
+
+    /// Marks an ended lease released (404 from now on rather than 410).
+    pub(super) fn mark_released(&mut self, serial: u64) -> bool {
+        let Some(ended) = self.ended.get_mut(&serial) else { return false };
+        if !ended.released {
+            ended.released = true;
+            self.ended_generation += 1;
+        }
+        true
+    }
+
+    /// Ends a live lease for good: its slot is freed and its IDs are refused from now on. Whether it was live.
+    pub(super) fn release_live(&mut self, serial: u64) -> bool {
+        let Some(lease) = self.free(serial) else { return false };
+        self.end(serial, EndedLease::of(lease, true));
+        true
+    }
+
+    pub(super) fn revoke_all(&mut self, proxy: &ProxyId) {
+        self.revoke_above(proxy, 0);
+    }
+
+    /// Revokes the newest leases of `proxy` until at most `keep` remain.
+    pub(super) fn revoke_above(&mut self, proxy: &ProxyId, keep: u32) {
+        let mut serials: Vec<(u64, u64)> = self
+            .proxies
+            .get(proxy)
+            .map(|state| {
+                state.leases.iter().filter_map(|serial| Some((self.leases.get(serial)?.sequence, *serial))).collect()
+            })
+            .unwrap_or_default();
+        serials.sort_unstable();
+        let excess = serials.len().saturating_sub(keep as usize);
+        for (_, serial) in serials.into_iter().rev().take(excess) {
+            if let Some(lease) = self.free(serial) {
+                self.end(serial, EndedLease::of(lease, false));
+            }
+        }
+    }
+
+    /// Notes that `owner`'s report (a ban or a throttle) made the cooldown of `key`: added to who counted in it
+    /// when it was running already, else the first.
+    pub(super) fn reported_by(&mut self, key: &(ProxyId, String), owner: &str, ban: bool, running: bool) {
+        if let Some(cooldown) = self.cooldowns.get_mut(key) {
+            if !running {
+                cooldown.reporters.clear();
+            }
+            match cooldown.reporters.iter_mut().find(|(who, _)| who == owner) {
+                Some((_, banned)) => *banned |= ban,
+                None => cooldown.reporters.push((owner.to_owned(), ban)),
+            }
+        }
+    }
+
+    pub(super) fn grant(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        proxy: &ProxyId,
+        target: &str,
+        owner: &str,
+        ttl: Duration,
+        now: SystemTime,
+    ) -> Lease {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        let serial = store.serial_base.wrapping_add(sequence);
+        // To the second, as the ID carries it: the store that adopts the lease sees the same expiry.
+        let expires_at = whole_seconds(now + ttl);
+        let mut endpoint = String::new();
+        self.reindex(proxy, |state| {
+            state.active += 1;
+            state.last_leased = sequence;
+            state.leases.insert(serial);
+            endpoint.clone_from(&state.info.endpoint);
+        });
+        let lease = LeaseState {
+            proxy: proxy.to_owned(),
+            target: target.to_owned(),
+            expires_at,
+            sequence,
+            granted_at: now,
+            endpoint,
+            adopted: false,
+            reported: 0,
+            owner: owner.to_owned(),
+        };
+        self.owners.entry(owner.to_owned()).or_default().insert(serial);
+        let granted = store.sign(serial, &lease, owner);
+        self.leases.insert(serial, lease);
+        self.lease_expiries.insert((expires_at, serial));
+        granted
+    }
+
+    /// Adds `counted` to what (proxy, target) has seen reported, remembered for an hour after the last report;
+    /// beyond the configured bound, the least recently reported pairs go.
+    pub(super) fn count(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        key: (ProxyId, String),
+        counted: Outcomes,
+        now: SystemTime,
+    ) {
+        if counted.total() == 0 {
+            return;
+        }
+        let forget_at = now + OUTCOMES_KEPT;
+        let entry = self.outcomes.entry(key.clone()).or_insert((Outcomes::default(), forget_at));
+        let previous = std::mem::replace(&mut entry.1, forget_at);
+        entry.0.ok += counted.ok;
+        entry.0.failed += counted.failed;
+        entry.0.banned += counted.banned;
+        entry.0.throttled += counted.throttled;
+        self.outcome_expiries.remove(&(previous, key.0.clone(), key.1.clone()));
+        self.outcome_expiries.insert((forget_at, key.0, key.1));
+        while self.outcomes.len() > store.config.max_outcomes {
+            let Some((_, proxy, target)) = self.outcome_expiries.pop_first() else { break };
+            self.outcomes.remove(&(proxy, target));
+        }
+    }
+
+    /// Records a cooldown of `proxy` for `target`, remembered for one more cooldown length after it ends (so a
+    /// ban soon after counts as "in a row"); beyond the configured bound, the entries closest to being forgotten go.
+    pub(super) fn set_cooldown(
+        &mut self,
+        store: &InMemoryLeaseStore,
+        proxy: ProxyId,
+        target: String,
+        until: SystemTime,
+        streak: u32,
+    ) {
+        let forget_at = until + store.cooldown_for(self, &proxy, streak.saturating_add(1));
+        self.sequence += 1;
+        let started = self.sequence;
+        let key = (proxy, target);
+        let (reporters, cleared_until) = self
+            .cooldowns
+            .get(&key)
+            .map(|previous| (previous.reporters.clone(), previous.cleared_until))
+            .unwrap_or_default();
+        let state = CooldownState { until, streak, forget_at, started, reporters, cleared_until };
+        if let Some(previous) = self.cooldowns.insert(key.clone(), state) {
+            self.cooldown_expiries.remove(&(previous.forget_at, key.0.clone(), key.1.clone()));
+        }
+        self.cooldown_expiries.insert((forget_at, key.0, key.1));
+        while self.cooldowns.len() > store.config.max_cooldowns {
+            let Some((at, proxy, target)) = self.cooldown_expiries.pop_first() else { break };
+            let key = (proxy, target);
+            if self.cooldowns.get(&key).is_some_and(|cooldown| cooldown.forget_at == at) {
+                self.cooldowns.remove(&key);
+            }
+        }
+    }
+
+    pub(super) fn expire(&mut self, now: SystemTime) -> usize {
+        let mut expired = 0;
+        while let Some((at, serial)) = self.lease_expiries.first().copied() {
+            if at > now {
+                break;
+            }
+            if self.free(serial).is_some() {
+                expired += 1;
+            }
+        }
+        while let Some((at, serial)) = self.ended_expiries.first().copied() {
+            if at > now {
+                break;
+            }
+            self.ended_expiries.pop_first();
+            self.ended.remove(&serial);
+        }
+        while let Some((at, proxy, target)) = self.cooldown_expiries.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.cooldown_expiries.pop_first();
+            let key = (proxy, target);
+            if self.cooldowns.get(&key).is_some_and(|cooldown| cooldown.forget_at == at) {
+                self.cooldowns.remove(&key);
+            }
+        }
+        while let Some((at, proxy, target)) = self.outcome_expiries.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.outcome_expiries.pop_first();
+            self.outcomes.remove(&(proxy, target));
+        }
+        while let Some((at, session, target)) = self.session_expiries.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.session_expiries.pop_first();
+            let key = (session, target);
+            if self.sessions.get(&key).is_some_and(|(_, forget_at)| *forget_at == at) {
+                self.sessions.remove(&key);
+            }
+        }
+        expired
+    }
+}
