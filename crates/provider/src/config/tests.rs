@@ -1,5 +1,6 @@
 //! Table tests of the providers file: what parses, and the exact message and path of each mistake.
 
+use super::walker::is_quantity;
 use super::*;
 
 fn parse(text: &str) -> Result<ProvidersConfig, ConfigError> {

@@ -1,0 +1,60 @@
+//! The cooldown routes: list the live cooldowns, and (admin) clear a site's.
+
+use super::*;
+
+/// `DELETE /v1/cooldowns?target=…[&proxy=namespace/name]`: ends the cooldowns for a site now (of one proxy and
+/// those sharing its egress IP, or of every proxy) and forgets their streaks; answered once the change is kept.
+pub(super) async fn clear_cooldowns(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Response, Problem> {
+    authorize(&state, &headers, Scope::Admin)?;
+    let query = parse_query(query, &["target", "proxy"])?;
+    let Some(target) = query.get("target") else {
+        return Err(Problem::bad_request("give the site whose cooldowns to clear: ?target=<host or URL>"));
+    };
+    let proxy = query.get("proxy").map(|proxy| parse_proxy(proxy)).transpose()?;
+    if let Some(proxy) = &proxy
+        && !state.records.read().expect("record lock").contains_key(proxy)
+    {
+        return Err(Problem::not_found(format!("no proxy {proxy:?}")));
+    }
+    let cleared = state.store.clear_cooldowns(target, proxy.as_ref(), SystemTime::now()).map_err(lease_problem)?;
+    let mut proxies: Vec<&ProxyId> = cleared.iter().map(|cooldown| &cooldown.proxy).collect();
+    proxies.dedup();
+    let writes = proxies.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
+    futures::future::join_all(writes).await;
+    state.metrics.cooldowns_cleared(cleared.len());
+    tracing::info!(target = %target, proxy = ?proxy, cleared = cleared.len(), "cooldowns cleared by an administrator");
+    Ok(Json(json!({ "cleared": cleared.into_iter().map(cooldown_json).collect::<Vec<_>>() })).into_response())
+}
+
+pub(super) fn cooldown_json(cooldown: egress_lease::Cooldown) -> serde_json::Value {
+    json!({
+        "proxy": cooldown.proxy.as_str(),
+        "target": cooldown.target,
+        "until": timestamp(cooldown.until),
+        "streak": cooldown.streak,
+    })
+}
+
+pub(super) async fn list_cooldowns(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Response, Problem> {
+    let caller = authorize(&state, &headers, Scope::Read)?;
+    let query = parse_query(query, &["target"])?;
+    let cooldowns =
+        state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
+    // A tenant sees the cooldowns its own reports made; an admin sees every one.
+    let entries: Vec<serde_json::Value> = cooldowns
+        .into_iter()
+        .filter(|cooldown| {
+            caller.scope == Scope::Admin || cooldown.reporters.iter().any(|reporter| reporter == caller.owner())
+        })
+        .map(cooldown_json)
+        .collect();
+    Ok(Json(json!({ "cooldowns": entries })).into_response())
+}

@@ -1,0 +1,399 @@
+//! The lease routes: lease (by site, selector, proxy, session or pool), renew, release and report.
+
+use super::*;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(super) struct LeaseBody {
+    target: String,
+    selector: Option<String>,
+    ttl_seconds: Option<u64>,
+    proxy: Option<String>,
+    session: Option<String>,
+    pool: Option<String>,
+}
+
+/// The proxy a request names, which must be `namespace/name`.
+pub(super) fn parse_proxy(proxy: &str) -> Result<ProxyId, Problem> {
+    proxy.parse().map_err(|error: egress_fleet::InvalidName| Problem::bad_request(format!("proxy {error}")))
+}
+
+/// The pool a request names: `namespace/name`, or a name that only one namespace has.
+pub(super) fn resolve_pool(state: &Discovery, pool: &str) -> Result<Arc<PoolRecord>, Problem> {
+    let pools = state.pools.read().expect("pool lock");
+    if pool.contains('/') {
+        let id: PoolId =
+            pool.parse().map_err(|error: egress_fleet::InvalidName| Problem::bad_request(format!("pool {error}")))?;
+        return pools.get(&id).cloned().ok_or_else(|| unknown_pool(pool));
+    }
+    let mut named = pools.values().filter(|record| record.id.name() == pool);
+    match (named.next(), named.next()) {
+        (Some(record), None) => Ok(record.clone()),
+        (None, _) => Err(unknown_pool(pool)),
+        (Some(_), Some(_)) => Err(Problem::bad_request(format!(
+            "pool {pool:?} exists in more than one namespace: name it as namespace/name"
+        ))),
+    }
+}
+
+pub(super) fn unknown_pool(pool: &str) -> Problem {
+    Problem::new(StatusCode::NOT_FOUND, "unknown-pool", "No such pool", format!("no ProxyPool {pool:?} is known"))
+        .with_reason("unknown-pool")
+}
+
+/// The answer for a pool that has no member to lease yet but is getting one.
+pub(super) fn scaling_up(pool: &PoolRecord) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "scaling-up",
+        "The pool is scaling up",
+        format!(
+            "pool {} has no Ready member yet ({} of {} Ready); a new member takes about {} s",
+            pool.id,
+            pool.ready,
+            pool.replicas,
+            pool.provisioning.as_secs()
+        ),
+    )
+    .with_reason("scaling-up")
+    .with_retry_after(pool.provisioning.max(Duration::from_secs(1)))
+}
+
+/// The TTL a request asks for, within the API's range and the tenant's `maxLeaseSeconds` (which also caps the
+/// default when it is shorter).
+pub(super) fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Duration>, Problem> {
+    let tenant_max = caller.quota.max_lease_seconds;
+    match seconds {
+        None => Ok(tenant_max.map(|max| Duration::from_secs(max.min(DEFAULT_TTL_SECONDS)))),
+        Some(seconds) if !(1..=MAX_TTL_SECONDS).contains(&seconds) => {
+            Err(Problem::bad_request(format!("ttlSeconds {seconds} is out of range (1 to {MAX_TTL_SECONDS})")))
+        }
+        Some(seconds) if tenant_max.is_some_and(|max| seconds > max) => Err(Problem::bad_request(format!(
+            "ttlSeconds {seconds} is above this tenant's maxLeaseSeconds ({})",
+            tenant_max.unwrap_or_default()
+        ))),
+        Some(seconds) => Ok(Some(Duration::from_secs(seconds))),
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct LeasedProxy<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    host: &'a str,
+    port: u16,
+    url: String,
+    /// The address sites see, once probes observed it: a client holding leases on several proxies drops, on a ban
+    /// or a throttle, every one that leaves through the same address (they share the cooldown).
+    #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
+    egress_ip: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct LeaseResponse<'a> {
+    id: &'a str,
+    proxy: LeasedProxy<'a>,
+    target: &'a str,
+    expires_at: String,
+    /// On renew only: whether the proxy's instance was replaced since the holder was last told its URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replaced: Option<bool>,
+}
+
+/// The lease as JSON bytes, serialised straight from the record under the read lock (no copies on the hot path).
+/// `replaced` is given on renew. The holder of a lease is told the proxy's credentials.
+pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool>) -> Result<Vec<u8>, Problem> {
+    let records = state.records.read().expect("record lock");
+    let record = records.get(&lease.proxy).ok_or_else(|| {
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "proxy-gone", "The proxy just went away", "retry the request")
+            .with_reason("proxy-gone")
+            .with_retry_after(Duration::from_secs(1))
+    })?;
+    let response = LeaseResponse {
+        id: &lease.id,
+        proxy: LeasedProxy {
+            namespace: record.id.namespace(),
+            name: record.id.name(),
+            host: &record.host,
+            port: record.port,
+            url: proxy_url(record, true),
+            egress_ip: record.egress_ip.as_deref(),
+        },
+        target: &lease.target,
+        expires_at: timestamp(lease.expires_at),
+        replaced,
+    };
+    serde_json::to_vec(&response).map_err(|error| {
+        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", error.to_string())
+    })
+}
+
+pub(super) async fn create_lease(
+    State(state): Shared,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    let caller = authorize(&state, &headers, Scope::Lease)?;
+    let body: LeaseBody = parse_body(&headers, body, false)?;
+    if body.target.trim().is_empty() || body.target.len() > 2048 {
+        return Err(Problem::bad_request("target must be a host name or URL of at most 2048 characters"));
+    }
+    if body.session.as_ref().is_some_and(|session| session.is_empty() || session.len() > 256) {
+        return Err(Problem::bad_request("session must be 1 to 256 characters"));
+    }
+    let proxy = body.proxy.as_deref().map(parse_proxy).transpose()?;
+    let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
+        .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let pool = body.pool.as_deref().map(|pool| resolve_pool(&state, pool)).transpose()?;
+    let now = SystemTime::now();
+    if let Some(pool) = &pool
+        && pool.replicas == 0
+    {
+        // Nothing to lease: a pool that wakes on demand grows, the crawler comes back when a member is Ready.
+        let problem = if pool.wakes {
+            state.refused_for(&pool.id, |demand| demand.woken = Some(now));
+            scaling_up(pool)
+        } else {
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no-eligible-proxy",
+                "No proxy can be leased now",
+                format!("pool {} has no members (spec.replicas 0) and does not autoscale", pool.id),
+            )
+            .with_reason("none-healthy")
+            .with_retry_after(Duration::from_secs(30))
+        };
+        state.metrics.denied(problem.reason.as_deref().unwrap_or("invalid"));
+        return Err(problem);
+    }
+    let request = LeaseRequest {
+        target: body.target,
+        selector,
+        ttl: ttl(body.ttl_seconds, &caller)?,
+        proxy,
+        session: body.session,
+        owner: caller.owner().to_owned(),
+        owner_quota: caller.quota.max_leases,
+        pool: pool.as_ref().map(|pool| pool.id.clone()),
+    };
+    match state.store.lease(&request, now) {
+        Ok(lease) => {
+            state.metrics.granted();
+            state.metrics.tenant_granted(caller.owner());
+            let body = lease_json(&state, &lease, None)?;
+            let location = format!("/v1/leases/{}", lease.id);
+            Ok((
+                StatusCode::CREATED,
+                [(header::LOCATION, location), (header::CONTENT_TYPE, "application/json".to_owned())],
+                body,
+            )
+                .into_response())
+        }
+        Err(error) => {
+            let problem = match (&pool, &error) {
+                // A pool still bringing its members up says so, with how long a member takes. Crawlers waiting for
+                // members already on their way are no demand for more.
+                (Some(pool), LeaseError::NoneHealthy) if pool.ready < pool.replicas => scaling_up(pool),
+                (Some(pool), LeaseError::NoneHealthy) => {
+                    state.refused_for(&pool.id, |demand| demand.none_healthy = Some(now));
+                    lease_problem(error)
+                }
+                (Some(pool), LeaseError::AllAtCapacity { .. }) => {
+                    state.refused_for(&pool.id, |demand| demand.at_capacity = Some(now));
+                    lease_problem(error)
+                }
+                _ => lease_problem(error),
+            };
+            let reason = problem.reason.as_deref().unwrap_or("invalid");
+            state.metrics.denied(reason);
+            state.metrics.tenant_refused(caller.owner(), reason);
+            Err(problem)
+        }
+    }
+}
+
+pub(super) fn until(time: SystemTime) -> Duration {
+    time.duration_since(SystemTime::now()).unwrap_or(Duration::from_secs(1))
+}
+
+/// Maps a store error to its problem document.
+pub(super) fn lease_problem(error: LeaseError) -> Problem {
+    let detail = error.to_string();
+    let unavailable = |reason: &str, detail: String| {
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "no-eligible-proxy", "No proxy can be leased now", detail)
+            .with_reason(reason)
+    };
+    match error {
+        LeaseError::InvalidTarget(_) => Problem::bad_request(detail),
+        LeaseError::NoneHealthy => unavailable("none-healthy", detail).with_retry_after(Duration::from_secs(30)),
+        LeaseError::AllAtCapacity { retry_at } => {
+            unavailable("all-at-capacity", detail).with_retry_after(retry_at.map_or(Duration::from_secs(5), until))
+        }
+        LeaseError::AllCoolingDown { until: first } => {
+            unavailable("all-cooling-down", format!("{detail}; the first cooldown ends at {}", timestamp(first)))
+                .with_retry_after(until(first))
+        }
+        LeaseError::ProxyCoolingDown { until: end, .. } => Problem::new(
+            StatusCode::CONFLICT,
+            "proxy-cooling-down",
+            "The proxy is cooling down for this target",
+            format!("{detail} until {}", timestamp(end)),
+        )
+        .with_reason("proxy-cooling-down")
+        .with_retry_after(until(end)),
+        LeaseError::ProxyUnavailable { .. } => {
+            Problem::new(StatusCode::CONFLICT, "proxy-unavailable", "The proxy cannot take a lease now", detail)
+                .with_reason("proxy-unavailable")
+        }
+        LeaseError::UnknownProxy(_) | LeaseError::UnknownLease(_) => Problem::not_found(detail),
+        LeaseError::Revoked(_) => Problem::new(StatusCode::GONE, "revoked", "The lease was revoked", detail),
+        LeaseError::QuotaExceeded { retry_at, .. } => over_quota(
+            "maxLeases",
+            format!("{detail}: release one first"),
+            retry_at.map_or(Duration::from_secs(5), until),
+        ),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(super) struct RenewBody {
+    ttl_seconds: Option<u64>,
+}
+
+pub(super) async fn renew_lease(
+    State(state): Shared,
+    id: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    let caller = authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
+    let body: RenewBody = parse_body(&headers, body, true)?;
+    let renewed = state
+        .store
+        .renew(&id, caller.owner(), ttl(body.ttl_seconds, &caller)?, SystemTime::now())
+        .map_err(lease_problem)?;
+    let body = lease_json(&state, &renewed.lease, Some(renewed.moved_from.is_some()))?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
+}
+
+pub(super) async fn release_lease(
+    State(state): Shared,
+    id: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
+    let caller = authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
+    state.store.release(&id, caller.owner(), SystemTime::now()).map_err(lease_problem)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum OutcomeBody {
+    Ok,
+    Banned,
+    Throttled,
+    Failed,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(super) struct ReportBody {
+    outcome: Option<OutcomeBody>,
+    status_code: Option<u16>,
+    retry_after_seconds: Option<u64>,
+    ok: Option<u32>,
+    failed: Option<u32>,
+    release: Option<bool>,
+}
+
+/// The most requests one report may count.
+pub(super) const MAX_REPORTED: u32 = 1_000_000;
+/// The longest `retryAfterSeconds` a throttle report may carry.
+pub(super) const MAX_RETRY_AFTER_SECONDS: u64 = 86_400;
+
+/// A report body as the store's report, or what is wrong with it.
+pub(super) fn report_of(body: ReportBody) -> Result<Report, Problem> {
+    if let Some(code) = body.status_code
+        && !(100..=599).contains(&code)
+    {
+        return Err(Problem::bad_request(format!("statusCode {code} is not an HTTP status")));
+    }
+    for (field, count) in [("ok", body.ok), ("failed", body.failed)] {
+        if count.is_some_and(|count| count > MAX_REPORTED) {
+            return Err(Problem::bad_request(format!("{field} counts at most {MAX_REPORTED} requests per report")));
+        }
+    }
+    if body.outcome.is_none() && body.ok.is_none() && body.failed.is_none() {
+        return Err(Problem::bad_request("a report needs an outcome, counts (ok, failed), or both"));
+    }
+    let retry_after = match (body.retry_after_seconds, &body.outcome) {
+        (None, _) => None,
+        (Some(seconds), Some(OutcomeBody::Throttled)) if (1..=MAX_RETRY_AFTER_SECONDS).contains(&seconds) => {
+            Some(Duration::from_secs(seconds))
+        }
+        (Some(seconds), Some(OutcomeBody::Throttled)) => {
+            return Err(Problem::bad_request(format!(
+                "retryAfterSeconds {seconds} is out of range (1 to {MAX_RETRY_AFTER_SECONDS})"
+            )));
+        }
+        (Some(_), _) => return Err(Problem::bad_request("retryAfterSeconds goes only with outcome throttled")),
+    };
+    let outcome = body.outcome.map(|outcome| match outcome {
+        OutcomeBody::Ok => Outcome::Ok,
+        OutcomeBody::Banned => Outcome::Banned,
+        OutcomeBody::Throttled => Outcome::Throttled { retry_after },
+        OutcomeBody::Failed => Outcome::Failed,
+    });
+    Ok(Report {
+        outcome,
+        ok: body.ok.unwrap_or(0),
+        failed: body.failed.unwrap_or(0),
+        release: body.release.unwrap_or(false),
+    })
+}
+
+pub(super) async fn report_lease(
+    State(state): Shared,
+    id: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
+    let caller = authorize(&state, &headers, Scope::Lease)?;
+    let id = lease_id(id)?;
+    let report = report_of(parse_body(&headers, body, false)?)?;
+    if let Some(per_minute) = caller.quota.reports_per_minute
+        && let Err(wait) = state.count_report(&caller.tenant, per_minute)
+    {
+        state.metrics.tenant_refused(caller.owner(), "quota-reports-per-minute");
+        return Err(over_quota(
+            "reportsPerMinute",
+            format!("the tenant made its {per_minute} reports this minute (its reportsPerMinute quota)"),
+            wait,
+        ));
+    }
+    let reported = state.store.report(&id, caller.owner(), &report, SystemTime::now()).map_err(lease_problem)?;
+    state.metrics.reported(&report);
+    state.metrics.tenant_reported(caller.owner());
+    let until = reported.cooldown_until;
+    // A report that changed no cooldown (its owner had counted in the running one already) needs no write.
+    if !reported.cooled.is_empty() {
+        if report.outcome == Some(Outcome::Banned) {
+            state.metrics.cooldown_started();
+        }
+        // Answered once the cooldown is kept, on every proxy it reached: a restart or a new leader after this
+        // answer still has it.
+        let writes =
+            reported.cooled.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
+        futures::future::join_all(writes).await;
+    }
+    Ok(Json(match until {
+        Some(until) => json!({ "cooldownUntil": timestamp(until) }),
+        None => json!({}),
+    })
+    .into_response())
+}
