@@ -15,7 +15,6 @@ use std::time::{Duration, SystemTime};
 
 use egress_fleet::ProxyCredentials;
 use tokio::sync::{Semaphore, mpsc};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tracing::{Instrument, debug, info_span};
@@ -103,13 +102,14 @@ struct Entry<K> {
     spread_next: bool,
 }
 
-/// A running engine. Dropping it stops every probe.
+/// A running engine. Dropping it stops probing (probes in flight end by their timeout, their results unread) and
+/// forgets every verdict of its targets: an engine that no longer probes no longer vouches for them, and a shared
+/// store holds only what a running engine stands behind.
 pub struct HealthEngine<K: TargetKey = String> {
     commands: mpsc::UnboundedSender<Command<K>>,
     verdicts: Verdicts<K>,
     /// The targets as last given, so an unchanged upsert costs nothing.
     known: std::sync::Mutex<HashMap<K, Arc<Target<K>>>>,
-    task: JoinHandle<()>,
 }
 
 impl<K: TargetKey> HealthEngine<K> {
@@ -147,22 +147,36 @@ impl<K: TargetKey> HealthEngine<K> {
             transitions,
             counts: [0; 3],
         };
-        let task = tokio::spawn(scheduler.run(command_receiver).instrument(info_span!("health_engine")));
-        (Self { commands, verdicts, known: std::sync::Mutex::default(), task }, transition_receiver)
+        tokio::spawn(scheduler.run(command_receiver).instrument(info_span!("health_engine")));
+        (Self { commands, verdicts, known: std::sync::Mutex::default() }, transition_receiver)
     }
 
     /// Adds a target, or changes it; a changed target restarts its counters and loses its verdict. Giving an
     /// unchanged target again does nothing.
     pub fn upsert(&self, target: Target<K>) {
+        self.upsert_seeded(target, || None);
+    }
+
+    /// Like [`HealthEngine::upsert`], and a target new to this engine with no verdict in the store starts from the
+    /// verdict `seed` gives (known from elsewhere, such as a status written before a restart): the verdict stands,
+    /// and the target's counters start from it, until the probes overturn it by the thresholds. `seed` is called
+    /// only for such a target.
+    pub fn upsert_seeded(&self, target: Target<K>, seed: impl FnOnce() -> Option<CurrentVerdict>) {
         let mut known = self.known.lock().expect("known targets");
-        if known.get(&target.id).is_some_and(|old| **old == target) {
-            return;
-        }
-        let changed = known.contains_key(&target.id);
+        let changed = match known.get(&target.id) {
+            Some(old) if **old == target => return,
+            Some(_) => true,
+            None => false,
+        };
         let target = Arc::new(target);
         known.insert(target.id.clone(), target.clone());
         if changed {
             self.verdicts.remove::<K>(&target.id);
+        } else if self.verdicts.get(&target.id).is_none()
+            && let Some(verdict) = seed()
+        {
+            // Before the scheduler hears of the target, so it starts the counters from the seed.
+            self.verdicts.set(target.id.clone(), verdict);
         }
         let _ = self.commands.send(Command::Upsert(target));
     }
@@ -217,12 +231,6 @@ impl<K: TargetKey> HealthEngine<K> {
     }
 }
 
-impl<K: TargetKey> Drop for HealthEngine<K> {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 /// Schedule jitter: spreading start times needs no cryptographic randomness, so `fastrand`'s generator does.
 struct Jitter(fastrand::Rng);
 
@@ -270,9 +278,10 @@ impl<K: TargetKey> Scheduler<K> {
         loop {
             let next_due = self.queue.peek().map(|Reverse((due, _))| *due);
             tokio::select! {
+                biased;
                 command = commands.recv() => match command {
                     Some(command) => self.command(command),
-                    None => return,
+                    None => return self.forget_all(),
                 },
                 Some(outcome) = outcomes.recv() => self.outcome(outcome).await,
                 () = sleep_until(next_due) => self.start_due(&outcome_sender).await,
@@ -409,6 +418,16 @@ impl<K: TargetKey> Scheduler<K> {
         let transition = Transition { id, healthy, reason, egress_ip, at: now };
         // Back-pressure: a slow consumer slows probing rather than losing a transition.
         let _ = self.transitions.send(transition).await;
+    }
+
+    /// The engine was dropped: its verdicts go, written by this task (the store's only writer) after its last
+    /// verdict, so none outlives it.
+    fn forget_all(mut self) {
+        for (id, _) in self.targets.drain() {
+            self.verdicts.remove::<K>(&id);
+        }
+        self.counts = [0; 3];
+        self.publish_counts();
     }
 
     fn publish_counts(&self) {

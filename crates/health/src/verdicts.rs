@@ -1,8 +1,10 @@
-//! The one store of health verdicts: written by the engine, read by whoever needs a verdict, and watchable.
+//! The one store of health verdicts: written by the engine only, read by whoever needs a verdict, and watchable.
 //!
 //! The engine records every verdict here as it forms; the operator's reconciler and its discovery view read the same
-//! map, so they can never disagree about a proxy. A caller may also seed a verdict (for example from a status written
-//! before a restart): the engine's first probes then confirm or overturn it by the normal thresholds. Every change
+//! map, so they can never disagree about a proxy. A verdict known from elsewhere (a status written before a restart)
+//! reaches the store through the engine too ([`crate::HealthEngine::upsert_seeded`]): its first probes then confirm
+//! or overturn it by the normal thresholds. While no engine runs (a replica that does not lead) the store is empty,
+//! and a reader falls back to what it knows otherwise. Every change
 //! of a key's `healthy` verdict, including its removal, is announced on a broadcast channel of keys; a subscriber
 //! that falls behind is told so (`Lagged`) and can compare its own view against [`Verdicts::for_each`], which visits
 //! every entry without copying the map.
@@ -88,7 +90,7 @@ impl<K: TargetKey> Verdicts<K> {
     }
 
     /// Records a verdict; subscribers hear of it when `healthy` changed (or the key is new).
-    pub fn set(&self, key: K, verdict: CurrentVerdict) {
+    pub(crate) fn set(&self, key: K, verdict: CurrentVerdict) {
         let flipped = {
             let mut map = self.shared.map.write().expect("verdict map");
             let flipped = map.get(&key).is_none_or(|old| old.healthy != verdict.healthy);
@@ -113,7 +115,7 @@ impl<K: TargetKey> Verdicts<K> {
     }
 
     /// Forgets a verdict; subscribers hear of it when there was one.
-    pub fn remove<Q>(&self, key: &Q)
+    pub(crate) fn remove<Q>(&self, key: &Q)
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
@@ -122,6 +124,12 @@ impl<K: TargetKey> Verdicts<K> {
         if let Some((key, _)) = removed {
             let _ = self.shared.changes.send(key);
         }
+    }
+
+    /// Records a verdict as an engine would: for tests that play the engine (the `testing` feature only).
+    #[cfg(feature = "testing")]
+    pub fn set_as_engine(&self, key: K, verdict: CurrentVerdict) {
+        self.set(key, verdict);
     }
 
     /// Every key whose verdict flips or disappears from now on.

@@ -1,11 +1,11 @@
 //! The health engine against real Squid processes and a local origin over HTTP and HTTPS.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use egress_health::{
-    EngineConfig, FailureReason, HealthEngine, HealthMetrics, ProbeUrl, ProxyCredentials, Target, Transition, probe,
-    tls_connector,
+    CurrentVerdict, EngineConfig, FailureReason, HealthEngine, HealthMetrics, ProbeUrl, ProxyCredentials, Target,
+    Transition, Verdicts, probe, tls_connector,
 };
 use egress_testenv::pki::TestCa;
 use egress_testenv::{LocalOrigin, Squid, SquidOptions, eventually};
@@ -238,4 +238,49 @@ async fn a_new_target_is_probed_at_once_however_wide_the_first_probe_window() {
     assert!(transition.healthy);
     // Its Proxy waits for this verdict to say Ready: no jitter for a target nothing is known about.
     assert!(started.elapsed() < Duration::from_secs(2), "first verdict after {:?}", started.elapsed());
+}
+
+fn seed(healthy: bool) -> CurrentVerdict {
+    CurrentVerdict { healthy, since: SystemTime::UNIX_EPOCH, last_error: None, egress_ip: None }
+}
+
+#[tokio::test]
+async fn a_seeded_verdict_stands_until_the_probes_overturn_it_and_seeds_only_a_new_target() {
+    let squid = Squid::start(SquidOptions::default()).await.expect("squid");
+    // Nothing listens there: Squid answers every probe with an error.
+    let gone = "http://127.0.0.1:9/";
+    let (engine, mut transitions, _) = engine(b"");
+    engine.upsert_seeded(target("a", squid.address(), gone, 1, 2), || Some(seed(true)));
+    let seeded = engine.verdict("a").expect("the seed is the verdict at once");
+    assert!(seeded.healthy);
+    assert_eq!(seeded.since, SystemTime::UNIX_EPOCH);
+    engine
+        .upsert_seeded(target("a", squid.address(), gone, 1, 2), || panic!("an unchanged target is not seeded again"));
+    let transition = next_transition(&mut transitions).await;
+    assert!(!transition.healthy, "two failed probes overturn the seed");
+    assert!(engine.verdict("a").is_some_and(|verdict| !verdict.healthy && verdict.since > SystemTime::UNIX_EPOCH));
+    // A changed target starts unknown: a seed is for a target new to the engine only.
+    engine.upsert_seeded(target("a", squid.address(), gone, 1, 3), || panic!("a changed target is not seeded"));
+    assert!(engine.verdict("a").is_none());
+}
+
+#[tokio::test]
+async fn a_dropped_engine_forgets_its_verdicts_in_a_shared_store() {
+    let squid = Squid::start(SquidOptions::default()).await.expect("squid");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let shared: Verdicts<String> = Verdicts::new();
+    let tls = tls_connector(b"").expect("TLS setup");
+    let (engine, mut transitions) =
+        HealthEngine::start_with(EngineConfig::default(), tls, HealthMetrics::default(), shared.clone());
+    engine.upsert(target("probed", squid.address(), &origin.url(), 1, 1));
+    engine.upsert_seeded(target("seeded", squid.address(), &origin.url(), 1, 1), || Some(seed(true)));
+    assert!(next_transition(&mut transitions).await.healthy);
+    eventually("both verdicts in the shared store", WAIT, || async { (shared.len() == 2).then_some(()) }).await;
+    let mut changes = shared.subscribe();
+    drop(engine);
+    drop(transitions);
+    eventually("the shared store emptied", WAIT, || async { shared.is_empty().then_some(()) }).await;
+    let mut forgotten = vec![changes.recv().await.expect("a change"), changes.recv().await.expect("a change")];
+    forgotten.sort();
+    assert_eq!(forgotten, ["probed", "seeded"], "readers hear of every verdict that went");
 }

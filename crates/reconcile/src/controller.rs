@@ -29,7 +29,7 @@ use crate::credentials::CredentialStore;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
 use crate::events::Events;
 use crate::feed::{Change, ProxyFeed};
-use crate::health::{ProbeKey, ProxyVerdicts, seed_from_status, verdict_of};
+use crate::health::{ProxyVerdicts, verdict_of};
 use crate::ids::proxy_id;
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;

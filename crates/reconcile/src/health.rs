@@ -1,7 +1,7 @@
 //! Health verdicts as the operator keys them: one [`Verdicts`] store, keyed by Proxy and probed endpoint.
 //!
-//! The health engine writes the store; the reconciler and the discovery view read the same one, so they cannot
-//! disagree. Keying by endpoint as well as Proxy matters during a replacement: the new instance is probed, and must be
+//! The health engine alone writes the store (seeded from the status through it); the reconciler and the discovery
+//! view read the same one, through [`current_verdict`], so they cannot disagree. Keying by endpoint as well as Proxy matters during a replacement: the new instance is probed, and must be
 //! healthy, before the Proxy's endpoint switches to it.
 
 use std::time::SystemTime;
@@ -60,32 +60,18 @@ impl From<CurrentVerdict> for Verdict {
     }
 }
 
-/// Seeds the verdict of `key` from the Proxy's status when the store has none and the status records one for
-/// exactly that endpoint: after a restart or a change of leader, a Proxy that was Ready stays Ready (and leasable),
-/// and the engine's first probes, within seconds, confirm it or flip it by the normal thresholds. The controller and
-/// the health feed both call it, so neither can act on "no verdict" for a Proxy whose status has one.
-pub fn seed_from_status(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) {
-    if verdicts.get(key).is_some() {
-        return;
-    }
-    if let Some(verdict) = status_verdict(proxy, key) {
-        verdicts.set(key.clone(), verdict);
-    }
+/// The verdict of `key`: the engine's, else the one the Proxy's status records for exactly that endpoint. The
+/// status answers while the engine has not (yet) formed or seeded one: on a replica that does not lead (it runs no
+/// engine, so the leader's verdicts reach it through the status), and on a new leader before its engine has taken
+/// the target, so a Proxy that was Ready stays Ready (and leasable) across a restart or a change of leader. Every
+/// reader of verdicts goes through here, so none can act on "no verdict" for a Proxy whose status has one.
+pub fn current_verdict(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
+    verdicts.get(key).or_else(|| status_verdict(proxy, key))
 }
 
-/// On a replica that does not lead (and so probes nothing), keeps the verdict of `key` equal to the one the leader
-/// wrote in the Proxy's status, so the replica that takes over serves the fleet's health at once, without a window
-/// in which it knows no proxy to be healthy.
-pub fn follow_status(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) {
-    let Some(verdict) = status_verdict(proxy, key) else { return };
-    let current = verdicts.get(key);
-    if current.is_none_or(|current| current.healthy != verdict.healthy || current.egress_ip != verdict.egress_ip) {
-        verdicts.set(key.clone(), verdict);
-    }
-}
-
-/// The verdict the Proxy's status records for exactly the endpoint of `key`.
-fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
+/// The verdict the Proxy's status records for exactly the endpoint of `key`: what the health feed seeds the engine
+/// with.
+pub fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
     let status = proxy.status.as_ref()?;
     let health = status.health.as_ref()?;
     // The recorded verdict is about the published endpoint; during a replacement the new instance starts unknown.
@@ -101,7 +87,8 @@ fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
     Some(CurrentVerdict { healthy: health.healthy, since, last_error: None, egress_ip })
 }
 
-/// The verdict for `endpoint` of the Proxy `namespace/name`.
-pub fn verdict_of(verdicts: &ProxyVerdicts, namespace: &str, name: &str, endpoint: &Endpoint) -> Option<Verdict> {
-    verdicts.get(&ProbeKey::new(namespace, name, endpoint.clone())).map(Verdict::from)
+/// The verdict for `endpoint` of `proxy`, as the state machine reads it (see [`current_verdict`]).
+pub fn verdict_of(verdicts: &ProxyVerdicts, proxy: &Proxy, endpoint: &Endpoint) -> Option<Verdict> {
+    let id = crate::ids::proxy_id(proxy);
+    current_verdict(verdicts, proxy, &ProbeKey::new(id.namespace(), id.name(), endpoint.clone())).map(Verdict::from)
 }

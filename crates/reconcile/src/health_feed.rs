@@ -28,7 +28,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use crate::controller::Trigger;
 use crate::credentials::CredentialStore;
 use crate::feed::{Change, GuardedProxy, ProxyFeed, reference_of};
-use crate::health::{ProbeKey, seed_from_status};
+use crate::health::{ProbeKey, status_verdict};
 
 /// How many Proxies a resync handles before it lets other tasks run.
 const YIELD_EVERY: usize = 256;
@@ -94,12 +94,8 @@ impl Targets {
             }
         }
         for target in wanted {
-            if let Some(proxy) = proxy
-                && !self.engine.contains(&target.id)
-            {
-                seed_from_status(self.engine.verdicts(), proxy, &target.id);
-            }
-            self.engine.upsert(target);
+            let key = target.id.clone();
+            self.engine.upsert_seeded(target, || proxy.and_then(|proxy| status_verdict(proxy, &key)));
         }
         if !keys.is_empty() {
             self.of_proxy.insert(reference.clone(), keys);

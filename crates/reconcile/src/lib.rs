@@ -29,6 +29,6 @@ pub use credentials::CredentialStore;
 pub use egress_fleet::ProxyCredentials;
 pub use error::Error;
 pub use feed::{Change, Fanout, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed, auth_secret_of, reference_of};
-pub use health::{ProbeKey, ProxyVerdicts, Verdict, follow_status, seed_from_status, verdict_of};
+pub use health::{ProbeKey, ProxyVerdicts, Verdict, current_verdict, status_verdict, verdict_of};
 pub use metrics::ReconcileMetrics;
 pub use providers::{Providers, StaticProviders};

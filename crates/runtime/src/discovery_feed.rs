@@ -16,7 +16,7 @@ use egress_reconcile::ids::{PoolId, ProxyId, pool_id, pool_id_of, proxy_id, prox
 use egress_reconcile::pool::{PoolDemand, PoolMetrics, PoolSignals, provisioning_estimate};
 use egress_reconcile::{
     Change, CredentialStore, GuardedPool, GuardedProxy, LeaseDrain, PoolFeed, ProbeKey, ProxyFeed, ProxyVerdicts,
-    reference_of,
+    current_verdict, reference_of,
 };
 use futures::StreamExt;
 use kube::ResourceExt;
@@ -60,8 +60,10 @@ pub fn proxy_record(
     let id = proxy_id(proxy);
     let (namespace, name) = (id.namespace(), id.name());
     let host = endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned();
-    // The verdict store has the newest verdict, ahead of the status write it triggers.
-    let healthy = verdicts.is_healthy(&ProbeKey::new(namespace, name, endpoint));
+    // The engine's verdict is the newest, ahead of the status write it triggers; without one (on a replica that does
+    // not lead) the leader's, from the status.
+    let key = ProbeKey::new(namespace, name, endpoint);
+    let healthy = current_verdict(verdicts, proxy, &key).is_some_and(|verdict| verdict.healthy);
     let credentials =
         proxy.spec.auth.as_ref().and_then(|auth| credentials.credentials(namespace, &auth.secret_ref.name));
     Some(ProxyRecord {
@@ -173,8 +175,6 @@ impl LeaseDrain for DiscoveryDrain {
 struct Records {
     feed: ProxyFeed,
     verdicts: ProxyVerdicts,
-    /// Whether this replica leads: while it does not, verdicts follow the leader's, from the status.
-    leading: tokio::sync::watch::Receiver<bool>,
     /// The providers' ban cooldown policies.
     cooldowns: Arc<ProviderCooldowns>,
     credentials: CredentialStore,
@@ -185,14 +185,6 @@ impl Records {
     fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
         let stored = self.feed.proxy(reference);
         let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
-        if let Some(proxy) = proxy
-            && !*self.leading.borrow()
-            && let Some(endpoint) = proxy.effective_endpoint()
-        {
-            let id = proxy_id(proxy);
-            let key = ProbeKey::new(id.namespace(), id.name(), endpoint);
-            egress_reconcile::follow_status(&self.verdicts, proxy, &key);
-        }
         match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.cooldowns)) {
             Some(record) => self.discovery.upsert(record),
             None => self.discovery.remove(&proxy_id_of(reference)),
@@ -226,14 +218,13 @@ impl Records {
     }
 }
 
-/// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass. While `leading` is
-/// false the verdicts follow the Proxies' status (the leader's probes), so a replica that takes over serves at once.
-#[allow(clippy::too_many_arguments, reason = "the stores, signals and settings it joins")]
+/// Runs the adapter until the Proxy watch ends; marks discovery ready after the first full pass. On a replica that
+/// does not lead the verdict store is empty and each record's health is the leader's, from the Proxy's status, so a
+/// replica that takes over serves at once.
 pub async fn run_discovery_feed(
     feed: ProxyFeed,
     pools: PoolFeed,
     verdicts: ProxyVerdicts,
-    leading: tokio::sync::watch::Receiver<bool>,
     cooldowns: Arc<ProviderCooldowns>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
@@ -244,7 +235,7 @@ pub async fn run_discovery_feed(
     let mut pool_changes = pools.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
     let mut verdict_changes = verdicts.subscribe();
-    let mut records = Records { feed, verdicts, leading, cooldowns, credentials: credentials.clone(), discovery };
+    let mut records = Records { feed, verdicts, cooldowns, credentials: credentials.clone(), discovery };
     let work = async move {
         // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass; and for the pools', so
         // a lease asked for by pool is never refused as unknown by a replica that reports ready.

@@ -173,7 +173,6 @@ pub async fn run(settings: Settings) -> Result<()> {
         feed.clone(),
         pools.clone(),
         verdicts.clone(),
-        leader.clone(),
         Arc::new(provider_cooldowns),
         credentials.clone(),
         discovery.clone(),
@@ -556,7 +555,8 @@ async fn lead_while_elected(
                     first_probe_within: Some(FIRST_PROBE_WITHIN),
                     ..EngineConfig::default()
                 };
-                // Verdicts from an earlier term stay in the store; the new engine starts each target from them.
+                // The store is empty (an engine forgets its verdicts when its term ends): the health feed seeds each
+                // target from its status, through the engine.
                 let (engine, transitions) =
                     HealthEngine::start_with(engine_config, tls, health_metrics.clone(), verdicts.clone());
                 let feed_config = HealthFeedConfig { default_probe_url: settings.default_probe_url.clone() };

@@ -85,8 +85,6 @@ pub(super) async fn observe(
     let latched = status.failure.as_ref().is_some_and(|failure| {
         status.observed_generation == facts.generation && failure.retry_token == facts.retry_token
     });
-    let namespace = proxy.namespace().unwrap_or_default();
-    let name = proxy.name_any();
     if let (Some(provider), false) = (provider, latched) {
         if let Some(current) = status.instance.as_ref().filter(|current| current.spec_hash == facts.desired_hash) {
             facts.desired = match provider.get(&current.provider_id).await {
@@ -108,15 +106,13 @@ pub(super) async fn observe(
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {
             let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
-            seed_from_status(&context.health, proxy, &ProbeKey::new(&namespace, &name, endpoint.clone()));
-            facts.health = verdict_of(&context.health, &namespace, &name, &endpoint);
+            facts.health = verdict_of(&context.health, proxy, &endpoint);
         }
     }
     if proxy.spec.mode == ProxyMode::External
         && let Some(endpoint) = &proxy.spec.endpoint
     {
-        seed_from_status(&context.health, proxy, &ProbeKey::new(&namespace, &name, endpoint.clone()));
-        facts.health = verdict_of(&context.health, &namespace, &name, endpoint);
+        facts.health = verdict_of(&context.health, proxy, endpoint);
     }
     Ok(facts)
 }

@@ -337,7 +337,7 @@ impl Harness {
             egress_ip: None,
         };
         let proxy = key.proxy.clone();
-        self.health.set(key, verdict);
+        self.health.set_as_engine(key, verdict);
         let _ = self.triggers.send(proxy);
     }
 
