@@ -145,6 +145,18 @@ async fn the_python_client_passes_its_tests_against_a_live_operator() {
     pytest(&live, &["tests", "--ignore=tests/test_scrapy_refusals.py"], &[]).await;
 }
 
+/// The Python client's sources pass `mypy --strict` (the settings are in its `pyproject.toml`), Scrapy adapter too.
+#[tokio::test]
+async fn the_python_client_type_checks_under_mypy_strict() {
+    let mut command = Command::new(python());
+    command
+        .args(["-m", "mypy", "--cache-dir=/dev/null"])
+        .current_dir(clients_dir("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    let (output, text) = run(command, "mypy").await;
+    assert!(output.status.success() && text.contains("Success: no issues found"), "mypy --strict failed:\n{text}");
+}
+
 /// `clients/python/tests/test_scrapy_refusals.py`: a Scrapy crawl of a site refusing 8 % of requests, on three
 /// proxies with a 10 s first-ban cooldown, reports every refusal and never sends through a refused proxy.
 #[tokio::test]
@@ -166,6 +178,11 @@ async fn the_node_client_passes_its_tests_against_a_live_operator() {
     build.args(["-p", "tsconfig.json"]).current_dir(&root);
     let (output, text) = run(build, "tsc").await;
     assert!(output.status.success(), "the TypeScript build failed:\n{text}");
+    // The tests themselves, type-checked against what the build declared.
+    let mut check = Command::new(root.join("node_modules/.bin/tsc"));
+    check.args(["-p", "tsconfig.test.json"]).current_dir(&root);
+    let (output, text) = run(check, "tsc on the tests").await;
+    assert!(output.status.success(), "the Node tests do not type-check against the client:\n{text}");
     let live = Live::start("js").await;
     let mut command = Command::new("node");
     // One file at a time: the live tests count the leases held across the whole fleet.

@@ -248,7 +248,20 @@ function proxyInfo(body: unknown): ProxyInfo {
   if (body.coolingDownUntil != null) info.coolingDownUntil = time(body, 'coolingDownUntil', 'a proxy');
   if (successRate !== undefined) info.successRate = successRate;
   if (reported !== undefined) info.reported = reported;
+  if (body.cooldownPolicy != null) info.cooldownPolicy = cooldownPolicy(body.cooldownPolicy);
   return info;
+}
+
+function cooldownPolicy(body: unknown): NonNullable<ProxyInfo['cooldownPolicy']> {
+  if (!isObject(body)) {
+    throw new DecodeError(`not a proxy: \`cooldownPolicy\` is ${JSON.stringify(body)}`);
+  }
+  const what = "a proxy's cooldownPolicy";
+  return {
+    baseSeconds: field(body, 'baseSeconds', 'number', what),
+    factor: field(body, 'factor', 'number', what),
+    maxSeconds: field(body, 'maxSeconds', 'number', what),
+  };
 }
 
 function cooldownInfo(body: unknown): CooldownInfo {

@@ -10,6 +10,8 @@ export class Site {
     this.pages = pages;
     /** [seconds since start, client address, path, status] for every request. */
     this.log = [];
+    /** Set by `start`. */
+    this.url = '';
     const served = new Map();
     const start = performance.now();
     this.server = http.createServer((request, response) => {
@@ -39,8 +41,9 @@ export class Site {
   }
 
   async start() {
-    await new Promise((resolve) => this.server.listen(0, '127.0.0.1', resolve));
-    this.url = `http://127.0.0.1:${this.server.address().port}/`;
+    await new Promise((resolve) => this.server.listen(0, '127.0.0.1', () => resolve(undefined)));
+    const address = /** @type {import('node:net').AddressInfo} */ (this.server.address());
+    this.url = `http://127.0.0.1:${address.port}/`;
     return this;
   }
 

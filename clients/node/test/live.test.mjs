@@ -51,8 +51,9 @@ test('a lease fetches through its proxy, renews, reports and releases', { skip }
     assert.ok(lease.expiresAt > firstExpiry);
     await lease.reportCounts(40, 2);
     const listed = (await client.proxies({ target: 'js-one.example' })).find((p) => `${p.namespace}/${p.name}` === lease.proxy);
+    assert.ok(listed, 'the leased proxy is listed');
     assert.equal(listed.reported, 42);
-    assert.ok(Math.abs(listed.successRate - 40 / 42) < 1e-9, String(listed.successRate));
+    assert.ok(Math.abs((listed.successRate ?? NaN) - 40 / 42) < 1e-9, String(listed.successRate));
     assert.ok(listed.egressIP, 'the probes observed its egress address');
     assert.equal(lease.egressIP, listed.egressIP, 'the lease says which address the site sees');
     assert.equal(await active(client), 1);
@@ -68,9 +69,9 @@ test('a throttle honours the site\'s Retry-After and a ban is listed', { skip },
   const refused = await client.lease('js-two.example', { proxy: lease.proxy }).then(() => assert.fail('leased'), (e) => e);
   assert.ok(refused instanceof egress.Conflict, String(refused));
   assert.equal(refused.reason, 'proxy-cooling-down');
-  assert.ok(refused.retryAfter >= 18 && refused.retryAfter <= 21, String(refused.retryAfter));
+  assert.ok(refused.retryAfter !== undefined && refused.retryAfter >= 18 && refused.retryAfter <= 21, String(refused.retryAfter));
   const bannedUntil = await lease.report({ outcome: 'banned', statusCode: 403, release: true });
-  assert.ok(bannedUntil > until);
+  assert.ok(bannedUntil && until && bannedUntil > until);
   const cooldowns = await client.cooldowns('www.js-two.example');
   assert.deepEqual(cooldowns.map((c) => [c.proxy, c.target, c.streak]), [[lease.proxy, 'js-two.example', 1]]);
   assert.ok(lease.released);
@@ -82,7 +83,7 @@ test('errors are typed', { skip }, async () => {
   const client = new egress.DiscoveryClient(URL_, { token: TOKEN });
   await assert.rejects(client.resume('l1.AAAA.AAAA'), egress.NotFound);
   await assert.rejects(client.lease('js-three.example', { proxy: 'nowhere/none' }), egress.NotFound);
-  await assert.rejects(client.lease('js-three.example', { selector: 're gion=eu' }), (e) => e instanceof egress.BadRequest && /selector/.test(e.message));
+  await assert.rejects(client.lease('js-three.example', { selector: 're gion=eu' }), (/** @type {unknown} */ e) => e instanceof egress.BadRequest && /selector/.test(e.message));
   await assert.rejects(new egress.DiscoveryClient(URL_, { token: 'not-a-token' }).proxies(), egress.Unauthorized);
   await assert.rejects(new egress.DiscoveryClient('http://127.0.0.1:9', { token: TOKEN, timeoutMs: 2000 }).proxies(), egress.TransportError);
 });
@@ -95,7 +96,7 @@ test('every proxy cooling down is unavailable with a Retry-After', { skip }, asy
   const refused = await client.lease('js-four.example').then(() => assert.fail('leased'), (e) => e);
   assert.ok(refused instanceof egress.Unavailable, String(refused));
   assert.equal(refused.reason, 'all-cooling-down');
-  assert.ok(refused.retryAfter > 0 && refused.retryAfter <= 31, String(refused.retryAfter));
+  assert.ok(refused.retryAfter !== undefined && refused.retryAfter > 0 && refused.retryAfter <= 31, String(refused.retryAfter));
 });
 
 test('a lease is resumed by its ID, and leases taken at once spread over the proxies', { skip }, async () => {

@@ -25,7 +25,7 @@ function answering(status, body, headers = {}) {
   return { client: new egress.DiscoveryClient('http://discovery/', { token: 'token-1', fetch }), seen };
 }
 
-for (const [status, kind] of [
+for (const [status, kind] of /** @type {Array<[number, typeof egress.DiscoveryError]>} */ ([
   [400, egress.BadRequest],
   [401, egress.Unauthorized],
   [403, egress.Forbidden],
@@ -35,7 +35,7 @@ for (const [status, kind] of [
   [503, egress.Unavailable],
   [429, egress.QuotaExceeded],
   [500, egress.DiscoveryError],
-]) {
+])) {
   test(`${status} is a ${kind.name}`, async () => {
     const problem = { type: 'urn:x', title: 't', status, detail: 'what went wrong', reason: 'r' };
     const { client } = answering(status, problem, { 'retry-after': '7' });
@@ -47,7 +47,8 @@ for (const [status, kind] of [
     assert.equal(error.status, status);
     assert.equal(error.name, kind.name);
     if (status === 409 || status === 429 || status === 503) {
-      assert.deepEqual([error.reason, error.retryAfter], ['r', 7]);
+      const refused = /** @type {egress.RefusedError} */ (error);
+      assert.deepEqual([refused.reason, refused.retryAfter], ['r', 7]);
     }
   });
 }
@@ -56,7 +57,7 @@ test('requests carry the token and the bodies the API wants', async () => {
   const { client, seen } = answering(200, { cooldownUntil: '2026-12-01T12:10:00Z' });
   const lease = await client.lease('example.com', { ttlSeconds: 90.4, selector: 'region=eu', session: 's-1' });
   const until = await lease.report({ outcome: 'throttled', statusCode: 429, retryAfterSeconds: 12.4 });
-  assert.equal(until.toISOString(), '2026-12-01T12:10:00.000Z');
+  assert.equal(until?.toISOString(), '2026-12-01T12:10:00.000Z');
   await lease.reportCounts(5);
   await lease.reportCounts(0, 0); // nothing to say: no call
   const [first, throttle, counts] = seen;
@@ -75,22 +76,23 @@ test('requests carry the token and the bodies the API wants', async () => {
 test('bad input is refused before any request, saying what is wrong', async () => {
   const { client, seen } = answering(200, {});
   const lease = await client.lease('example.com');
-  for (const [bad, says] of [
+  // Deliberately ill-typed: what a caller without TypeScript can send.
+  for (const [bad, says] of /** @type {Array<[any, RegExp]>} */ ([
     [{ outcome: 'meh' }, /outcome must be one of ok, banned, throttled, failed/],
     [{ outcome: 'banned', retryAfterSeconds: 3 }, /retryAfterSeconds goes only with outcome 'throttled'/],
     [{}, /needs an outcome, counts/],
     [{ ok: -1 }, /ok must be a count/],
     [{ outcome: 'banned', statusCode: 700 }, /statusCode must be an HTTP status/],
-  ]) {
+  ])) {
     await assert.rejects(lease.report(bad), says);
   }
   await assert.rejects(lease.renew(0), /ttlSeconds must be a positive number/);
   await assert.rejects(client.lease(''), /target must be/);
-  for (const [bad, says] of [
+  for (const [bad, says] of /** @type {Array<[string, RegExp]>} */ ([
     ['-bad-.com', /"-bad-" is not a DNS label/],
     ['http://a..com/', /"" is not a DNS label|not a valid URL/],
     ['ftp://example.com/', /only http and https URLs/],
-  ]) {
+  ])) {
     await assert.rejects(client.lease(bad), says);
   }
   assert.equal(seen.length, 1, 'only the lease went out');
@@ -140,7 +142,7 @@ test('a pool is asked for by name, listed members say their pool, and a scaling 
   assert.deepEqual(seen[0].body, { target: 'example.com', pool: 'crawl/eu' });
   assert.equal(seen[1].url.searchParams.get('pool'), 'eu');
   assert.equal(listed[0].pool, 'eu');
-  for (const bad of ['', 'a/b/c', 'e u', 7]) {
+  for (const bad of /** @type {any[]} */ (['', 'a/b/c', 'e u', 7])) {
     await assert.rejects(client.lease('example.com', { pool: bad }), TypeError);
   }
   assert.equal(seen.length, 2, 'a bad pool is refused before any request');

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use crate::auth::{Auth, Identity, Scope};
 use crate::problem::Problem;
@@ -28,6 +28,13 @@ mod proxies;
 use cooldowns::*;
 use leases::*;
 use proxies::*;
+
+/// The request and response bodies, as the OpenAPI document describes them.
+pub(crate) mod bodies {
+    pub(crate) use super::cooldowns::{ClearedCooldowns, CooldownList};
+    pub(crate) use super::leases::{LeaseBody, LeaseResponse, RenewBody, ReportBody, ReportResult};
+    pub(crate) use super::proxies::ProxyList;
+}
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;

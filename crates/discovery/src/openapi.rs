@@ -1,7 +1,60 @@
 //! The OpenAPI 3 document of the API, served at `/openapi.json` and committed as `docs/discovery-openapi.json`
-//! (a test fails when the two differ).
+//! (a test fails when the two differ). The routes are listed here; every body's schema is derived (schemars) from
+//! the very types the handlers parse and serialise, so the document cannot drift from what is sent.
 
+use schemars::generate::{Contract, SchemaSettings};
 use serde_json::{Value, json};
+
+use crate::api::bodies::{
+    ClearedCooldowns, CooldownList, LeaseBody, LeaseResponse, ProxyList, RenewBody, ReportBody, ReportResult,
+};
+use crate::problem::Problem;
+
+/// The schemas of the bodies: requests as they are parsed, answers as they are written (a field skipped when
+/// empty is optional, not nullable).
+fn schemas() -> serde_json::Map<String, Value> {
+    let mut requests =
+        SchemaSettings::openapi3().with(|settings| settings.contract = Contract::Deserialize).into_generator();
+    requests.subschema_for::<LeaseBody>();
+    requests.subschema_for::<RenewBody>();
+    requests.subschema_for::<ReportBody>();
+    let mut answers =
+        SchemaSettings::openapi3().with(|settings| settings.contract = Contract::Serialize).into_generator();
+    answers.subschema_for::<Problem>();
+    answers.subschema_for::<ProxyList>();
+    answers.subschema_for::<LeaseResponse<'static>>();
+    answers.subschema_for::<ReportResult>();
+    answers.subschema_for::<CooldownList>();
+    answers.subschema_for::<ClearedCooldowns>();
+    let mut schemas = requests.take_definitions(true);
+    let mut answers = answers.take_definitions(true);
+    answers.values_mut().for_each(optional_never_null);
+    schemas.extend(answers);
+    schemas
+}
+
+/// An answer leaves an empty optional field out rather than send `null`: such a field is optional, not nullable.
+fn optional_never_null(schema: &mut Value) {
+    let required: Vec<Value> = schema.get("required").and_then(Value::as_array).cloned().unwrap_or_default();
+    let Some(properties) = schema.get_mut("properties").and_then(Value::as_object_mut) else { return };
+    for (name, property) in properties.iter_mut() {
+        if required.contains(&Value::String(name.clone())) {
+            continue;
+        }
+        let Some(property) = property.as_object_mut() else { continue };
+        property.remove("nullable");
+        if let Some(Value::Array(alternatives)) = property.get("anyOf") {
+            let null = json!([null]);
+            let kept: Vec<Value> =
+                alternatives.iter().filter(|alternative| alternative.get("enum") != Some(&null)).cloned().collect();
+            if let [only] = kept.as_slice() {
+                // `$ref` takes no siblings in OpenAPI 3.0, so the reference stays wrapped (its description beside).
+                property.insert("allOf".to_owned(), json!([only]));
+                property.remove("anyOf");
+            }
+        }
+    }
+}
 
 fn problem_response(description: &str) -> Value {
     json!({ "description": description, "content": { "application/problem+json": { "schema": { "$ref": "#/components/schemas/Problem" } } } })
@@ -78,7 +131,7 @@ pub fn document() -> Value {
                 "parameters": [lease_id()],
                 "requestBody": json_body("RenewRequest", false),
                 "responses": auth_errors(serde_json::Map::from_iter([
-                    ("200".to_owned(), json_response("the lease with its new expiry and ID, and the proxy's current URL", "Renewed")),
+                    ("200".to_owned(), json_response("the lease with its new expiry and ID, the proxy's current URL, and replaced", "Lease")),
                     ("400".to_owned(), problem_response("invalid body")),
                     ("404".to_owned(), problem_response("no such lease for this token (expired, released, or never granted to it)")),
                     ("410".to_owned(), problem_response("the lease was revoked: its proxy turned unhealthy or went away")),
@@ -122,66 +175,7 @@ pub fn document() -> Value {
         },
         "components": {
             "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
-            "schemas": {
-                "Problem": { "type": "object", "required": ["type", "title", "status", "detail"], "properties": {
-                    "type": { "type": "string" }, "title": { "type": "string" }, "status": { "type": "integer" }, "detail": { "type": "string" },
-                    "reason": { "type": "string", "description": "none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable, unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute" },
-                    "retryAfterSeconds": { "type": "integer" }
-                }},
-                "ProxyRef": { "type": "object", "required": ["namespace", "name", "host", "port", "url"], "properties": {
-                    "namespace": { "type": "string" }, "name": { "type": "string" }, "host": { "type": "string" }, "port": { "type": "integer" },
-                    "url": { "type": "string", "description": "http://[user:password@]host:port; credentials only for lease-scope tokens" },
-                    "egressIP": { "type": "string", "description": "the address sites see requests through this proxy come from, once its probes observed it; proxies sharing it share cooldowns" }
-                }},
-                "Proxy": { "allOf": [{ "$ref": "#/components/schemas/ProxyRef" }, { "type": "object", "required": ["labels", "activeLeases", "maxLeases"], "properties": {
-                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
-                    "zone": { "type": "string" }, "provider": { "type": "string" }, "activeLeases": { "type": "integer" }, "maxLeases": { "type": "integer" },
-                    "pool": { "type": "string", "description": "the name of the ProxyPool it is a member of, in its namespace" },
-                    "coolingDownUntil": { "type": "string", "format": "date-time" },
-                    "cooldownPolicy": {
-                        "type": "object",
-                        "description": "How long a site's ban cools this proxy down: baseSeconds after the first ban in a row, times factor for each further one, at most maxSeconds",
-                        "properties": {
-                            "baseSeconds": { "type": "integer" },
-                            "factor": { "type": "integer" },
-                            "maxSeconds": { "type": "integer" }
-                        }
-                    },
-                    "successRate": { "type": "number", "minimum": 0, "maximum": 1, "description": "with target: the share of requests reported through this proxy for that site (in the last hour of reports) that it served" },
-                    "reported": { "type": "integer", "description": "with target: how many reported requests successRate is over" }
-                }}]},
-                "ProxyList": { "type": "object", "required": ["proxies"], "properties": { "proxies": { "type": "array", "items": { "$ref": "#/components/schemas/Proxy" } } } },
-                "LeaseRequest": { "type": "object", "additionalProperties": false, "required": ["target"], "properties": {
-                    "target": { "type": "string", "maxLength": 2048, "description": "host name, IP address or URL of the site" },
-                    "selector": { "type": "string" }, "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600, "default": 300 },
-                    "proxy": { "type": "string", "description": "namespace/name of a specific proxy" },
-                    "session": { "type": "string", "maxLength": 256, "description": "sticky-session key" },
-                    "pool": { "type": "string", "description": "only members of this ProxyPool: namespace/name, or a name only one namespace has; a pool with no members that autoscales answers 503 scaling-up and grows" }
-                }},
-                "Lease": { "type": "object", "required": ["id", "proxy", "target", "expiresAt"], "properties": {
-                    "id": { "type": "string", "description": "self-verifying: usable only with a token of the tenant that took the lease, by any replica that shares the operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease" },
-                    "proxy": { "$ref": "#/components/schemas/ProxyRef" },
-                    "target": { "type": "string", "description": "the normalised target" }, "expiresAt": { "type": "string", "format": "date-time" }
-                }},
-                "RenewRequest": { "type": "object", "additionalProperties": false, "properties": { "ttlSeconds": { "type": "integer", "minimum": 1, "maximum": 3600 } } },
-                "Renewed": { "allOf": [{ "$ref": "#/components/schemas/Lease" }, { "type": "object", "required": ["replaced"], "properties": {
-                    "replaced": { "type": "boolean", "description": "true when the proxy's instance was replaced since the holder was last told its URL: use proxy.url from now on (the old instance is kept only until its holders renew, or the drain timeout)" }
-                }}]},
-                "Report": { "type": "object", "additionalProperties": false, "description": "an outcome, counts, or both", "properties": {
-                    "outcome": { "type": "string", "enum": ["ok", "banned", "throttled", "failed"], "description": "banned: a cooldown that doubles with each ban in a row; throttled (429 and the like): a short cooldown, for retryAfterSeconds when given, that leaves the ban streak alone. While a cooldown runs, a further ban or throttle from the same tenant changes nothing (the answer gives the running cooldown's end); another tenant's ban counts once" },
-                    "statusCode": { "type": "integer", "minimum": 100, "maximum": 599 },
-                    "retryAfterSeconds": { "type": "integer", "minimum": 1, "maximum": 86400, "description": "with outcome throttled: the site's own Retry-After" },
-                    "ok": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests the site served through this lease since the last report; one lease's reports count at most 100 requests plus 100 per second of its age, the rest is dropped" },
-                    "failed": { "type": "integer", "minimum": 0, "maximum": 1000000, "description": "requests that failed otherwise" },
-                    "release": { "type": "boolean", "default": false }
-                }},
-                "ReportResult": { "type": "object", "properties": { "cooldownUntil": { "type": "string", "format": "date-time" } } },
-                "Cooldown": { "type": "object", "required": ["proxy", "target", "until", "streak"], "properties": {
-                    "proxy": { "type": "string" }, "target": { "type": "string" }, "until": { "type": "string", "format": "date-time" }, "streak": { "type": "integer" }
-                }},
-                "CooldownList": { "type": "object", "required": ["cooldowns"], "properties": { "cooldowns": { "type": "array", "items": { "$ref": "#/components/schemas/Cooldown" } } } },
-                "ClearedCooldowns": { "type": "object", "required": ["cleared"], "properties": { "cleared": { "type": "array", "items": { "$ref": "#/components/schemas/Cooldown" } } } }
-            }
+            "schemas": schemas(),
         }
     })
 }

@@ -5,10 +5,11 @@ use std::time::Duration;
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use schemars::JsonSchema;
 use serde::Serialize;
 
-/// An error response.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+/// An error response: an RFC 9457 problem document.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Problem {
     /// A URI naming the kind of problem.
@@ -20,7 +21,9 @@ pub struct Problem {
     pub status: u16,
     /// What went wrong this time, for a human.
     pub detail: String,
-    /// A stable machine-readable reason (for 503: none-healthy, all-at-capacity, all-cooling-down).
+    /// A stable machine-readable reason: none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is
+    /// getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable,
+    /// unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// When to try again, in seconds (also sent as `Retry-After`).

@@ -93,13 +93,10 @@ def _cooldown_until(body: Mapping[str, Any]) -> Optional[datetime.datetime]:
     return parse_time(until) if until is not None else None
 
 
-class Lease:
-    """A held lease (sync). Use it as a context manager to release it on exit, or call `release()`."""
+class _LeaseView:
+    """What a lease says about itself, from the server's last answer: shared by the sync and async leases."""
 
-    def __init__(self, client: "DiscoveryClient", state: LeaseState):
-        self._client = client
-        self._state = state
-        self._released = False
+    _state: LeaseState
 
     @property
     def id(self) -> str:
@@ -130,6 +127,16 @@ class Lease:
     def expires_at(self) -> datetime.datetime:
         """When the lease expires unless renewed."""
         return self._state.expires_at
+
+
+
+class Lease(_LeaseView):
+    """A held lease (sync). Use it as a context manager to release it on exit, or call `release()`."""
+
+    def __init__(self, client: "DiscoveryClient", state: LeaseState):
+        self._client = client
+        self._state = state
+        self._released = False
 
     def renew(self, ttl: Optional[float] = None) -> bool:
         """Extends the lease. Returns whether the proxy's instance was replaced since this lease last heard of it:
@@ -278,20 +285,13 @@ def _list(answer: Any, key: str) -> List[Mapping[str, Any]]:
     return entries
 
 
-class AsyncLease:
+class AsyncLease(_LeaseView):
     """A held lease (async). `async with` releases it on exit."""
 
     def __init__(self, client: "AsyncDiscoveryClient", state: LeaseState):
         self._client = client
         self._state = state
         self._released = False
-
-    id = Lease.id
-    proxy_url = Lease.proxy_url
-    proxy = Lease.proxy
-    egress_ip = Lease.egress_ip
-    target = Lease.target
-    expires_at = Lease.expires_at
 
     async def renew(self, ttl: Optional[float] = None) -> bool:
         """Extends the lease; `True` when the proxy's instance was replaced (`proxy_url` changed)."""

@@ -332,7 +332,7 @@ class EgressProxyMiddleware:
         a lease dropped while the request was in flight too: the server counts one client's repeated reports on a
         running cooldown once), and the middleware's other leases for the site through the same exit dropped."""
         found = self._held_of(request)
-        extra = {"retry_after": retry_after} if outcome == "throttled" else {}
+        extra: Dict[str, Any] = {"retry_after": retry_after} if outcome == "throttled" else {}
         self.stats.inc_value("egress/bans" if outcome == "banned" else "egress/throttles")
         if found is None:
             held = self.dropped.get(request.meta.get(LEASE_META, ""))
@@ -405,7 +405,7 @@ class EgressProxyMiddleware:
 def _exits(site: str, lease: AsyncLease) -> Tuple[Tuple[str, str], ...]:
     """The (site, exit) pairs a site's refusal of `lease` covers: its proxy, and its egress address if known (the
     site sees every proxy behind one address as the same client, and the server cools them down together)."""
-    exits = ((site, "proxy:" + lease.proxy),)
+    exits: Tuple[Tuple[str, str], ...] = ((site, "proxy:" + lease.proxy),)
     if lease.egress_ip is not None:
         exits += ((site, "address:" + lease.egress_ip),)
     return exits
@@ -504,7 +504,8 @@ class EgressDownloadHandler:
         await middleware.bind(request)
         inner = self._inner(urllib.parse.urlsplit(request.url).scheme)
         if inspect.iscoroutinefunction(inner.download_request):
-            return await inner.download_request(request)
+            response: Response = await inner.download_request(request)
+            return response
         # A handler of the older, Deferred-based kind.
         from scrapy.utils.defer import maybe_deferred_to_future
 

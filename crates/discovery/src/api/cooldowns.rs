@@ -27,16 +27,44 @@ pub(super) async fn clear_cooldowns(
     futures::future::join_all(writes).await;
     state.metrics.cooldowns_cleared(cleared.len());
     tracing::info!(target = %target, proxy = ?proxy, cleared = cleared.len(), "cooldowns cleared by an administrator");
-    Ok(Json(json!({ "cleared": cleared.into_iter().map(cooldown_json).collect::<Vec<_>>() })).into_response())
+    Ok(Json(ClearedCooldowns { cleared: cleared.into_iter().map(CooldownEntry::from).collect() }).into_response())
 }
 
-pub(super) fn cooldown_json(cooldown: egress_lease::Cooldown) -> serde_json::Value {
-    json!({
-        "proxy": cooldown.proxy.as_str(),
-        "target": cooldown.target,
-        "until": timestamp(cooldown.until),
-        "streak": cooldown.streak,
-    })
+/// A live cooldown: `proxy` is not leased for `target` until `until`.
+#[derive(Serialize, JsonSchema)]
+#[schemars(rename = "Cooldown")]
+pub(crate) struct CooldownEntry {
+    /// `namespace/name`.
+    proxy: String,
+    /// The site.
+    target: String,
+    #[schemars(extend("format" = "date-time"))]
+    until: String,
+    /// Bans in a row: each one multiplies the next cooldown.
+    streak: u32,
+}
+
+impl From<egress_lease::Cooldown> for CooldownEntry {
+    fn from(cooldown: egress_lease::Cooldown) -> Self {
+        Self {
+            proxy: cooldown.proxy.to_string(),
+            target: cooldown.target,
+            until: timestamp(cooldown.until),
+            streak: cooldown.streak,
+        }
+    }
+}
+
+/// The live cooldowns.
+#[derive(Serialize, JsonSchema)]
+pub(crate) struct CooldownList {
+    cooldowns: Vec<CooldownEntry>,
+}
+
+/// The cooldowns that were running and ended.
+#[derive(Serialize, JsonSchema)]
+pub(crate) struct ClearedCooldowns {
+    cleared: Vec<CooldownEntry>,
 }
 
 pub(super) async fn list_cooldowns(
@@ -49,12 +77,12 @@ pub(super) async fn list_cooldowns(
     let cooldowns =
         state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
     // A tenant sees the cooldowns its own reports made; an admin sees every one.
-    let entries: Vec<serde_json::Value> = cooldowns
+    let entries: Vec<CooldownEntry> = cooldowns
         .into_iter()
         .filter(|cooldown| {
             caller.scope == Scope::Admin || cooldown.reporters.iter().any(|reporter| reporter == caller.owner())
         })
-        .map(cooldown_json)
+        .map(CooldownEntry::from)
         .collect();
-    Ok(Json(json!({ "cooldowns": entries })).into_response())
+    Ok(Json(CooldownList { cooldowns: entries }).into_response())
 }

@@ -2,14 +2,26 @@
 
 use super::*;
 
-#[derive(Deserialize)]
+/// What to lease a proxy for.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub(super) struct LeaseBody {
+#[schemars(rename = "LeaseRequest")]
+pub(crate) struct LeaseBody {
+    /// Host name, IP address or URL of the site.
+    #[schemars(length(max = 2048))]
     target: String,
+    /// A label selector the proxy must match: `a=b`, `a!=b`, `a`, `!a`, comma-separated.
     selector: Option<String>,
+    /// How long the lease lasts unless renewed (the tenant's `maxLeaseSeconds` may lower the limit).
+    #[schemars(range(min = 1, max = 3600), extend("default" = 300))]
     ttl_seconds: Option<u64>,
+    /// `namespace/name` of a specific proxy.
     proxy: Option<String>,
+    /// A sticky-session key: the same proxy for the same (session, target) while it stays eligible.
+    #[schemars(length(max = 256))]
     session: Option<String>,
+    /// Only members of this ProxyPool: `namespace/name`, or a name only one namespace has; a pool with no members
+    /// that autoscales answers 503 `scaling-up` and grows.
     pool: Option<String>,
 }
 
@@ -76,28 +88,39 @@ pub(super) fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Durati
     }
 }
 
-#[derive(Serialize)]
+/// The proxy a lease is on.
+#[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub(super) struct LeasedProxy<'a> {
+#[schemars(rename = "ProxyRef")]
+pub(crate) struct LeasedProxy<'a> {
     namespace: &'a str,
     name: &'a str,
     host: &'a str,
     port: u16,
+    /// `http://[user:password@]host:port`; credentials only for lease-scope tokens.
     url: String,
-    /// The address sites see, once probes observed it: a client holding leases on several proxies drops, on a ban
-    /// or a throttle, every one that leaves through the same address (they share the cooldown).
+    /// The address sites see requests through this proxy come from, once its probes observed it: a client holding
+    /// leases on several proxies drops, on a ban or a throttle, every one that leaves through the same address
+    /// (they share the cooldown).
     #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
     egress_ip: Option<&'a str>,
 }
 
-#[derive(Serialize)]
+/// A lease: granted, or renewed.
+#[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub(super) struct LeaseResponse<'a> {
+#[schemars(rename = "Lease")]
+pub(crate) struct LeaseResponse<'a> {
+    /// Self-verifying: usable only with a token of the tenant that took the lease, by any replica that shares the
+    /// operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease.
     id: &'a str,
     proxy: LeasedProxy<'a>,
+    /// The normalised target.
     target: &'a str,
+    #[schemars(extend("format" = "date-time"))]
     expires_at: String,
-    /// On renew only: whether the proxy's instance was replaced since the holder was last told its URL.
+    /// On renew only: true when the proxy's instance was replaced since the holder was last told its URL: use
+    /// `proxy.url` from now on (the old instance is kept only until its holders renew, or the drain timeout).
     #[serde(skip_serializing_if = "Option::is_none")]
     replaced: Option<bool>,
 }
@@ -257,9 +280,13 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
     }
 }
 
-#[derive(Deserialize)]
+/// How long to extend a lease by.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub(super) struct RenewBody {
+#[schemars(rename = "RenewRequest")]
+pub(crate) struct RenewBody {
+    /// From now; the lease's TTL when absent.
+    #[schemars(range(min = 1, max = 3600))]
     ttl_seconds: Option<u64>,
 }
 
@@ -291,24 +318,52 @@ pub(super) async fn release_lease(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-#[derive(Deserialize)]
+/// What the site did. `banned`: a cooldown that doubles with each ban in a row; `throttled` (429 and the like): a
+/// short cooldown, for `retryAfterSeconds` when given, that leaves the ban streak alone. While a cooldown runs, a
+/// further ban or throttle from the same tenant changes nothing (the answer gives the running cooldown's end);
+/// another tenant's ban counts once.
+#[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
-pub(super) enum OutcomeBody {
+#[schemars(rename = "Outcome")]
+pub(crate) enum OutcomeBody {
     Ok,
     Banned,
     Throttled,
     Failed,
 }
 
-#[derive(Deserialize)]
+/// What happened with a lease: an outcome, counts, or both.
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub(super) struct ReportBody {
+#[schemars(rename = "Report")]
+pub(crate) struct ReportBody {
     outcome: Option<OutcomeBody>,
+    /// The site's status code (informational).
+    #[schemars(range(min = 100, max = 599))]
     status_code: Option<u16>,
+    /// With outcome `throttled`: the site's own `Retry-After`.
+    #[schemars(range(min = 1, max = 86400))]
     retry_after_seconds: Option<u64>,
+    /// Requests the site served through this lease since the last report; one lease's reports count at most 100
+    /// requests plus 100 per second of its age, the rest is dropped.
+    #[schemars(range(max = 1000000))]
     ok: Option<u32>,
+    /// Requests that failed otherwise.
+    #[schemars(range(max = 1000000))]
     failed: Option<u32>,
+    /// Also end the lease.
+    #[schemars(extend("default" = false))]
     release: Option<bool>,
+}
+
+/// The answer to a report.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ReportResult {
+    /// For a ban or a throttle: when the proxy's cooldown for the lease's site ends.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
+    cooldown_until: Option<String>,
 }
 
 /// The most requests one report may count.
@@ -391,9 +446,5 @@ pub(super) async fn report_lease(
             reported.cooled.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
         futures::future::join_all(writes).await;
     }
-    Ok(Json(match until {
-        Some(until) => json!({ "cooldownUntil": timestamp(until) }),
-        None => json!({}),
-    })
-    .into_response())
+    Ok(Json(ReportResult { cooldown_until: until.map(timestamp) }).into_response())
 }

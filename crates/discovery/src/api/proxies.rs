@@ -22,14 +22,19 @@ pub(super) fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
     }
 }
 
-#[derive(Serialize)]
+/// A healthy proxy, with its load.
+#[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub(super) struct ProxyEntry {
+#[schemars(rename = "Proxy")]
+pub(crate) struct ProxyEntry {
     namespace: String,
     name: String,
     host: String,
     port: u16,
+    /// `http://[user:password@]host:port`; credentials only on the caller's own leases (an admin sees them all).
     url: String,
+    /// The address sites see requests through this proxy come from, once its probes observed it; proxies sharing
+    /// it share cooldowns.
     #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
     egress_ip: Option<String>,
     labels: BTreeMap<String, String>,
@@ -37,7 +42,7 @@ pub(super) struct ProxyEntry {
     zone: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     provider: Option<String>,
-    /// The name of the pool it is a member of (in its namespace).
+    /// The name of the ProxyPool it is a member of, in its namespace.
     #[serde(skip_serializing_if = "Option::is_none")]
     pool: Option<String>,
     active_leases: u32,
@@ -45,20 +50,32 @@ pub(super) struct ProxyEntry {
     /// How long a ban cools it down for a site, when it has a policy of its own (the operator always gives one).
     #[serde(skip_serializing_if = "Option::is_none")]
     cooldown_policy: Option<CooldownPolicyEntry>,
+    /// With `target`: when its cooldown for that site ends.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
     cooling_down_until: Option<String>,
-    /// With `target`: the share of requests reported through this proxy for that site that it served.
+    /// With `target`: the share of requests reported through this proxy for that site (in the last hour of
+    /// reports) that it served.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
     success_rate: Option<f64>,
-    /// With `target`: how many requests that share is over.
+    /// With `target`: how many reported requests `successRate` is over.
     #[serde(skip_serializing_if = "Option::is_none")]
     reported: Option<u64>,
 }
 
-/// A proxy's ban cooldown policy, as the API shows it.
-#[derive(Serialize)]
+/// The proxies `GET /v1/proxies` lists.
+#[derive(Serialize, JsonSchema)]
+pub(crate) struct ProxyList {
+    proxies: Vec<ProxyEntry>,
+}
+
+/// How long a site's ban cools a proxy down: `baseSeconds` after the first ban in a row, times `factor` for each
+/// further one, at most `maxSeconds`.
+#[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub(super) struct CooldownPolicyEntry {
+#[schemars(rename = "CooldownPolicy")]
+pub(crate) struct CooldownPolicyEntry {
     base_seconds: u64,
     factor: u32,
     max_seconds: u64,
@@ -120,7 +137,7 @@ pub(super) async fn list_proxies(
             reported: load.as_ref().and_then(|load| load.outcomes).map(|outcomes| outcomes.total()),
         })
         .collect();
-    Ok(Json(json!({ "proxies": entries })).into_response())
+    Ok(Json(ProxyList { proxies: entries }).into_response())
 }
 
 #[cfg(test)]
