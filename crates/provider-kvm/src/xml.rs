@@ -1,28 +1,40 @@
-//! The XML this provider gives libvirt (domains, volumes) and reads back (the GC contract in a domain's metadata).
+//! The XML this provider gives libvirt (domains, volumes), written with quick-xml, and reads back with roxmltree (the
+//! GC contract in a domain's metadata).
 
-use std::fmt::Write as _;
+use std::io;
 
 use egress_provider::Tags;
+use quick_xml::Writer;
+use quick_xml::events::BytesText;
 
 /// The namespace of the provider's `<metadata>` element.
 pub const METADATA_NAMESPACE: &str = "https://egress-operator.dev/xmlns/kvm/1";
 /// The prefix the element uses.
 pub const METADATA_PREFIX: &str = "egress";
 
-/// Escapes text for an XML element or a double-quoted attribute.
-pub fn escape(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => escaped.push_str("&amp;"),
-            '<' => escaped.push_str("&lt;"),
-            '>' => escaped.push_str("&gt;"),
-            '"' => escaped.push_str("&quot;"),
-            '\'' => escaped.push_str("&apos;"),
-            c => escaped.push(c),
-        }
-    }
-    escaped
+/// An XML writer into memory, indented by two spaces; quick-xml escapes every text and attribute value.
+type Xml = Writer<Vec<u8>>;
+type Written = io::Result<()>;
+
+/// The document `write` writes, as text ending in a newline.
+fn document(write: impl FnOnce(&mut Xml) -> Written) -> String {
+    let mut xml = Writer::new_with_indent(Vec::new(), b' ', 2);
+    write(&mut xml).expect("writing XML into memory cannot fail");
+    let mut text = String::from_utf8(xml.into_inner()).expect("XML written from UTF-8 text is UTF-8");
+    text.push('\n');
+    text
+}
+
+/// `<name>value</name>`.
+fn text(xml: &mut Xml, name: &str, value: &str) -> Written {
+    xml.create_element(name).write_text_content(BytesText::new(value))?;
+    Ok(())
+}
+
+/// `<name attribute="value"/>`.
+fn empty(xml: &mut Xml, name: &str, attributes: &[(&str, &str)]) -> Written {
+    xml.create_element(name).with_attributes(attributes.iter().copied()).write_empty()?;
+    Ok(())
 }
 
 /// Firmware the guest boots with.
@@ -67,57 +79,86 @@ pub struct DomainSpec {
 /// The seed ISO is a read-only virtio disk, not a CD-ROM: Debian's cloud kernel (the one in its `genericcloud`
 /// images) has no ATA or SCSI CD-ROM drivers, and NoCloud finds the `cidata` label on any block device.
 pub fn domain(spec: &DomainSpec) -> String {
-    let mut xml = format!("<domain type=\"{}\">\n  <name>{}</name>\n", escape(&spec.domain_type), escape(&spec.name));
-    xml.push_str("  <metadata>\n");
-    xml.push_str(&metadata(&spec.tags, spec.port, spec.created_unix));
-    xml.push_str("  </metadata>\n");
-    let _ = writeln!(xml, "  <memory unit=\"MiB\">{}</memory>", spec.memory_mib);
-    let _ = writeln!(xml, "  <vcpu>{}</vcpu>", spec.vcpus);
     let hardware = spec.domain_type != "test";
-    match (hardware, spec.firmware) {
-        (true, Firmware::Uefi) => xml.push_str("  <os firmware=\"efi\">\n"),
-        _ => xml.push_str("  <os>\n"),
-    }
+    document(|xml| {
+        let domain = xml.create_element("domain").with_attribute(("type", spec.domain_type.as_str()));
+        domain.write_inner_content(|xml| {
+            text(xml, "name", &spec.name)?;
+            xml.create_element("metadata")
+                .write_inner_content(|xml| write_metadata(xml, &spec.tags, spec.port, spec.created_unix))?;
+            let memory = spec.memory_mib.to_string();
+            xml.create_element("memory").with_attribute(("unit", "MiB")).write_text_content(BytesText::new(&memory))?;
+            text(xml, "vcpu", &spec.vcpus.to_string())?;
+            let os = xml.create_element("os");
+            let os =
+                if hardware && spec.firmware == Firmware::Uefi { os.with_attribute(("firmware", "efi")) } else { os };
+            os.write_inner_content(|xml| {
+                let kind = xml.create_element("type");
+                let kind = if hardware { kind.with_attributes([("arch", "x86_64"), ("machine", "q35")]) } else { kind };
+                kind.write_text_content(BytesText::new("hvm"))?;
+                empty(xml, "boot", &[("dev", "hd")])
+            })?;
+            if hardware {
+                xml.create_element("features").write_inner_content(|xml| {
+                    empty(xml, "acpi", &[])?;
+                    empty(xml, "apic", &[])
+                })?;
+                if spec.domain_type == "kvm" {
+                    empty(xml, "cpu", &[("mode", "host-passthrough")])?;
+                }
+            }
+            empty(xml, "clock", &[("offset", "utc")])?;
+            text(xml, "on_poweroff", "destroy")?;
+            text(xml, "on_reboot", "restart")?;
+            text(xml, "on_crash", "destroy")?;
+            xml.create_element("devices").write_inner_content(|xml| devices(xml, spec, hardware))?;
+            Ok(())
+        })?;
+        Ok(())
+    })
+}
+
+/// The domain's devices: the overlay disk, the seed as a read-only disk, the bridged NIC, and on real hardware the
+/// guest agent's channel, a serial console logged to a file, and a random number generator.
+fn devices(xml: &mut Xml, spec: &DomainSpec, hardware: bool) -> Written {
+    let disk = |xml: &mut Xml, format: &str, file: &str, device: &str, readonly: bool| -> Written {
+        xml.create_element("disk").with_attributes([("type", "file"), ("device", "disk")]).write_inner_content(
+            |xml| {
+                empty(xml, "driver", &[("name", "qemu"), ("type", format)])?;
+                empty(xml, "source", &[("file", file)])?;
+                empty(xml, "target", &[("dev", device), ("bus", "virtio")])?;
+                if readonly {
+                    empty(xml, "readonly", &[])?;
+                }
+                Ok(())
+            },
+        )?;
+        Ok(())
+    };
+    disk(xml, "qcow2", &spec.disk_path, "vda", false)?;
+    disk(xml, "raw", &spec.seed_path, "vdb", true)?;
+    xml.create_element("interface").with_attribute(("type", "bridge")).write_inner_content(|xml| {
+        empty(xml, "source", &[("bridge", spec.bridge.as_str())])?;
+        empty(xml, "model", &[("type", "virtio")])
+    })?;
     if hardware {
-        xml.push_str("    <type arch=\"x86_64\" machine=\"q35\">hvm</type>\n");
-    } else {
-        xml.push_str("    <type>hvm</type>\n");
-    }
-    xml.push_str("    <boot dev=\"hd\"/>\n  </os>\n");
-    if hardware {
-        xml.push_str("  <features>\n    <acpi/>\n    <apic/>\n  </features>\n");
-        if spec.domain_type == "kvm" {
-            xml.push_str("  <cpu mode=\"host-passthrough\"/>\n");
-        }
-    }
-    xml.push_str(
-        "  <clock offset=\"utc\"/>\n  <on_poweroff>destroy</on_poweroff>\n  <on_reboot>restart</on_reboot>\n  \
-         <on_crash>destroy</on_crash>\n  <devices>\n",
-    );
-    let _ = write!(
-        xml,
-        "    <disk type=\"file\" device=\"disk\">\n      <driver name=\"qemu\" type=\"qcow2\"/>\n      <source \
-         file=\"{disk}\"/>\n      <target dev=\"vda\" bus=\"virtio\"/>\n    </disk>\n    <disk type=\"file\" \
-         device=\"disk\">\n      <driver name=\"qemu\" type=\"raw\"/>\n      <source file=\"{seed}\"/>\n      \
-         <target dev=\"vdb\" bus=\"virtio\"/>\n      <readonly/>\n    </disk>\n    <interface type=\"bridge\">\n      \
-         <source bridge=\"{bridge}\"/>\n      <model type=\"virtio\"/>\n    </interface>\n",
-        disk = escape(&spec.disk_path),
-        seed = escape(&spec.seed_path),
-        bridge = escape(&spec.bridge),
-    );
-    if hardware {
+        xml.create_element("channel").with_attribute(("type", "unix")).write_inner_content(|xml| {
+            empty(xml, "target", &[("type", "virtio"), ("name", "org.qemu.guest_agent.0")])
+        })?;
         // The serial console is also written to a file on the host, so a guest that never comes up can be read.
-        let _ = write!(
-            xml,
-            "    <channel type=\"unix\">\n      <target type=\"virtio\" name=\"org.qemu.guest_agent.0\"/>\n    \
-             </channel>\n    <serial type=\"pty\">\n      <log file=\"{log}\" append=\"off\"/>\n    </serial>\n    \
-             <console type=\"pty\"/>\n    <rng model=\"virtio\">\n      <backend \
-             model=\"random\">/dev/urandom</backend>\n    </rng>\n",
-            log = escape(&console_log(&spec.name)),
-        );
+        let log = console_log(&spec.name);
+        xml.create_element("serial")
+            .with_attribute(("type", "pty"))
+            .write_inner_content(|xml| empty(xml, "log", &[("file", log.as_str()), ("append", "off")]))?;
+        empty(xml, "console", &[("type", "pty")])?;
+        xml.create_element("rng").with_attribute(("model", "virtio")).write_inner_content(|xml| {
+            xml.create_element("backend")
+                .with_attribute(("model", "random"))
+                .write_text_content(BytesText::new("/dev/urandom"))?;
+            Ok(())
+        })?;
     }
-    xml.push_str("  </devices>\n</domain>\n");
-    xml
+    Ok(())
 }
 
 /// Where the host keeps a guest's serial console output (libvirt's log directory; the file outlives the guest, like
@@ -128,19 +169,24 @@ pub fn console_log(name: &str) -> String {
 
 /// The provider's metadata element: every tag, the port and the creation time.
 pub fn metadata(tags: &Tags, port: u16, created_unix: u64) -> String {
-    let mut xml = format!("    <{METADATA_PREFIX}:instance xmlns:{METADATA_PREFIX}=\"{METADATA_NAMESPACE}\">\n");
-    for (key, value) in tags.iter() {
-        let _ = writeln!(
-            xml,
-            "      <{METADATA_PREFIX}:tag key=\"{}\">{}</{METADATA_PREFIX}:tag>",
-            escape(key),
-            escape(value)
-        );
-    }
-    let _ = writeln!(xml, "      <{METADATA_PREFIX}:port>{port}</{METADATA_PREFIX}:port>");
-    let _ = writeln!(xml, "      <{METADATA_PREFIX}:created>{created_unix}</{METADATA_PREFIX}:created>");
-    let _ = writeln!(xml, "    </{METADATA_PREFIX}:instance>");
-    xml
+    document(|xml| write_metadata(xml, tags, port, created_unix))
+}
+
+fn write_metadata(xml: &mut Xml, tags: &Tags, port: u16, created_unix: u64) -> Written {
+    let element = |name: &str| format!("{METADATA_PREFIX}:{name}");
+    let namespace = format!("xmlns:{METADATA_PREFIX}");
+    xml.create_element(element("instance"))
+        .with_attribute((namespace.as_str(), METADATA_NAMESPACE))
+        .write_inner_content(|xml| {
+            for (key, value) in tags.iter() {
+                xml.create_element(element("tag"))
+                    .with_attribute(("key", key))
+                    .write_text_content(BytesText::new(value))?;
+            }
+            text(xml, &element("port"), &port.to_string())?;
+            text(xml, &element("created"), &created_unix.to_string())
+        })?;
+    Ok(())
 }
 
 /// What a domain's XML says about it, as far as this provider cares.
@@ -185,22 +231,24 @@ pub fn domain_facts(xml: &str) -> Result<DomainFacts, String> {
 
 /// A volume in a directory pool: `format` is `qcow2` or `raw`; a qcow2 volume may sit on a backing file.
 pub fn volume(name: &str, capacity_bytes: u64, format: &str, backing: Option<(&str, &str)>) -> String {
-    let mut xml = format!(
-        "<volume>\n  <name>{}</name>\n  <capacity unit=\"bytes\">{capacity_bytes}</capacity>\n  <target>\n    \
-         <format type=\"{}\"/>\n  </target>\n",
-        escape(name),
-        escape(format)
-    );
-    if let Some((path, backing_format)) = backing {
-        let _ = write!(
-            xml,
-            "  <backingStore>\n    <path>{}</path>\n    <format type=\"{}\"/>\n  </backingStore>\n",
-            escape(path),
-            escape(backing_format)
-        );
-    }
-    xml.push_str("</volume>\n");
-    xml
+    document(|xml| {
+        xml.create_element("volume").write_inner_content(|xml| {
+            text(xml, "name", name)?;
+            let capacity = capacity_bytes.to_string();
+            xml.create_element("capacity")
+                .with_attribute(("unit", "bytes"))
+                .write_text_content(BytesText::new(&capacity))?;
+            xml.create_element("target").write_inner_content(|xml| empty(xml, "format", &[("type", format)]))?;
+            if let Some((path, backing_format)) = backing {
+                xml.create_element("backingStore").write_inner_content(|xml| {
+                    text(xml, "path", path)?;
+                    empty(xml, "format", &[("type", backing_format)])
+                })?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -290,6 +338,14 @@ mod tests {
         let foreign = domain_facts("<domain><name>x</name></domain>").expect("parses");
         assert!(!foreign.ours && foreign.tags.is_empty());
         assert!(domain_facts("<domain>").is_err());
+    }
+
+    #[test]
+    fn attribute_values_are_escaped() {
+        let mut odd = spec("kvm", Firmware::Uefi);
+        odd.disk_path = "/pool/a \"b\" & <c>.qcow2".into();
+        let facts = domain_facts(&domain(&odd)).expect("well-formed");
+        assert_eq!(facts.disk_paths[0], "/pool/a \"b\" & <c>.qcow2");
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub struct OrphanCollector {
     first_seen: Mutex<HashMap<String, SystemTime>>,
     namespace: Option<String>,
     store: Option<Store<DeserializeGuard<Proxy>>>,
+    events: Events,
 }
 
 impl OrphanCollector {
@@ -86,6 +87,7 @@ impl OrphanCollector {
         metrics: ReconcileMetrics,
     ) -> Self {
         Self {
+            events: Events::new(client.clone()),
             client,
             providers,
             cluster_id: cluster_id.into(),
@@ -199,7 +201,7 @@ impl OrphanCollector {
             reason: "OrphanDeleted",
             note: format!("deleted {provider_id}, which the Proxy no longer uses"),
         };
-        Events::new(self.client.clone()).publish(proxy, &spec, "CollectOrphans").await;
+        self.events.publish(proxy, &spec, "CollectOrphans").await;
     }
 
     /// Collects every `interval` until `shutdown` resolves.
