@@ -122,3 +122,43 @@ fn yaml_blocks_are_found_dedented_with_their_line() {
     let text = "intro\n```yaml\na: 1\n```\n- item:\n\n  ```yaml\n  b: 2\n  c: [3]\n  ```\n```sh\nd\n```\n";
     assert_eq!(yaml_blocks(text), [(2, "a: 1\n".to_owned()), (7, "b: 2\nc: [3]\n".to_owned())]);
 }
+
+/// The code map in `docs/architecture.md` is the workspace: one section headed `` `path` (package) `` per member
+/// of the root `Cargo.toml`, with the path and package name `cargo metadata` gives, and none for a crate that is
+/// gone (the clients under `clients/` and the directories of files, such as `crds/` and `deploy/`, are not Cargo
+/// packages and are left out of the comparison).
+#[test]
+fn the_code_map_is_the_workspace() {
+    let output = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--no-deps", "--offline", "--locked"])
+        .current_dir(root())
+        .output()
+        .expect("running cargo metadata");
+    assert!(output.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&output.stderr));
+    let metadata: Value = serde_json::from_slice(&output.stdout).expect("cargo metadata's JSON");
+    let workspace = Path::new(metadata["workspace_root"].as_str().expect("workspace_root"));
+    let members: std::collections::BTreeSet<(String, String)> = metadata["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .map(|package| {
+            let manifest = Path::new(package["manifest_path"].as_str().expect("manifest_path"));
+            let directory = manifest.parent().expect("a manifest's directory").strip_prefix(workspace).expect("inside");
+            (directory.display().to_string(), package["name"].as_str().expect("name").to_owned())
+        })
+        .collect();
+    let text = std::fs::read_to_string(root().join("docs/architecture.md")).expect("docs/architecture.md");
+    let code_map = text.split("\n## Code map\n").nth(1).expect("a Code map section");
+    let code_map = code_map.split("\n## ").next().unwrap_or_default();
+    let sections: std::collections::BTreeSet<(String, String)> = code_map
+        .lines()
+        .filter_map(|line| line.strip_prefix("### `"))
+        .filter_map(|heading| {
+            let (path, rest) = heading.split_once('`')?;
+            let name = rest.trim().strip_prefix('(').and_then(|rest| rest.split([' ', ')']).next()).unwrap_or(path);
+            Some((path.to_owned(), name.to_owned()))
+        })
+        .filter(|(path, _)| !path.starts_with("clients/") && !path.ends_with('/'))
+        .collect();
+    assert_eq!(sections, members, "the code map's sections (left) against the workspace's packages (right)");
+}
