@@ -1,8 +1,9 @@
 //! Health verdicts as the operator keys them: one [`Verdicts`] store, keyed by Proxy and probed endpoint.
 //!
 //! The health engine alone writes the store (seeded from the status through it); the reconciler and the discovery
-//! view read the same one, through [`current_verdict`], so they cannot disagree. Keying by endpoint as well as Proxy matters during a replacement: the new instance is probed, and must be
-//! healthy, before the Proxy's endpoint switches to it.
+//! view read the same one, through [`current_verdict`], so they cannot disagree. Keying by endpoint as well as Proxy
+//! matters during a replacement: the new instance is probed, and must be healthy, before the Proxy's endpoint
+//! switches to it.
 
 use std::time::SystemTime;
 
