@@ -29,12 +29,7 @@ use cooldowns::*;
 use leases::*;
 use proxies::*;
 
-/// The request and response bodies, as the OpenAPI document describes them.
-pub(crate) mod bodies {
-    pub(crate) use super::cooldowns::{ClearedCooldowns, CooldownList};
-    pub(crate) use super::leases::{LeaseBody, LeaseResponse, RenewBody, ReportBody, ReportResult};
-    pub(crate) use super::proxies::ProxyList;
-}
+pub mod openapi;
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -56,7 +51,7 @@ pub fn routes(state: Arc<Discovery>) -> Router {
         .route("/v1/cooldowns", get(list_cooldowns).delete(clear_cooldowns))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/openapi.json", get(|| async { Json(crate::openapi::document()) }))
+        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
         .method_not_allowed_fallback(|| async {
             Problem::new(

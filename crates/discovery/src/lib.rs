@@ -14,7 +14,6 @@ mod api;
 pub mod auth;
 mod journal;
 mod metrics;
-pub mod openapi;
 mod problem;
 mod server;
 
@@ -29,7 +28,7 @@ use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
 pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
-pub use api::MAX_BODY_BYTES;
+pub use api::{MAX_BODY_BYTES, openapi};
 pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;

@@ -33,7 +33,7 @@ pub(super) async fn clear_cooldowns(
 /// A live cooldown: `proxy` is not leased for `target` until `until`.
 #[derive(Serialize, JsonSchema)]
 #[schemars(rename = "Cooldown")]
-pub(crate) struct CooldownEntry {
+pub(super) struct CooldownEntry {
     /// `namespace/name`.
     proxy: String,
     /// The site.
@@ -57,13 +57,13 @@ impl From<egress_lease::Cooldown> for CooldownEntry {
 
 /// The live cooldowns.
 #[derive(Serialize, JsonSchema)]
-pub(crate) struct CooldownList {
+pub(super) struct CooldownList {
     cooldowns: Vec<CooldownEntry>,
 }
 
 /// The cooldowns that were running and ended.
 #[derive(Serialize, JsonSchema)]
-pub(crate) struct ClearedCooldowns {
+pub(super) struct ClearedCooldowns {
     cleared: Vec<CooldownEntry>,
 }
 

@@ -6,7 +6,7 @@ use super::*;
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schemars(rename = "LeaseRequest")]
-pub(crate) struct LeaseBody {
+pub(super) struct LeaseBody {
     /// Host name, IP address or URL of the site.
     #[schemars(length(max = 2048))]
     target: String,
@@ -92,7 +92,7 @@ pub(super) fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Durati
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(rename = "ProxyRef")]
-pub(crate) struct LeasedProxy<'a> {
+pub(super) struct LeasedProxy<'a> {
     namespace: &'a str,
     name: &'a str,
     host: &'a str,
@@ -110,7 +110,7 @@ pub(crate) struct LeasedProxy<'a> {
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(rename = "Lease")]
-pub(crate) struct LeaseResponse<'a> {
+pub(super) struct LeaseResponse<'a> {
     /// Self-verifying: usable only with a token of the tenant that took the lease, by any replica that shares the
     /// operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease.
     id: &'a str,
@@ -284,7 +284,7 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schemars(rename = "RenewRequest")]
-pub(crate) struct RenewBody {
+pub(super) struct RenewBody {
     /// From now; the lease's TTL when absent.
     #[schemars(range(min = 1, max = 3600))]
     ttl_seconds: Option<u64>,
@@ -325,7 +325,7 @@ pub(super) async fn release_lease(
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 #[schemars(rename = "Outcome")]
-pub(crate) enum OutcomeBody {
+pub(super) enum OutcomeBody {
     Ok,
     Banned,
     Throttled,
@@ -336,7 +336,7 @@ pub(crate) enum OutcomeBody {
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schemars(rename = "Report")]
-pub(crate) struct ReportBody {
+pub(super) struct ReportBody {
     outcome: Option<OutcomeBody>,
     /// The site's status code (informational).
     #[schemars(range(min = 100, max = 599))]
@@ -359,7 +359,7 @@ pub(crate) struct ReportBody {
 /// The answer to a report.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct ReportResult {
+pub(super) struct ReportResult {
     /// For a ban or a throttle: when the proxy's cooldown for the lease's site ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]

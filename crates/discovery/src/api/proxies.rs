@@ -26,7 +26,7 @@ pub(super) fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(rename = "Proxy")]
-pub(crate) struct ProxyEntry {
+pub(super) struct ProxyEntry {
     namespace: String,
     name: String,
     host: String,
@@ -66,7 +66,7 @@ pub(crate) struct ProxyEntry {
 
 /// The proxies `GET /v1/proxies` lists.
 #[derive(Serialize, JsonSchema)]
-pub(crate) struct ProxyList {
+pub(super) struct ProxyList {
     proxies: Vec<ProxyEntry>,
 }
 
@@ -75,7 +75,7 @@ pub(crate) struct ProxyList {
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(rename = "CooldownPolicy")]
-pub(crate) struct CooldownPolicyEntry {
+pub(super) struct CooldownPolicyEntry {
     base_seconds: u64,
     factor: u32,
     max_seconds: u64,

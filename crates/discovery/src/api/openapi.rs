@@ -5,9 +5,9 @@
 use schemars::generate::{Contract, SchemaSettings};
 use serde_json::{Value, json};
 
-use crate::api::bodies::{
-    ClearedCooldowns, CooldownList, LeaseBody, LeaseResponse, ProxyList, RenewBody, ReportBody, ReportResult,
-};
+use super::cooldowns::{ClearedCooldowns, CooldownList};
+use super::leases::{LeaseBody, LeaseResponse, RenewBody, ReportBody, ReportResult};
+use super::proxies::ProxyList;
 use crate::problem::Problem;
 
 /// The schemas of the bodies: requests as they are parsed, answers as they are written (a field skipped when
