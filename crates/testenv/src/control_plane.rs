@@ -598,9 +598,19 @@ fn kubeconfig_yaml(server_url: &str, ca: &Path, cert: &Path, key: &Path) -> Stri
     )
 }
 
-/// A loopback port that was free a moment ago. Another process could take it before the control plane binds it;
-/// on this machine's loopback nothing else allocates ports at that rate, and a clash shows as a clear start error.
+/// A loopback port that was free a moment ago, chosen below the kernel's ephemeral range (32768 and up by
+/// default). A port from that range (what binding port 0 gives) may be handed out meanwhile as the local port of any
+/// outgoing connection, and the control plane then cannot bind it: CI saw kube-apiserver fail with "bind: address
+/// already in use" that way. Below the range only another listener could take it first, and nothing here listens on
+/// random ports there.
 fn free_port() -> Result<u16> {
+    const BELOW_EPHEMERAL: std::ops::Range<u16> = 20_000..32_768;
+    for _ in 0..64 {
+        let port = fastrand::u16(BELOW_EPHEMERAL);
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("finding a free loopback port")?;
     Ok(listener.local_addr()?.port())
 }
