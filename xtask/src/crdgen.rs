@@ -1,5 +1,6 @@
 //! `cargo xtask crdgen`: writes the generated files — the CRDs under `crds/` from the Rust types,
-//! `docs/discovery-openapi.json` from the discovery API, and the Helm chart's copies of the CRDs and of the alert
+//! `docs/discovery-openapi.json` from the discovery API, `docs/providers/providers.schema.json` from the registered
+//! backends' settings blocks, and the Helm chart's copies of the CRDs and of the alert
 //! rules — or with `--check` reports which are stale.
 
 use std::fs;
@@ -42,6 +43,9 @@ fn generated() -> Result<Vec<(PathBuf, String)>> {
     let openapi = serde_json::to_string_pretty(&egress_discovery::openapi::document())
         .context("rendering the OpenAPI document")?;
     files.push((PathBuf::from("docs/discovery-openapi.json"), format!("{openapi}\n")));
+    let providers = serde_json::to_string_pretty(&egress_runtime::provider_types().settings().schema())
+        .context("rendering the providers file's JSON Schema")?;
+    files.push((PathBuf::from("docs/providers/providers.schema.json"), format!("{providers}\n")));
     Ok(files)
 }
 

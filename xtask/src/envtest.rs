@@ -198,16 +198,17 @@ async fn start_controller(plane: &egress_testenv::ControlPlane) -> Result<Runnin
     let client = plane.client().await?;
     let agent = egress_testenv::NodeAgent::start(client.clone(), &["default"]).await?;
     let origin = egress_testenv::LocalOrigin::start().await?;
-    let config = egress_provider::config::ProvidersConfig::parse(
+    let config = egress_provider::config::ProvidersConfig::parse_as::<egress_provider_kubernetes::KubernetesConfig>(
         &format!(
             "providers:\n  - {{ name: pods, type: kubernetes, destinations: {}, kubernetes: {{ namespace: default }} }}\n",
             origin.destinations_yaml()
         ),
         "built-in",
     )?;
-    let egress_provider::config::ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else {
-        anyhow::bail!("the built-in providers config has no kubernetes block");
-    };
+    let settings = config.providers[0]
+        .settings::<egress_provider_kubernetes::KubernetesConfig>()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("the built-in providers config has no kubernetes block"))?;
     let provider = Arc::new(
         egress_provider_kubernetes::KubernetesProvider::new(client.clone(), settings)
             .with_destinations(config.providers[0].destinations.clone()),

@@ -33,7 +33,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Write the generated files (CRD YAML under crds/, docs/discovery-openapi.json), or check that they are current.
+    /// Write the generated files (CRD YAML under crds/, docs/discovery-openapi.json, the providers file's schema), or
+    /// check that they are current.
     Crdgen {
         /// Do not write: exit non-zero and name each stale file when crds/ differs from the Rust types.
         #[arg(long)]

@@ -80,6 +80,8 @@ async fn every_yaml_example_in_the_docs_is_accepted() {
     let ns = egress_testenv::namespace("docs-examples").await;
     let client = ns.client();
     let (mut objects, mut providers_files, mut refused) = (0, 0, Vec::new());
+    let published = std::fs::read_to_string(root().join("docs/providers/providers.schema.json")).expect("the schema");
+    let published: Value = serde_json::from_str(&published).expect("the schema is JSON");
     for path in documents() {
         let text = std::fs::read_to_string(&path).expect("read a document");
         let shown = path.strip_prefix(root()).unwrap_or(&path).display().to_string();
@@ -95,8 +97,13 @@ async fn every_yaml_example_in_the_docs_is_accepted() {
                 };
                 if value.get("providers").is_some() {
                     providers_files += 1;
-                    if let Err(error) = ProvidersConfig::parse(document, &at) {
+                    if let Err(error) =
+                        ProvidersConfig::parse(document, &at, egress_runtime::provider_types().settings())
+                    {
                         refused.push(format!("{at}: the operator refuses this providers file: {error}"));
+                    }
+                    for problem in egress_provider::config::schema::problems(&published, value) {
+                        refused.push(format!("{at}: docs/providers/providers.schema.json refuses {problem}"));
                     }
                 } else if value.get("apiVersion").is_some() && value.get("kind").is_some() {
                     objects += 1;
@@ -110,6 +117,8 @@ async fn every_yaml_example_in_the_docs_is_accepted() {
         }
     }
     eprintln!("docs: {objects} Kubernetes objects dry-run and {providers_files} providers files parsed");
+    let bad = serde_json::json!({ "providers": [{ "name": "Bad_Name", "type": "kubernetes", "zone": "x" }] });
+    assert_eq!(egress_provider::config::schema::problems(&published, bad).len(), 2, "the schema check is not vacuous");
     assert!(refused.is_empty(), "examples that would be refused:\n{}", refused.join("\n"));
     assert!(
         objects >= 4 && providers_files >= 4,

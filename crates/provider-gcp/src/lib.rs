@@ -21,7 +21,10 @@
 //! endpoint can be overridden (`endpoint`) for private endpoints and tests.
 
 pub mod classify;
+pub mod config;
 pub mod wire_log;
+
+pub use config::GcpConfig;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -29,9 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use egress_provider::config::{GcpConfig, ProviderConfig, ProviderSettings};
+use egress_provider::config::ProviderConfig;
 use egress_provider::destinations::DestinationPolicy;
-use egress_provider::registry::Built;
+use egress_provider::registry::{Built, ProviderType};
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict,
 };
@@ -77,6 +80,19 @@ impl std::fmt::Debug for GcpProvider {
 /// credentials use the process default, and ring is the one provider this workspace builds.
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+impl ProviderType for GcpProvider {
+    type Settings = GcpConfig;
+
+    /// As [`GcpProvider::new`]; a config entry of another type is a permanent error.
+    async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
+        let Some(settings) = config.settings::<GcpConfig>().cloned() else {
+            return Err(ProviderError::permanent(format!("provider {:?} is not of type gcp", config.name)));
+        };
+        let provider = Arc::new(GcpProvider::new(settings).await?.with_destinations(config.destinations));
+        Ok(Built { provider: provider.clone(), checker: Some(provider) })
+    }
 }
 
 impl GcpProvider {
@@ -135,18 +151,6 @@ impl GcpProvider {
             .await
             .map_err(|error| ProviderError::permanent("building the Compute Engine client").with_source(error))?;
         Ok(Self { client, config, destinations: DestinationPolicy::default() })
-    }
-
-    /// The registry constructor for `type: gcp`.
-    ///
-    /// # Errors
-    /// As [`GcpProvider::new`], or a config entry of another type.
-    pub async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
-        let ProviderSettings::Gcp(settings) = config.settings else {
-            return Err(ProviderError::permanent(format!("provider {:?} is not of type gcp", config.name)));
-        };
-        let provider = Arc::new(Self::new(settings).await?.with_destinations(config.destinations));
-        Ok(Built { provider: provider.clone(), checker: Some(provider) })
     }
 
     /// The same provider with `destinations` added to the default destination policy of the Squid its default

@@ -42,7 +42,7 @@ const SECRET: &str = "#cloud-config\nchpasswd: {list: 'root:the-user-data-marker
 
 /// Creates, reads and deletes an instance with user data, plus an insert that fails.
 async fn exercise(fake: &FakeCompute, wire_logging: bool, name: &str) {
-    let provider = GcpProvider::new(egress_provider::config::GcpConfig { wire_logging, ..config(fake) })
+    let provider = GcpProvider::new(egress_provider_gcp::GcpConfig { wire_logging, ..config(fake) })
         .await
         .expect("the provider builds");
     let mut request = request(name, "c1");

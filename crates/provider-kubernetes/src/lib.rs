@@ -8,6 +8,7 @@
 //!
 //! `provider_id` is `<namespace>/<pod>`. Errors are classified from the API's status codes (see [`classify`]).
 
+pub mod config;
 mod objects;
 pub use egress_provider::squid;
 
@@ -17,9 +18,9 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use egress_fleet::NamespacedName;
-use egress_provider::config::{KubernetesConfig, ProviderConfig, ProviderSettings, ResourceProfile};
+use egress_provider::config::ProviderConfig;
 use egress_provider::destinations::DestinationPolicy;
-use egress_provider::registry::Built;
+use egress_provider::registry::{Built, ProviderType};
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict,
 };
@@ -28,6 +29,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, Resource};
 use tracing::{debug, instrument};
 
+pub use config::{KubernetesConfig, ResourceProfile};
 pub use objects::{INSTANCE_LABEL, LABEL_PREFIX, tag_label};
 
 /// The kubernetes provider.
@@ -36,6 +38,22 @@ pub struct KubernetesProvider {
     client: Client,
     config: KubernetesConfig,
     destinations: DestinationPolicy,
+}
+
+impl ProviderType for KubernetesProvider {
+    type Settings = KubernetesConfig;
+
+    /// Uses the operator's own in-cluster or kubeconfig credentials.
+    async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
+        let Some(settings) = config.settings::<KubernetesConfig>().cloned() else {
+            return Err(ProviderError::permanent(format!("provider {:?} is not of type kubernetes", config.name)));
+        };
+        let client = Client::try_default().await.map_err(|error| {
+            ProviderError::transient("no Kubernetes client configuration (in-cluster or kubeconfig)").with_source(error)
+        })?;
+        let provider = std::sync::Arc::new(Self::new(client, settings).with_destinations(config.destinations));
+        Ok(Built { provider: provider.clone(), checker: Some(provider) })
+    }
 }
 
 impl KubernetesProvider {
@@ -58,19 +76,6 @@ impl KubernetesProvider {
     pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
         self.destinations = destinations;
         self
-    }
-
-    /// The registry constructor for `type: kubernetes`: uses the operator's own in-cluster or kubeconfig
-    /// credentials.
-    pub async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
-        let ProviderSettings::Kubernetes(settings) = config.settings else {
-            return Err(ProviderError::permanent(format!("provider {:?} is not of type kubernetes", config.name)));
-        };
-        let client = Client::try_default().await.map_err(|error| {
-            ProviderError::transient("no Kubernetes client configuration (in-cluster or kubeconfig)").with_source(error)
-        })?;
-        let provider = std::sync::Arc::new(Self::new(client, settings).with_destinations(config.destinations));
-        Ok(Built { provider: provider.clone(), checker: Some(provider) })
     }
 
     fn resources(&self, machine_type: Option<&str>) -> Result<&ResourceProfile, ProviderError> {

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use egress_provider::config::{KubernetesConfig, ResourceProfile};
+use crate::config::{KubernetesConfig, ResourceProfile};
 use egress_provider::{CreateRequest, ProviderError, Tags};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
@@ -224,6 +224,8 @@ pub fn auth_secret(request: &CreateRequest, namespace: &str, owner: Option<Owner
 
 #[cfg(test)]
 mod tests {
+    use egress_provider::config::ProvidersConfig;
+
     use super::*;
 
     fn request() -> CreateRequest {
@@ -254,14 +256,10 @@ mod tests {
 
     #[test]
     fn pod_bounds_descriptors_and_mounts_auth_only_with_credentials() {
-        let config = egress_provider::config::ProvidersConfig::parse(
-            "providers:\n  - { name: pods, type: kubernetes }\n",
-            "test",
-        )
-        .expect("valid");
-        let egress_provider::config::ProviderSettings::Kubernetes(config) = &config.providers[0].settings else {
-            unreachable!()
-        };
+        let config =
+            ProvidersConfig::parse_as::<KubernetesConfig>("providers:\n  - { name: pods, type: kubernetes }\n", "test")
+                .expect("valid");
+        let config = config.providers[0].settings::<KubernetesConfig>().expect("kubernetes");
         let pod = pod(config, &request(), "egress", "ubuntu/squid:latest", &config.resources).expect("pod");
         let spec = pod.spec.expect("spec");
         let command = spec.containers[0].command.clone().expect("command").join(" ");
@@ -282,16 +280,14 @@ mod tests {
 
     #[test]
     fn the_config_map_denies_the_cluster_networks_and_applies_the_policy() {
-        let config = egress_provider::config::ProvidersConfig::parse(
+        let config = ProvidersConfig::parse_as::<KubernetesConfig>(
             "providers:\n  - name: pods\n    type: kubernetes\n    destinations: { allow: [\"127.0.0.1:8080\"] }\n    \
              kubernetes: { clusterNetworks: [34.118.224.0/20] }\n",
             "test",
         )
         .expect("valid");
         let provider = &config.providers[0];
-        let egress_provider::config::ProviderSettings::Kubernetes(settings) = &provider.settings else {
-            unreachable!()
-        };
+        let settings = provider.settings::<KubernetesConfig>().expect("kubernetes");
         let map = config_map(&request(), "egress", None, &provider.destinations, settings);
         let conf = &map.data.expect("data")[squid::CONFIG_KEY];
         assert!(conf.contains("\nacl egress_provider_network dst 34.118.224.0/20\n"), "{conf}");

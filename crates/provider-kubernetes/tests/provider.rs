@@ -4,13 +4,13 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use egress_provider::config::{KubernetesConfig, ProviderSettings, ProvidersConfig};
+use egress_provider::config::ProvidersConfig;
 use egress_provider::destinations::DestinationPolicy;
 use egress_provider::{
     Checker, CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProxyCredentials, Sensitive, Tags,
     instance_name,
 };
-use egress_provider_kubernetes::KubernetesProvider;
+use egress_provider_kubernetes::{KubernetesConfig, KubernetesProvider};
 use egress_testenv::{LocalOrigin, NodeAgent, TestNamespace, eventually, get_through_proxy};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, ResourceQuota, ResourceQuotaSpec, Secret};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -24,11 +24,8 @@ fn settings(namespace: &str) -> KubernetesConfig {
         "providers:\n  - name: pods\n    type: kubernetes\n    kubernetes:\n      namespace: {namespace}\n      fdLimit: 4096\n      \
          machineTypes:\n        small: {{ cpu: 10m, memory: 64Mi }}\n"
     );
-    let config = ProvidersConfig::parse(&text, "test").unwrap_or_else(|error| panic!("{error}"));
-    match config.providers.into_iter().next().map(|provider| provider.settings) {
-        Some(ProviderSettings::Kubernetes(settings)) => settings,
-        other => panic!("expected a kubernetes block, got {other:?}"),
-    }
+    let config = ProvidersConfig::parse_as::<KubernetesConfig>(&text, "test").unwrap_or_else(|error| panic!("{error}"));
+    config.providers[0].settings::<KubernetesConfig>().expect("a kubernetes block").clone()
 }
 
 fn provider(ns: &TestNamespace) -> KubernetesProvider {

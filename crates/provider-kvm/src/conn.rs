@@ -11,12 +11,12 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use egress_provider::ProviderError;
-use egress_provider::config::{KvmHost, KvmSsh};
 use tokio::sync::Mutex;
 use virt::connect::Connect;
 use virt::error::ErrorNumber;
 
 use crate::classify;
+use crate::config::{KvmHost, KvmSsh};
 
 /// How long dialling (TCP, SSH handshake, authentication, libvirt's hello) may take.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(20);

@@ -13,13 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use egress_provider::ProviderError;
-use egress_provider::config::KvmImage;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use virt::storage_pool::StoragePool;
 use virt::storage_vol::StorageVol;
 use virt::stream::Stream;
 
+use crate::config::KvmImage;
 use crate::conn::Host;
 use crate::{classify, names, xml};
 

@@ -9,6 +9,7 @@
 //! Nothing here depends on Kubernetes; the operator registers [`KvmProvider::construct`] for `type: kvm`.
 
 pub mod classify;
+pub mod config;
 pub mod conn;
 pub mod images;
 pub mod iso;
@@ -16,15 +17,17 @@ pub mod names;
 pub mod seed;
 pub mod xml;
 
+pub use config::{KvmConfig, KvmHost, KvmImage, KvmMachineType, KvmSsh};
+
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use egress_provider::config::{KvmConfig, KvmImage, KvmMachineType, ProviderConfig, ProviderSettings};
+use egress_provider::config::ProviderConfig;
 use egress_provider::destinations::DestinationPolicy;
-use egress_provider::registry::Built;
+use egress_provider::registry::{Built, ProviderType};
 use egress_provider::{Checker, CreateRequest, Instance, InstanceState, Provider, ProviderError, Tags, TargetVerdict};
 use virt::connect::Connect;
 use virt::domain::Domain;
@@ -49,6 +52,19 @@ pub struct KvmProvider {
     images: Arc<ImageCache>,
 }
 
+impl ProviderType for KvmProvider {
+    type Settings = KvmConfig;
+
+    /// As [`KvmProvider::new`]; a config entry of another type is a permanent error.
+    async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
+        let Some(settings) = config.settings::<KvmConfig>().cloned() else {
+            return Err(ProviderError::permanent(format!("provider {:?} is not of type kvm", config.name)));
+        };
+        let provider = Arc::new(KvmProvider::new(settings)?.with_destinations(config.destinations));
+        Ok(Built { provider: provider.clone(), checker: Some(provider) })
+    }
+}
+
 impl KvmProvider {
     /// The provider for `config`. Nothing is dialled: each host's connection opens on its first call, and the SSH
     /// key and known_hosts files are read then, so they may appear after start.
@@ -71,18 +87,6 @@ impl KvmProvider {
     pub fn with_destinations(mut self, destinations: DestinationPolicy) -> Self {
         self.destinations = destinations;
         self
-    }
-
-    /// The registry's constructor for `type: kvm`.
-    ///
-    /// # Errors
-    /// The config is not a kvm block, or [`KvmProvider::new`] fails.
-    pub async fn construct(config: ProviderConfig) -> Result<Built, ProviderError> {
-        let ProviderSettings::Kvm(settings) = config.settings else {
-            return Err(ProviderError::permanent(format!("provider {:?} is not of type kvm", config.name)));
-        };
-        let provider = Arc::new(Self::new(settings)?.with_destinations(config.destinations));
-        Ok(Built { provider: provider.clone(), checker: Some(provider) })
     }
 
     fn host(&self, name: &str) -> Result<&Arc<Host>, ProviderError> {

@@ -28,9 +28,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics, ProbeUrl, Target};
-use egress_provider::config::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider::destinations::DestinationPolicy;
 use egress_provider::{CreateRequest, Instance, InstanceState, Provider, ProxyCredentials, Sensitive, Tags};
+use egress_provider_kvm::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider_kvm::{KvmProvider, names, xml};
 use egress_testenv::LocalOrigin;
 use support::{ImageServer, Libvirtd, pool_volumes};

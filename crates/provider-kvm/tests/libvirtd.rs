@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::Arc;
 
-use egress_provider::config::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider::{Checker, CreateRequest, ErrorClass, Provider, ProviderError, Sensitive, Tags};
 use egress_provider_kvm::conn::Host;
 use egress_provider_kvm::images::{self, ImageCache};
+use egress_provider_kvm::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider_kvm::{KvmProvider, names, seed};
 use support::{ImageServer, Libvirtd, Sshd, exclusive, hex, pool_volumes};
 

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use egress_provider::config::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider::{Checker, CreateRequest, ErrorClass, InstanceState, Provider, Tags};
+use egress_provider_kvm::{KvmConfig, KvmHost, KvmImage, KvmSsh};
 use egress_provider_kvm::{KvmProvider, names, xml};
 use virt::connect::Connect;
 use virt::domain::Domain;

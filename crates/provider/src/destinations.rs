@@ -11,11 +11,14 @@
 //! Only whoever writes the providers file can widen the policy; a Proxy can narrow it (its `deny` rules are added),
 //! never widen it, so RBAC on Proxies never grants a way inside.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 use ipnet::IpNet;
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Deserializer};
 
 /// A class of destinations denied by default: its name (in Squid's ACL names, the access log and the
 /// `X-Egress-Policy` response header), what it is, and its networks.
@@ -154,6 +157,30 @@ fn parse_ports(text: &str) -> Option<(u16, u16)> {
     (first >= 1 && first <= last).then_some((first, last))
 }
 
+impl<'de> Deserialize<'de> for DestinationRule {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        String::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl JsonSchema for DestinationRule {
+    fn schema_name() -> Cow<'static, str> {
+        "DestinationRule".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "string",
+            "format": "destination-rule",
+            "description": "A CIDR such as 10.0.0.0/8, an address, CIDR:PORT, CIDR:PORT-PORT, [IPv6 CIDR]:PORT or *:PORT.",
+        })
+    }
+}
+
 impl fmt::Display for DestinationRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (self.network, self.ports) {
@@ -172,11 +199,14 @@ impl fmt::Display for DestinationRule {
 }
 
 /// A provider's (or a Proxy's) additions to the default policy.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct DestinationPolicy {
     /// Exceptions to the defaults.
+    #[serde(default)]
     pub allow: Vec<DestinationRule>,
     /// Denied on top of the defaults; wins over `allow`.
+    #[serde(default)]
     pub deny: Vec<DestinationRule>,
 }
 

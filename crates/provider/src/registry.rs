@@ -1,7 +1,7 @@
-//! Building the configured providers by name, from a type → constructor map the binary passes in.
+//! Building the configured providers by name, from the [`ProviderTypes`] the binary registers.
 //!
-//! The registry depends on no backend: the operator binary registers `kubernetes`, `gcp` and `kvm` constructors,
-//! and a tool embedding only one backend registers only that one. A provider that fails to construct (a missing
+//! The registry depends on no backend: the operator registers the `kubernetes`, `gcp` and `kvm` backends (each its
+//! settings block and constructor), and a tool embedding only one backend registers only that one. A provider that fails to construct (a missing
 //! key file, credentials not mounted yet) does not take the others down: it is reported not ready by its checker,
 //! and construction is tried again on use once [`RETRY_CONSTRUCTION_AFTER`] has passed.
 
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
 
-use crate::config::{ProviderConfig, ProvidersConfig};
+use crate::config::{ProviderConfig, ProvidersConfig, SettingsBlock, SettingsTypes};
 use crate::{Checker, Provider, ProviderError, ProviderMetrics, TargetVerdict, WithMetrics};
 
 /// How long a failed construction is remembered before the next use tries again.
@@ -34,29 +34,55 @@ pub type BuildFuture = Pin<Box<dyn Future<Output = Result<Built, ProviderError>>
 /// Builds one provider from its config entry.
 pub type Constructor = Arc<dyn Fn(ProviderConfig) -> BuildFuture + Send + Sync>;
 
-/// The constructors by provider type.
-#[derive(Clone, Default)]
-pub struct Constructors(HashMap<String, Constructor>);
+/// A backend: its settings block and how to build a provider from a config entry. Registering it is the one line a
+/// new backend adds to a build ([`ProviderTypes::register`]).
+pub trait ProviderType {
+    /// Its settings block, whose [`SettingsBlock::TYPE`] is the type's name.
+    type Settings: SettingsBlock;
 
-impl Constructors {
-    /// No constructors.
+    /// Builds one provider from its config entry, whose block is a `Self::Settings`.
+    fn construct(config: ProviderConfig) -> impl Future<Output = Result<Built, ProviderError>> + Send + 'static;
+}
+
+/// The provider types a build supports: the settings blocks its providers file may hold, and their constructors.
+#[derive(Clone, Default)]
+pub struct ProviderTypes {
+    settings: SettingsTypes,
+    constructors: HashMap<&'static str, Constructor>,
+}
+
+impl ProviderTypes {
+    /// No types.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Registers the constructor for `type_name` (`kubernetes`, `gcp`, `kvm`).
-    pub fn register<F, Fut>(mut self, type_name: &str, constructor: F) -> Self
-    where
-        F: Fn(ProviderConfig) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Built, ProviderError>> + Send + 'static,
-    {
-        self.0.insert(type_name.to_owned(), Arc::new(move |config| Box::pin(constructor(config))));
+    /// Registers the backend `P`.
+    #[must_use]
+    pub fn register<P: ProviderType>(self) -> Self {
+        self.with_constructor::<P::Settings>(|config| Box::pin(P::construct(config)))
+    }
+
+    /// Registers the settings block `S` with a constructor of its own (for tests and tools that build providers in
+    /// their own way).
+    #[must_use]
+    pub fn with_constructor<S: SettingsBlock>(
+        mut self,
+        constructor: impl Fn(ProviderConfig) -> BuildFuture + Send + Sync + 'static,
+    ) -> Self {
+        self.settings = self.settings.with::<S>();
+        self.constructors.insert(S::TYPE, Arc::new(constructor));
         self
+    }
+
+    /// The settings blocks, for [`ProvidersConfig::parse`].
+    pub fn settings(&self) -> &SettingsTypes {
+        &self.settings
     }
 
     /// The provider types with a constructor, sorted.
     pub fn types(&self) -> Vec<&str> {
-        let mut types: Vec<&str> = self.0.keys().map(String::as_str).collect();
+        let mut types: Vec<&str> = self.constructors.keys().copied().collect();
         types.sort_unstable();
         types
     }
@@ -130,19 +156,19 @@ impl ProviderSet {
     /// served); a constructor that fails is not: that provider is retried on use.
     pub async fn build(
         config: &ProvidersConfig,
-        constructors: &Constructors,
+        types: &ProviderTypes,
         metrics: Option<ProviderMetrics>,
     ) -> Result<Self, Vec<UnsupportedType>> {
         let mut unsupported = Vec::new();
         let mut pending = Vec::new();
         for entry in &config.providers {
-            let type_name = entry.settings.type_name();
-            match constructors.0.get(type_name) {
+            let type_name = entry.type_name();
+            match types.constructors.get(type_name) {
                 Some(constructor) => pending.push((entry.clone(), constructor.clone())),
                 None => unsupported.push(UnsupportedType {
                     name: entry.name.clone(),
                     type_name: type_name.to_owned(),
-                    supported: constructors.types().join(", "),
+                    supported: types.types().join(", "),
                 }),
             }
         }
@@ -232,10 +258,32 @@ mod tests {
         }
     }
 
+    /// A settings block for the tests, named like the Kubernetes backend's.
+    #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+    struct Pods {
+        namespace: Option<String>,
+    }
+
+    impl SettingsBlock for Pods {
+        const TYPE: &'static str = "kubernetes";
+    }
+
+    /// A settings block with a required field, named like the Compute Engine backend's.
+    #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+    struct Vms {
+        #[expect(dead_code, reason = "read only to be required")]
+        project: String,
+    }
+
+    impl SettingsBlock for Vms {
+        const TYPE: &'static str = "gcp";
+    }
+
     fn config() -> ProvidersConfig {
         ProvidersConfig::parse(
             "providers:\n  - { name: pods, type: kubernetes }\n  - { name: broken, type: kubernetes, kubernetes: { namespace: broken } }\n",
             "test",
+            &SettingsTypes::new().with::<Pods>(),
         )
         .expect("valid config")
     }
@@ -244,20 +292,18 @@ mod tests {
     async fn one_failing_provider_does_not_take_the_others_down() {
         let attempts = Arc::new(AtomicUsize::new(0));
         let counter = attempts.clone();
-        let constructors = Constructors::new().register("kubernetes", move |config: ProviderConfig| {
+        let types = ProviderTypes::new().with_constructor::<Pods>(move |config: ProviderConfig| {
             let counter = counter.clone();
-            async move {
-                let crate::config::ProviderSettings::Kubernetes(settings) = &config.settings else {
-                    unreachable!("only kubernetes is configured")
-                };
-                if settings.namespace == "broken" {
+            Box::pin(async move {
+                let settings = config.settings::<Pods>().expect("only kubernetes is configured");
+                if settings.namespace.as_deref() == Some("broken") {
                     counter.fetch_add(1, Ordering::SeqCst);
                     return Err(ProviderError::permanent("the kubeconfig Secret is not mounted"));
                 }
                 Ok(Built { provider: Arc::new(Empty) as Arc<dyn Provider>, checker: None })
-            }
+            })
         });
-        let set = ProviderSet::build(&config(), &constructors, None).await.expect("types are supported");
+        let set = ProviderSet::build(&config(), &types, None).await.expect("types are supported");
         assert_eq!(set.names().collect::<Vec<_>>(), ["broken", "pods"]);
         assert!(set.provider("pods").await.is_ok());
 
@@ -282,7 +328,8 @@ mod tests {
     async fn a_type_without_constructor_is_refused() {
         let errors = ProviderSet::build(
             &config(),
-            &Constructors::new().register("gcp", |_config| async { Err(ProviderError::permanent("unused")) }),
+            &ProviderTypes::new()
+                .with_constructor::<Vms>(|_config| Box::pin(async { Err(ProviderError::permanent("unused")) })),
             None,
         )
         .await

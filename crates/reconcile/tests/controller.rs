@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use egress_api::annotations::{RETRY, ROTATE, SKIP_CLEANUP};
 use egress_api::{Proxy, ProxyPhase};
 use egress_provider::{ErrorClass, Provider, Tags, instance_name};
+use egress_provider_kubernetes::KubernetesConfig;
 use egress_reconcile::gc::OrphanCollector;
 use egress_testenv::eventually;
 use futures::StreamExt;
@@ -392,10 +393,8 @@ async fn kubernetes_provider_proxy_runs_with_the_pod_ip() {
     let _agent = egress_testenv::NodeAgent::start(ns.client(), &[ns.name()]).await.expect("node agent");
     let text =
         format!("providers:\n  - name: pods\n    type: kubernetes\n    kubernetes: {{ namespace: {} }}\n", ns.name());
-    let config = egress_provider::config::ProvidersConfig::parse(&text, "test").expect("config");
-    let egress_provider::config::ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else {
-        unreachable!()
-    };
+    let config = egress_provider::config::ProvidersConfig::parse_as::<KubernetesConfig>(&text, "test").expect("config");
+    let settings = config.providers[0].settings::<KubernetesConfig>().expect("kubernetes").clone();
     let provider = Arc::new(egress_provider_kubernetes::KubernetesProvider::new(ns.client(), settings));
     let providers = egress_reconcile::StaticProviders::new().with("pods", provider as Arc<dyn Provider>);
     let mut config = egress_reconcile::ControllerConfig::new(ns.name());

@@ -8,8 +8,8 @@ use std::time::Duration;
 use egress_api::{HealthCheck, Proxy, ProxyPhase, ProxySpec};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics, tls_connector};
 use egress_provider::Provider;
-use egress_provider::config::{ProviderSettings, ProvidersConfig};
-use egress_provider_kubernetes::KubernetesProvider;
+use egress_provider::config::ProvidersConfig;
+use egress_provider_kubernetes::{KubernetesConfig, KubernetesProvider};
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::{
     Context, ControllerConfig, CredentialStore, ProxyFeed, ProxyVerdicts, ReconcileMetrics, StaticProviders,
@@ -32,8 +32,8 @@ fn pods_provider(ns: &egress_testenv::TestNamespace, origin: &LocalOrigin) -> Ar
         origin.destinations_yaml(),
         ns.name()
     );
-    let config = ProvidersConfig::parse(&text, "test").expect("config");
-    let ProviderSettings::Kubernetes(settings) = config.providers[0].settings.clone() else { unreachable!() };
+    let config = ProvidersConfig::parse_as::<KubernetesConfig>(&text, "test").expect("config");
+    let settings = config.providers[0].settings::<KubernetesConfig>().expect("kubernetes").clone();
     Arc::new(KubernetesProvider::new(ns.client(), settings).with_destinations(config.providers[0].destinations.clone()))
 }
 

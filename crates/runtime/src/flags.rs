@@ -381,7 +381,11 @@ impl Cli {
             (DiscoveryAuth::None, _) => {}
         }
         let providers = match std::fs::read_to_string(&self.providers_config) {
-            Ok(text) => match ProvidersConfig::parse(&text, &self.providers_config.display().to_string()) {
+            Ok(text) => match ProvidersConfig::parse(
+                &text,
+                &self.providers_config.display().to_string(),
+                crate::run::provider_types().settings(),
+            ) {
                 Ok(config) => Some(config),
                 Err(error) => {
                     problems.extend(

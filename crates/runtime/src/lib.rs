@@ -19,7 +19,7 @@ use std::process::ExitCode;
 
 pub use discovery_feed::{proxy_record, run_discovery_feed};
 pub use flags::{Cli, DiscoveryAuth, LogFormat, Settings, parse_duration};
-pub use run::{constructors, run};
+pub use run::{provider_types, run};
 
 impl Cli {
     /// Validates the flags and the providers file (every problem at once, exit code 2), sets up logging and

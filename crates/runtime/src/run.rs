@@ -13,7 +13,7 @@ use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, ServerMetrics, T
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use egress_provider::ProviderMetrics;
-use egress_provider::registry::{Constructors, ProviderSet};
+use egress_provider::registry::{ProviderSet, ProviderTypes};
 use egress_provider_kubernetes::KubernetesProvider;
 use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
@@ -36,12 +36,13 @@ use crate::flags::Settings;
 /// every Proxy after a restart or a change of leader, is looked at within seconds, spread out.
 const FIRST_PROBE_WITHIN: Duration = Duration::from_secs(2);
 
-/// The provider types this binary can run, by `type` in the providers file.
-pub fn constructors() -> Constructors {
-    Constructors::new()
-        .register("kubernetes", KubernetesProvider::construct)
-        .register("gcp", egress_provider_gcp::GcpProvider::construct)
-        .register("kvm", egress_provider_kvm::KvmProvider::construct)
+/// The provider types this binary can run, by `type` in the providers file: each backend's settings block and
+/// constructor.
+pub fn provider_types() -> ProviderTypes {
+    ProviderTypes::new()
+        .register::<KubernetesProvider>()
+        .register::<egress_provider_gcp::GcpProvider>()
+        .register::<egress_provider_kvm::KvmProvider>()
 }
 
 /// Refuses discovery routes while this replica does not lead or is shutting down.
@@ -115,7 +116,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     );
     let registry = Arc::new(registry);
 
-    let providers = match ProviderSet::build(&settings.providers, &constructors(), Some(provider_metrics)).await {
+    let providers = match ProviderSet::build(&settings.providers, &provider_types(), Some(provider_metrics)).await {
         Ok(providers) => Arc::new(providers),
         Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
     };
@@ -644,11 +645,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_gcp_provider_is_accepted_and_a_broken_one_reports_why() {
-        assert_eq!(constructors().types(), ["gcp", "kubernetes", "kvm"]);
+        assert_eq!(provider_types().types(), ["gcp", "kubernetes", "kvm"]);
         let text = "providers:\n  - name: gcp-eu\n    type: gcp\n    gcp:\n      project: my-project\n      \
                     defaultZone: europe-west1-b\n      credentialsFile: /nonexistent/key.json\n";
-        let config = ProvidersConfig::parse(text, "providers.yaml").expect("a valid config");
-        let providers = ProviderSet::build(&config, &constructors(), None).await.expect("gcp is a supported type");
+        let config =
+            ProvidersConfig::parse(text, "providers.yaml", provider_types().settings()).expect("a valid config");
+        let providers = ProviderSet::build(&config, &provider_types(), None).await.expect("gcp is a supported type");
         let verdicts = providers.check("gcp-eu").await;
         assert_eq!(verdicts.len(), 1);
         assert!(!verdicts[0].ready);
@@ -662,8 +664,9 @@ mod tests {
                     knownHostsFile: /nonexistent/known_hosts }\n      hosts:\n        - { name: rack1, address: 192.0.2.10 }\n      \
                     images:\n        debian12: { url: \"https://images.example/d.qcow2\", sha256: \
                     \"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\" }\n";
-        let config = ProvidersConfig::parse(text, "providers.yaml").expect("a valid config");
-        let providers = ProviderSet::build(&config, &constructors(), None).await.expect("kvm is a supported type");
+        let config =
+            ProvidersConfig::parse(text, "providers.yaml", provider_types().settings()).expect("a valid config");
+        let providers = ProviderSet::build(&config, &provider_types(), None).await.expect("kvm is a supported type");
         let verdicts = providers.check("lab").await;
         assert_eq!(verdicts.len(), 1, "{verdicts:?}");
         assert_eq!(verdicts[0].target, "hosts/rack1");

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use egress_provider::config::GcpConfig;
 use egress_provider::{CreateRequest, Tags};
+use egress_provider_gcp::GcpConfig;
 use egress_provider_gcp::GcpProvider;
 use serde_json::json;
 
@@ -51,16 +51,10 @@ pub fn key_file(email: &str) -> PathBuf {
 
 pub fn config(fake: &FakeCompute) -> GcpConfig {
     GcpConfig {
-        project: PROJECT.into(),
-        network: "default".into(),
-        subnetwork: None,
         default_zone: Some(ZONE.into()),
-        default_machine_type: "e2-micro".into(),
-        default_image: "projects/ubuntu-os-cloud/global/images/family/ubuntu-2404-lts-amd64".into(),
-        firewall_tag: "egress-proxy".into(),
         credentials_file: Some(key_file(EMAIL)),
         endpoint: Some(fake.url.clone()),
-        wire_logging: false,
+        ..GcpConfig::new(PROJECT)
     }
 }
 
