@@ -1,14 +1,15 @@
-//! `cargo xtask bench [health|lease|discovery|fleet [N...]]`: runs the benchmarks (optimised builds) and lets them
-//! print their figures and ratios. Without a name, runs all of them (the fleet at its default sizes, 100 and 1,000).
+//! `cargo xtask bench [health|lease|discovery|gateway|fleet [N...]]`: runs the benchmarks (optimised builds) and lets
+//! them print their figures and ratios. Without a name, runs all of them (the fleet at its default sizes, 100 and 1,000).
 
 use anyhow::{Result, bail};
 
 use crate::process::{cargo, run};
 
-const BENCHES: [(&str, &str, &str); 4] = [
+const BENCHES: [(&str, &str, &str); 5] = [
     ("health", "egress-health", "engine"),
     ("lease", "egress-lease", "store"),
     ("discovery", "egress-discovery", "http"),
+    ("gateway", "egress-gateway", "gateway"),
     ("fleet", "egress-operator", "fleet"),
 ];
 
@@ -28,6 +29,10 @@ pub fn run_benches(name: Option<&str>, sizes: &[String]) -> Result<()> {
     for (bench, package, target) in selected {
         let mut command = cargo();
         command.args(["bench", "--locked", "-p", package, "--bench", target]);
+        if *bench == "gateway" {
+            // Squid, which the gateway is measured against and in front of.
+            crate::packages::ensure_installed()?;
+        }
         if *bench == "fleet" {
             // The fleet needs the control plane and Squid; its operator logs only warnings, so logging stays out
             // of the measurement.

@@ -85,7 +85,7 @@ enum Command {
         #[arg(long, hide = true)]
         built: bool,
     },
-    /// Run the benchmarks (health, lease, discovery, fleet; all without a name) and print their figures.
+    /// Run the benchmarks (health, lease, discovery, gateway, fleet; all without a name) and print their figures.
     Bench {
         /// Which benchmark.
         name: Option<String>,

@@ -148,6 +148,10 @@ pub struct SquidOptions {
     pub credentials: Option<(String, String)>,
     /// Refuse every CONNECT (403), to test the CONNECT-status failure.
     pub deny_connect: bool,
+    /// Send every request through this parent Squid instead of to the origin (a chain of two proxies, the usual
+    /// hand-made gateway, for benchmarks). Each test Squid names itself after its address, so the parent does not
+    /// take the chain for a forwarding loop.
+    pub parent: Option<SocketAddr>,
 }
 
 /// A standalone Squid on its own loopback address. Dropping it stops it and removes its files.
@@ -171,13 +175,20 @@ impl Squid {
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o777))?;
         let runtime = dir.display();
         let mut conf = format!(
-            "http_port {address}\nvisible_hostname egress-test-squid\nacl clients src 127.0.0.0/8\n\
+            "http_port {address}\nvisible_hostname egress-test-squid-{ip}\nacl clients src 127.0.0.0/8\n\
              access_log stdio:{runtime}/access.log\ncache_log {runtime}/cache.log\npid_filename {runtime}/squid.pid\n\
              coredump_dir {runtime}\nnetdb_filename none\npinger_enable off\ncache deny all\nshutdown_lifetime 1 seconds\n\
              tcp_outgoing_address {ip}\n"
         );
         if options.deny_connect {
             conf.push_str("http_access deny CONNECT\n");
+        }
+        if let Some(parent) = options.parent {
+            conf.push_str(&format!(
+                "cache_peer {} parent {} 0 no-query no-digest default\nnever_direct allow all\n",
+                parent.ip(),
+                parent.port()
+            ));
         }
         if let Some((user, password)) = &options.credentials {
             // At most 12 salt bytes: they become 16 crypt characters, the most glibc's SHA-crypt reads.

@@ -1,0 +1,286 @@
+//! The gateway's data path against the proxies it is compared with, in one run, over loopback: 64 keep-alive
+//! clients fetching a small page from a local keep-alive origin
+//!
+//! - through Squid directly (the baseline),
+//! - through a Squid chained to that Squid (the usual hand-made gateway),
+//! - through the gateway in front of that Squid,
+//!
+//! as plain HTTP (absolute-form requests) and through CONNECT tunnels (one per client, requests inside it), then
+//! the bytes per second of one tunnel carrying a large body. It prints requests/s, p50 and p99 per path, the ratios
+//! to direct Squid (goals: gateway ≥ 0.9 × direct and ≥ the chain), the p50 the gateway adds (goal ≤ 0.3 ms) and the
+//! tunnel's MB/s against direct (goal ≥ 0.9). Each phase runs for a fixed time, twice in alternation; the figures
+//! are the better of the two. Needs Squid (`cargo xtask test` installs it).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use egress_gateway::{Gateway, GatewayLimits, StaticRouter, StaticTokens, Upstream};
+use egress_testenv::{Squid, SquidOptions};
+use http_body_util::{BodyExt, Empty, Full, StreamBody};
+use hyper::body::{Bytes, Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const CLIENTS: usize = 64;
+const PHASE: Duration = Duration::from_secs(3);
+const TOKEN: &str = "bench-token";
+const PAGE: &[u8] = &[b'x'; 1024];
+const LARGE: u64 = 256 * 1024 * 1024;
+
+/// A keep-alive origin on its own thread: `/` answers a 1 KiB page, `/large` 256 MiB.
+fn origin() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the origin");
+    let address = listener.local_addr().expect("address");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(listener).expect("listener");
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(async move {
+                    let service = service_fn(|request: hyper::Request<Incoming>| async move {
+                        let body: http_body_util::combinators::BoxBody<Bytes, Infallible> =
+                            if request.uri().path() == "/large" {
+                                let chunk = Bytes::from(vec![b'y'; 64 * 1024]);
+                                let count = (LARGE / chunk.len() as u64) as usize;
+                                let stream = chunks(chunk, count);
+                                StreamBody::new(stream).boxed()
+                            } else {
+                                Full::new(Bytes::from_static(PAGE)).boxed()
+                            };
+                        Ok::<_, Infallible>(hyper::Response::new(body))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    });
+    address
+}
+
+/// `count` frames of `chunk`, as a stream.
+fn chunks(
+    chunk: Bytes,
+    count: usize,
+) -> impl futures::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send + Sync + Unpin {
+    struct Chunks(Bytes, usize);
+    impl futures::Stream for Chunks {
+        type Item = Result<Frame<Bytes>, Infallible>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            if self.1 == 0 {
+                return std::task::Poll::Ready(None);
+            }
+            self.1 -= 1;
+            std::task::Poll::Ready(Some(Ok(Frame::data(self.0.clone()))))
+        }
+    }
+    Chunks(chunk, count)
+}
+
+/// The gateway in front of `squid`, on its own runtime (two worker threads, like the operator's).
+fn gateway(squid: SocketAddr) -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gateway");
+    let address = listener.local_addr().expect("address");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(listener).expect("listener");
+            let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
+            let gateway = Gateway::new(
+                Arc::new(router),
+                Arc::new(StaticTokens::new().with(TOKEN, "bench")),
+                GatewayLimits::default(),
+            );
+            gateway.serve(listener, std::future::pending()).await.expect("serve");
+        });
+    });
+    address
+}
+
+fn authorization() -> String {
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("session-bench:{TOKEN}")))
+}
+
+/// One client sending absolute-form requests through `proxy` on one keep-alive connection until the deadline.
+async fn plain_client(proxy: SocketAddr, origin: SocketAddr, deadline: Instant) -> Vec<Duration> {
+    let stream = TcpStream::connect(proxy).await.expect("connect to the proxy");
+    let _ = stream.set_nodelay(true);
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(connection);
+    let url = format!("http://{origin}/");
+    let auth = authorization();
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let request = hyper::Request::get(url.as_str())
+            .header("host", origin.to_string())
+            .header("proxy-authorization", auth.as_str())
+            .body(Empty::<Bytes>::new())
+            .expect("request");
+        let response = sender.send_request(request).await.expect("an answer");
+        assert_eq!(response.status(), 200, "through {proxy}");
+        let _ = response.into_body().collect().await.expect("body");
+        latencies.push(started.elapsed());
+    }
+    latencies
+}
+
+/// Opens a tunnel to `origin` through `proxy`.
+async fn tunnel(proxy: SocketAddr, origin: SocketAddr) -> TcpStream {
+    let mut stream = TcpStream::connect(proxy).await.expect("connect to the proxy");
+    let _ = stream.set_nodelay(true);
+    let head =
+        format!("CONNECT {origin} HTTP/1.1\r\nHost: {origin}\r\nProxy-Authorization: {}\r\n\r\n", authorization());
+    stream.write_all(head.as_bytes()).await.expect("CONNECT");
+    let mut answer = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !answer.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).await.expect("the answer"), 1, "the proxy closed the tunnel");
+        answer.push(byte[0]);
+    }
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200") || answer.starts_with(b"HTTP/1.0 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    stream
+}
+
+/// One client sending requests inside one tunnel until the deadline.
+async fn tunnel_client(proxy: SocketAddr, origin: SocketAddr, deadline: Instant) -> Vec<Duration> {
+    let stream = tunnel(proxy, origin).await;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(connection);
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let request =
+            hyper::Request::get("/").header("host", origin.to_string()).body(Empty::<Bytes>::new()).expect("request");
+        let response = sender.send_request(request).await.expect("an answer");
+        let _ = response.into_body().collect().await.expect("body");
+        latencies.push(started.elapsed());
+    }
+    latencies
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+async fn phase(name: &str, proxy: SocketAddr, origin: SocketAddr, connect: bool) -> Figures {
+    let deadline = Instant::now() + PHASE;
+    let started = Instant::now();
+    let handles: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            if connect {
+                tokio::spawn(tunnel_client(proxy, origin, deadline))
+            } else {
+                tokio::spawn(plain_client(proxy, origin, deadline))
+            }
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for handle in handles {
+        latencies.extend(handle.await.expect("client"));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort_unstable();
+    let percentile = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+    let figures = Figures { rate: latencies.len() as f64 / elapsed, p50: percentile(0.5), p99: percentile(0.99) };
+    println!(
+        "  {name:<22} {:>8.0} requests/s, p50 {:>8.2?}, p99 {:>8.2?} ({} requests)",
+        figures.rate,
+        figures.p50,
+        figures.p99,
+        latencies.len()
+    );
+    figures
+}
+
+/// MB/s of one tunnel through `proxy` carrying the large body.
+async fn tunnel_throughput(proxy: SocketAddr, origin: SocketAddr) -> f64 {
+    let stream = tunnel(proxy, origin).await;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(connection);
+    let started = Instant::now();
+    let request =
+        hyper::Request::get("/large").header("host", origin.to_string()).body(Empty::<Bytes>::new()).expect("request");
+    let mut body = sender.send_request(request).await.expect("an answer").into_body();
+    let mut bytes = 0_u64;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("a frame").into_data() {
+            bytes += data.len() as u64;
+        }
+    }
+    assert_eq!(bytes, LARGE);
+    bytes as f64 / started.elapsed().as_secs_f64() / 1e6
+}
+
+fn better(a: Figures, b: Figures) -> Figures {
+    Figures { rate: a.rate.max(b.rate), p50: a.p50.min(b.p50), p99: a.p99.min(b.p99) }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let origin = origin();
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let chained = Squid::start(SquidOptions { parent: Some(squid.address()), ..SquidOptions::default() })
+        .await
+        .expect("the chained Squid");
+    let gateway = gateway(squid.address());
+    println!(
+        "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice"
+    );
+    let paths =
+        [("direct Squid", squid.address()), ("Squid -> Squid", chained.address()), ("gateway -> Squid", gateway)];
+    for connect in [false, true] {
+        println!("{}:", if connect { "CONNECT tunnels (requests inside)" } else { "plain HTTP (absolute-form)" });
+        let mut best: Vec<Option<Figures>> = vec![None; paths.len()];
+        for _ in 0..2 {
+            for (index, (name, proxy)) in paths.iter().enumerate() {
+                let figures = phase(name, *proxy, origin, connect).await;
+                best[index] = Some(best[index].map_or(figures, |known| better(known, figures)));
+            }
+        }
+        let [direct, chain, through] = [best[0], best[1], best[2]].map(|figures| figures.expect("measured"));
+        println!(
+            "  ratios: gateway / direct {:.2} (goal >= 0.9), gateway / chain {:.2} (goal >= 1), chain / direct {:.2}; \
+             p50 added by the gateway {:.3} ms (goal <= 0.3)",
+            through.rate / direct.rate,
+            through.rate / chain.rate,
+            chain.rate / direct.rate,
+            (through.p50.as_secs_f64() - direct.p50.as_secs_f64()) * 1e3
+        );
+    }
+    let mut direct: f64 = 0.0;
+    let mut through: f64 = 0.0;
+    for _ in 0..2 {
+        direct = direct.max(tunnel_throughput(squid.address(), origin).await);
+        through = through.max(tunnel_throughput(gateway, origin).await);
+    }
+    println!(
+        "one tunnel, {} MiB: direct Squid {direct:.0} MB/s, gateway -> Squid {through:.0} MB/s, ratio {:.2} (goal >= 0.9)",
+        LARGE >> 20,
+        through / direct
+    );
+}

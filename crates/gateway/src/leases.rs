@@ -1,0 +1,318 @@
+//! Routing through the discovery API: each request's proxy is a lease, taken with the crawler's own token, so the
+//! tenant's quotas, the proxies' caps, the sites' cooldowns and the pools are the lease store's and nothing here
+//! copies them.
+//!
+//! A request with a session (`session-<id>` in the user name) is routed through the lease held for that tenant,
+//! session and site: the first request takes it (with the session as the lease's sticky key, so the store gives the
+//! session the same proxy again after a gateway restart), later ones reuse it, and it is renewed while in use and
+//! released once the session has been idle for its stickiness (`sticky-<seconds>`, else the configured default).
+//! A ban or a throttle seen at the gateway is reported and ends the session's hold on that proxy: the next request
+//! leases again, and the store, which cools the proxy down for that site, picks another. A renewal that finds the
+//! proxy replaced moves the session to the new instance. A request without a session takes a lease of its own,
+//! held until its answer (or its tunnel) ends, so consecutive requests rotate: the store hands out the least-loaded
+//! proxy, ties to the least recently leased.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported};
+use percent_encoding::percent_decode_str;
+use tracing::{debug, info};
+
+use crate::route::{Outcome, RouteRequest, Router, Upstream};
+use crate::status::GatewayError;
+
+/// How the gateway leases.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRouterConfig {
+    /// The discovery API, `http://host:port`.
+    pub discovery_url: String,
+    /// How long each lease lasts unless renewed; a session's lease is renewed at half of it.
+    pub lease_ttl: Duration,
+    /// How long an idle session keeps its proxy when its user name gives no `sticky`.
+    pub default_sticky: Duration,
+    /// Upstream statuses of plain HTTP requests reported as a ban.
+    pub ban_statuses: Vec<u16>,
+    /// Upstream statuses reported as a throttle (with the answer's `Retry-After`).
+    pub throttle_statuses: Vec<u16>,
+}
+
+impl LeaseRouterConfig {
+    /// The defaults for the discovery API at `discovery_url`: 120 s leases, 10 min of stickiness, 401 and 403 as
+    /// bans and 429 as a throttle (crawlee's blocked statuses).
+    pub fn new(discovery_url: impl Into<String>) -> Self {
+        Self {
+            discovery_url: discovery_url.into(),
+            lease_ttl: Duration::from_secs(120),
+            default_sticky: Duration::from_secs(600),
+            ban_statuses: vec![401, 403],
+            throttle_statuses: vec![429],
+        }
+    }
+}
+
+/// Which session: the token (so one tenant's session names are its own), the session, the site and what the user
+/// name asked for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct SessionKey {
+    token: String,
+    session: String,
+    host: String,
+    pool: Option<String>,
+    selector: Option<String>,
+}
+
+/// A session's hold on a proxy.
+#[derive(Default)]
+struct Held {
+    lease: Option<Arc<LeaseGuard>>,
+    upstream: Option<Upstream>,
+    renewed: Option<Instant>,
+}
+
+struct Session {
+    held: tokio::sync::Mutex<Held>,
+    last_used: Mutex<Instant>,
+    sticky: Duration,
+}
+
+/// Routes through leases.
+pub struct LeaseRouter {
+    config: LeaseRouterConfig,
+    clients: Mutex<HashMap<String, DiscoveryClient>>,
+    sessions: Mutex<HashMap<SessionKey, Arc<Session>>>,
+}
+
+impl LeaseRouter {
+    /// A router leasing from `config.discovery_url`, with its background task (renewing sessions' leases, releasing
+    /// idle ones) running on the current runtime until the router is dropped.
+    ///
+    /// # Errors
+    /// The discovery URL is not `http://host:port`.
+    pub fn start(config: LeaseRouterConfig) -> Result<Arc<Self>, ClientError> {
+        DiscoveryClient::new(&config.discovery_url, None)?;
+        let router =
+            Arc::new(Self { config, clients: Mutex::new(HashMap::new()), sessions: Mutex::new(HashMap::new()) });
+        let weak = Arc::downgrade(&router);
+        tokio::spawn(sweep(weak));
+        Ok(router)
+    }
+
+    /// The number of sessions holding (or about to hold) a proxy.
+    pub fn sessions(&self) -> usize {
+        lock(&self.sessions).len()
+    }
+
+    fn client(&self, token: &str) -> Result<DiscoveryClient, GatewayError> {
+        let mut clients = lock(&self.clients);
+        if let Some(client) = clients.get(token) {
+            return Ok(client.clone());
+        }
+        let client = DiscoveryClient::new(&self.config.discovery_url, Some(token.to_owned()))
+            .map_err(|error| GatewayError::internal(error.to_string()))?;
+        clients.insert(token.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    async fn lease(&self, request: &RouteRequest<'_>) -> Result<(Arc<LeaseGuard>, Upstream), GatewayError> {
+        let mut options = LeaseOptions::for_target(request.host).ttl(self.config.lease_ttl);
+        if let Some(session) = &request.options.session {
+            options = options.session(session.clone());
+        }
+        if let Some(pool) = &request.options.pool {
+            options = options.pool(pool.clone());
+        }
+        if let Some(selector) = request.options.selector() {
+            options = options.selector(selector);
+        }
+        let lease = self.client(request.token)?.lease(options).await.map_err(refusal)?;
+        let upstream = upstream_of(&lease)?;
+        debug!(proxy = %upstream.proxy, lease = lease.id(), host = request.host, "leased");
+        Ok((Arc::new(lease), upstream))
+    }
+
+    fn session_key(&self, request: &RouteRequest<'_>) -> Option<SessionKey> {
+        let session = request.options.session.clone()?;
+        Some(SessionKey {
+            token: request.token.to_owned(),
+            session,
+            host: request.host.to_ascii_lowercase(),
+            pool: request.options.pool.clone(),
+            selector: request.options.selector(),
+        })
+    }
+
+    fn session(&self, key: &SessionKey, sticky: Duration) -> Arc<Session> {
+        lock(&self.sessions)
+            .entry(key.clone())
+            .or_insert_with(|| {
+                Arc::new(Session {
+                    held: tokio::sync::Mutex::new(Held::default()),
+                    last_used: Mutex::new(Instant::now()),
+                    sticky,
+                })
+            })
+            .clone()
+    }
+
+    /// Renews the leases sessions use and releases the ones idle past their stickiness.
+    async fn sweep_once(&self) {
+        let sessions: Vec<(SessionKey, Arc<Session>)> =
+            lock(&self.sessions).iter().map(|(key, session)| (key.clone(), session.clone())).collect();
+        for (key, session) in sessions {
+            let idle = lock(&session.last_used).elapsed();
+            if idle >= session.sticky {
+                lock(&self.sessions).remove(&key);
+                let mut held = session.held.lock().await;
+                if let Some(lease) = held.lease.take() {
+                    debug!(lease = lease.id(), "session idle past its stickiness; releasing its lease");
+                }
+                continue;
+            }
+            let mut held = session.held.lock().await;
+            let due = held.renewed.is_some_and(|renewed| renewed.elapsed() >= self.config.lease_ttl / 2);
+            if !due {
+                continue;
+            }
+            let Some(lease) = held.lease.take() else { continue };
+            // The guard is shared with requests in flight only for reporting; renewing needs it alone.
+            match Arc::try_unwrap(lease) {
+                Ok(mut lease) => match lease.renew(Some(self.config.lease_ttl)).await {
+                    Ok(replaced) => {
+                        if replaced {
+                            info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
+                            held.upstream = upstream_of(&lease).ok();
+                        }
+                        held.renewed = Some(Instant::now());
+                        held.lease = Some(Arc::new(lease));
+                    }
+                    Err(error) => {
+                        debug!(%error, "renewing a session's lease failed; the next request leases again");
+                        held.upstream = None;
+                        held.renewed = None;
+                    }
+                },
+                Err(shared) => held.lease = Some(shared),
+            }
+        }
+    }
+}
+
+async fn sweep(router: Weak<LeaseRouter>) {
+    let mut interval = tokio::time::interval(Duration::from_secs(5));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(router) = router.upgrade() else { return };
+        router.sweep_once().await;
+    }
+}
+
+#[async_trait]
+impl Router for LeaseRouter {
+    async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError> {
+        let Some(key) = self.session_key(request) else {
+            let (lease, mut upstream) = self.lease(request).await?;
+            upstream.hold = Some(lease as Arc<dyn Any + Send + Sync>);
+            return Ok(upstream);
+        };
+        let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
+        *lock(&session.last_used) = Instant::now();
+        let mut held = session.held.lock().await;
+        if let (Some(_), Some(upstream)) = (&held.lease, &held.upstream) {
+            return Ok(upstream.clone());
+        }
+        let (lease, upstream) = self.lease(request).await?;
+        held.lease = Some(lease);
+        held.upstream = Some(upstream.clone());
+        held.renewed = Some(Instant::now());
+        Ok(upstream)
+    }
+
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) {
+        let Outcome::Answered(status, retry_after) = outcome else { return };
+        let code = status.as_u16();
+        let reported = if self.config.ban_statuses.contains(&code) {
+            Reported::Banned
+        } else if self.config.throttle_statuses.contains(&code) {
+            Reported::Throttled { retry_after }
+        } else {
+            return;
+        };
+        let lease = match (&upstream.hold, self.session_key(request)) {
+            (Some(hold), _) => hold.clone().downcast::<LeaseGuard>().ok(),
+            (None, Some(key)) => {
+                let session = lock(&self.sessions).get(&key).cloned();
+                match session {
+                    Some(session) => {
+                        let mut held = session.held.lock().await;
+                        // The session lets go of this proxy: the next request leases again, elsewhere.
+                        held.upstream = None;
+                        held.lease.take()
+                    }
+                    None => None,
+                }
+            }
+            (None, None) => None,
+        };
+        if let Some(lease) = lease {
+            match lease.report(reported, Some(code)).await {
+                Ok(until) => {
+                    info!(proxy = %upstream.proxy, host = request.host, status = code, cooldown_until = until.as_deref().unwrap_or("-"), "reported the site's refusal")
+                }
+                Err(error) => debug!(%error, "reporting a refusal failed"),
+            }
+        }
+    }
+}
+
+/// The upstream a lease points at.
+fn upstream_of(lease: &LeaseGuard) -> Result<Upstream, GatewayError> {
+    let url = lease.proxy_url();
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| GatewayError::internal(format!("the lease's proxy URL is not http:// ({})", lease.proxy())))?;
+    let rest = rest.trim_end_matches('/');
+    let (credentials, address) = match rest.rsplit_once('@') {
+        Some((credentials, address)) => (Some(credentials), address),
+        None => (None, rest),
+    };
+    let decoded = credentials.map(|credentials| {
+        let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
+        (
+            percent_decode_str(user).decode_utf8_lossy().into_owned(),
+            percent_decode_str(password).decode_utf8_lossy().into_owned(),
+        )
+    });
+    let mut upstream = Upstream::new(
+        address,
+        decoded.as_ref().map(|(user, password)| (user.as_str(), password.as_str())),
+        lease.proxy().to_string(),
+    );
+    upstream.lease = Some(lease.id().to_owned());
+    Ok(upstream)
+}
+
+/// The gateway's answer to a lease the discovery API refused.
+fn refusal(error: ClientError) -> GatewayError {
+    match error {
+        ClientError::Unavailable { reason, detail, retry_after }
+        | ClientError::Conflict { reason, detail, retry_after } => {
+            GatewayError::unavailable(format!("{reason}: {detail}"), retry_after)
+        }
+        ClientError::QuotaExceeded { reason, detail, retry_after } => {
+            GatewayError::quota(format!("{reason}: {detail}"), retry_after)
+        }
+        ClientError::Unauthorized(detail) => GatewayError::credentials(format!("the token is not valid: {detail}")),
+        ClientError::Forbidden(detail) => GatewayError::credentials(format!("the token may not lease: {detail}")),
+        ClientError::BadRequest(detail) => GatewayError::bad_request(detail),
+        other => GatewayError::discovery(other.to_string()),
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,244 @@
+//! The options a crawler puts in the gateway's proxy user name.
+//!
+//! The user name is a comma-separated list of `key-value` options (the value is everything after the key's first
+//! dash), the password a tenant token: `http://session-a1,pool-eu-west:TOKEN@egress-gateway:8080`. An empty user
+//! name means no options. Keys:
+//!
+//! | option | value | meaning |
+//! | --- | --- | --- |
+//! | `session-<id>` | 1–128 of `A-Z a-z 0-9 . _ ~ -` | requests of one session and site go through one proxy |
+//! | `sticky-<seconds>` | 1–86400 | how long an idle session keeps its proxy (needs `session`) |
+//! | `pool-<name>` | a ProxyPool, `name` or `namespace.name` | only that pool's members |
+//! | `zone-<zone>` | a label value | only proxies labelled `zone=<zone>` |
+//! | `provider-<name>` | a label value | only proxies labelled `provider=<name>` |
+//! | `label-<key>=<value>` | a label key and value | only proxies with that label (repeatable) |
+//!
+//! An unknown key, a key given twice (other than `label`), a malformed value or an option without a value is an
+//! error naming it; nothing is ignored.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+/// The longest session ID.
+pub const MAX_SESSION_CHARS: usize = 128;
+
+/// The longest stickiness a session may ask for.
+pub const MAX_STICKY: Duration = Duration::from_secs(86_400);
+
+/// What the user name asked for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// The session: requests of one session and site reuse one proxy.
+    pub session: Option<String>,
+    /// How long an idle session keeps its proxy; `None`: the gateway's default.
+    pub sticky: Option<Duration>,
+    /// Only members of this ProxyPool (`name`, or `namespace/name` written `namespace.name`).
+    pub pool: Option<String>,
+    /// Labels the proxy must have (`zone`, `provider` and each `label-k=v`).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Why a user name was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("proxy user name option {option:?}: {reason}")]
+pub struct OptionError {
+    /// The option as written (empty for the user name as a whole).
+    pub option: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl OptionError {
+    fn new(option: &str, reason: impl fmt::Display) -> Self {
+        Self { option: option.to_owned(), reason: reason.to_string() }
+    }
+}
+
+impl Options {
+    /// Parses a user name.
+    ///
+    /// # Errors
+    /// The first option that is unknown, repeated, malformed or without a value.
+    pub fn parse(user: &str) -> Result<Self, OptionError> {
+        let mut options = Self::default();
+        if user.is_empty() {
+            return Ok(options);
+        }
+        for option in user.split(',') {
+            let Some((key, value)) = option.split_once('-') else {
+                return Err(OptionError::new(option, "expected key-value, such as session-a1 or pool-eu"));
+            };
+            if value.is_empty() {
+                return Err(OptionError::new(option, "has no value"));
+            }
+            match key {
+                "session" => {
+                    if !is_session(value) {
+                        return Err(OptionError::new(
+                            option,
+                            format!("a session is 1 to {MAX_SESSION_CHARS} of A-Z a-z 0-9 . _ ~ -"),
+                        ));
+                    }
+                    set_once(&mut options.session, option, value.to_owned())?;
+                }
+                "sticky" => {
+                    let seconds = value
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|seconds| (1..=MAX_STICKY.as_secs()).contains(seconds))
+                        .ok_or_else(|| {
+                            OptionError::new(
+                                option,
+                                format!("is not a whole number of seconds from 1 to {}", MAX_STICKY.as_secs()),
+                            )
+                        })?;
+                    set_once(&mut options.sticky, option, Duration::from_secs(seconds))?;
+                }
+                "pool" => {
+                    let pool = match value.split_once('.') {
+                        Some((namespace, name)) if is_dns_label(namespace) && is_dns_label(name) => {
+                            format!("{namespace}/{name}")
+                        }
+                        None if is_dns_label(value) => value.to_owned(),
+                        _ => {
+                            return Err(OptionError::new(option, "a pool is a name, or namespace.name, of DNS labels"));
+                        }
+                    };
+                    set_once(&mut options.pool, option, pool)?;
+                }
+                "zone" | "provider" => {
+                    if !is_label_value(value) {
+                        return Err(OptionError::new(option, "is not a label value (63 of A-Z a-z 0-9 . _ -)"));
+                    }
+                    if options.labels.insert(key.to_owned(), value.to_owned()).is_some() {
+                        return Err(OptionError::new(option, format!("{key} is given twice")));
+                    }
+                }
+                "label" => {
+                    let Some((name, label)) = value.split_once('=') else {
+                        return Err(OptionError::new(option, "expected label-<key>=<value>"));
+                    };
+                    if !is_label_key(name) || !is_label_value(label) {
+                        return Err(OptionError::new(option, "is not a label key=value"));
+                    }
+                    if options.labels.insert(name.to_owned(), label.to_owned()).is_some() {
+                        return Err(OptionError::new(option, format!("the label {name} is given twice")));
+                    }
+                }
+                other => {
+                    return Err(OptionError::new(
+                        option,
+                        format!("unknown option {other:?} (known: session, sticky, pool, zone, provider, label)"),
+                    ));
+                }
+            }
+        }
+        if options.sticky.is_some() && options.session.is_none() {
+            return Err(OptionError::new(user, "sticky needs a session"));
+        }
+        Ok(options)
+    }
+
+    /// The label selector the options ask for (`k=v,k=v`), `None` without labels.
+    pub fn selector(&self) -> Option<String> {
+        (!self.labels.is_empty())
+            .then(|| self.labels.iter().map(|(key, value)| format!("{key}={value}")).collect::<Vec<_>>().join(","))
+    }
+}
+
+fn set_once<T>(slot: &mut Option<T>, option: &str, value: T) -> Result<(), OptionError> {
+    if slot.is_some() {
+        return Err(OptionError::new(option, "is given twice"));
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+fn is_session(value: &str) -> bool {
+    value.len() <= MAX_SESSION_CHARS
+        && value.bytes().all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'~' | b'-'))
+}
+
+/// A DNS label: 1–63 of `a-z 0-9 -`, starting and ending with a letter or digit.
+fn is_dns_label(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    let edge = |byte: &u8| byte.is_ascii_lowercase() || byte.is_ascii_digit();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(edge)
+        && bytes.last().is_some_and(edge)
+        && bytes.iter().all(|byte| edge(byte) || *byte == b'-')
+}
+
+/// A Kubernetes label value: at most 63 of `A-Z a-z 0-9 . _ -`, starting and ending alphanumeric (not empty here).
+fn is_label_value(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.iter().all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'-'))
+}
+
+/// A Kubernetes label key: an optional DNS-subdomain prefix and `/`, then a name like a label value.
+fn is_label_key(value: &str) -> bool {
+    match value.rsplit_once('/') {
+        Some((prefix, name)) => {
+            prefix.len() <= 253 && !prefix.is_empty() && prefix.split('.').all(is_dns_label) && is_label_value(name)
+        }
+        None => is_label_value(value),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_parse() {
+        assert_eq!(Options::parse("").expect("empty"), Options::default());
+        let options =
+            Options::parse("session-a1.B_~-x,sticky-600,pool-crawl.eu-west,zone-eu,label-tier=gold").expect("parses");
+        assert_eq!(options.session.as_deref(), Some("a1.B_~-x"));
+        assert_eq!(options.sticky, Some(Duration::from_secs(600)));
+        assert_eq!(options.pool.as_deref(), Some("crawl/eu-west"));
+        assert_eq!(options.selector().as_deref(), Some("tier=gold,zone=eu"));
+        assert_eq!(Options::parse("pool-eu").expect("a bare pool").pool.as_deref(), Some("eu"));
+        assert_eq!(
+            Options::parse("label-example.com/team=search,provider-gcp").expect("prefixed").selector().as_deref(),
+            Some("example.com/team=search,provider=gcp")
+        );
+    }
+
+    #[test]
+    fn every_malformed_option_is_refused_with_its_reason() {
+        let cases = [
+            ("session", "expected key-value"),
+            ("session-", "has no value"),
+            ("session-a,session-b", "is given twice"),
+            ("session-a b", "a session is"),
+            (&format!("session-{}", "a".repeat(129)), "a session is"),
+            ("sticky-0,session-a", "from 1 to 86400"),
+            ("sticky-86401,session-a", "from 1 to 86400"),
+            ("sticky-ten,session-a", "whole number"),
+            ("sticky-60", "sticky needs a session"),
+            ("pool-EU", "a pool is"),
+            ("pool-a.b.c", "a pool is"),
+            ("pool-a,pool-b", "is given twice"),
+            ("zone-eu,zone-us", "zone is given twice"),
+            ("zone-eu west", "is not a label value"),
+            ("provider--gcp", "is not a label value"),
+            ("label-tier", "expected label-<key>=<value>"),
+            ("label-=gold", "is not a label key"),
+            ("label-tier=gold,label-tier=silver", "the label tier is given twice"),
+            ("country-de", "unknown option \"country\""),
+            ("session-a,", "expected key-value"),
+            (",session-a", "expected key-value"),
+        ];
+        for (user, expected) in cases {
+            let error = Options::parse(user).expect_err(user);
+            assert!(error.to_string().contains(expected), "{user}: {error}");
+        }
+    }
+}

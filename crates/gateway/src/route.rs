@@ -1,0 +1,159 @@
+//! Where a request goes: the [`Router`] picks the upstream proxy for a tenant's request to a site, and hears what
+//! came of it; the [`Authenticator`] tells the tenant from the token in the proxy password.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use base64::Engine;
+use http::{HeaderValue, StatusCode};
+
+use crate::options::Options;
+use crate::status::GatewayError;
+
+/// One request to route.
+#[derive(Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// The tenant the token belongs to.
+    pub tenant: &'a str,
+    /// The crawler's token (the proxy password), for routers that act with it; never logged.
+    pub token: &'a str,
+    /// The site: the request's host, as the client wrote it.
+    pub host: &'a str,
+    /// The port of the request's target.
+    pub port: u16,
+    /// What the user name asked for.
+    pub options: &'a Options,
+    /// A `CONNECT` tunnel (true) or a plain HTTP request.
+    pub connect: bool,
+}
+
+impl fmt::Debug for RouteRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouteRequest")
+            .field("tenant", &self.tenant)
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("options", &self.options)
+            .field("connect", &self.connect)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The upstream proxy a request goes through.
+#[derive(Clone)]
+pub struct Upstream {
+    /// Its `host:port`.
+    pub address: String,
+    /// The `Proxy-Authorization` it takes (Basic), when it needs credentials.
+    pub authorization: Option<HeaderValue>,
+    /// Which proxy it is, for the `X-Egress-Proxy` answer header (`namespace/name`).
+    pub proxy: String,
+    /// The lease the request is made under, for the `X-Egress-Lease` answer header, when there is one.
+    pub lease: Option<String>,
+    /// Whatever the router wants kept until the request's answer (or its tunnel) ends, such as a lease of the
+    /// request's own, released when this is dropped.
+    pub hold: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The authorization holds the proxy's password.
+        f.debug_struct("Upstream")
+            .field("address", &self.address)
+            .field("authorization", &self.authorization.as_ref().map(|_| "<redacted>"))
+            .field("proxy", &self.proxy)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+impl Upstream {
+    /// An upstream at `address` with Basic credentials `user:password`, when given.
+    pub fn new(address: impl Into<String>, credentials: Option<(&str, &str)>, proxy: impl Into<String>) -> Self {
+        let authorization = credentials.and_then(|(user, password)| {
+            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            let mut value = HeaderValue::from_str(&format!("Basic {token}")).ok()?;
+            value.set_sensitive(true);
+            Some(value)
+        });
+        Self { address: address.into(), authorization, proxy: proxy.into(), lease: None, hold: None }
+    }
+}
+
+/// What came of a routed request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream answered a plain HTTP request with this status (and `Retry-After`, in seconds, when given).
+    Answered(StatusCode, Option<Duration>),
+    /// The tunnel was set up (its traffic is the client's to judge).
+    Tunnelled,
+    /// The upstream could not be reached, or failed the request.
+    Failed,
+}
+
+/// Picks upstreams.
+#[async_trait]
+pub trait Router: Send + Sync + 'static {
+    /// The upstream for `request`.
+    ///
+    /// # Errors
+    /// A [`GatewayError`] the gateway answers with (no proxy for the site, a quota, a denied destination).
+    async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError>;
+
+    /// What came of a request routed to `upstream` (bans and throttles are reported from here).
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) {
+        let _ = (request, upstream, outcome);
+    }
+}
+
+/// Tells tenants from tokens.
+pub trait Authenticator: Send + Sync + 'static {
+    /// The tenant `token` belongs to, when it may use the gateway.
+    fn tenant(&self, token: &str) -> Option<String>;
+}
+
+/// Every request through one upstream (for benchmarks, tests and a single proxy).
+#[derive(Clone, Debug)]
+pub struct StaticRouter(pub Upstream);
+
+#[async_trait]
+impl Router for StaticRouter {
+    async fn route(&self, _request: &RouteRequest<'_>) -> Result<Upstream, GatewayError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// A fixed token → tenant map, compared in constant time.
+#[derive(Clone, Debug, Default)]
+pub struct StaticTokens(HashMap<String, String>);
+
+impl StaticTokens {
+    /// No tokens.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `token` for `tenant`.
+    #[must_use]
+    pub fn with(mut self, token: impl Into<String>, tenant: impl Into<String>) -> Self {
+        self.0.insert(token.into(), tenant.into());
+        self
+    }
+}
+
+impl Authenticator for StaticTokens {
+    fn tenant(&self, token: &str) -> Option<String> {
+        use subtle::ConstantTimeEq;
+        let mut found = None;
+        for (known, tenant) in &self.0 {
+            if bool::from(known.as_bytes().ct_eq(token.as_bytes())) {
+                found = Some(tenant.clone());
+            }
+        }
+        found
+    }
+}

@@ -1,0 +1,587 @@
+//! Serving the gateway: HTTP/1.1 connections from crawlers, each request authenticated, routed and forwarded.
+//!
+//! A plain `http://` request (absolute form) goes to its upstream proxy over a kept-alive connection from a pool per
+//! upstream, its hop-by-hop headers dropped and the upstream's credentials added; the answer is streamed back with
+//! `X-Egress-Proxy` naming the proxy. A `CONNECT host:port` opens a connection to the upstream, asks it for the
+//! same tunnel, answers `200` with `X-Egress-Proxy` (and `X-Egress-Lease`) once the upstream agreed, and then
+//! copies bytes both ways until either side closes. A client that takes longer than `header_timeout` to send a
+//! request head (or idles that long between requests) is closed; at `max_connections` a new connection is closed
+//! as soon as it is accepted.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use base64::Engine;
+use http::uri::Scheme;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, Version, header};
+use http_body_util::BodyExt;
+use hyper::body::{Bytes, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tracing::debug;
+
+use crate::Body;
+use crate::options::Options;
+use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream};
+use crate::status::{GatewayError, full};
+
+/// The answer header naming the proxy a request went through (`namespace/name`).
+pub const PROXY_HEADER: &str = "x-egress-proxy";
+
+/// The answer header naming the lease a request went under.
+pub const LEASE_HEADER: &str = "x-egress-lease";
+
+/// The longest answer head an upstream may send to a `CONNECT`.
+const MAX_CONNECT_ANSWER: usize = 8192;
+
+/// The gateway's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatewayLimits {
+    /// How long a client may take to send a request head, and may idle between requests.
+    pub header_timeout: Duration,
+    /// How long reaching an upstream may take: the TCP connection, and its answer to a `CONNECT`.
+    pub connect_timeout: Duration,
+    /// Open client connections; one more is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// The buffer of each direction of a tunnel.
+    pub tunnel_buffer: usize,
+}
+
+impl Default for GatewayLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            max_connections: 16_384,
+            tunnel_buffer: 8192,
+        }
+    }
+}
+
+type UpstreamClient = Client<UpstreamConnector, Body>;
+
+/// The gateway: a router, an authenticator, limits, and the connection pools to upstreams.
+pub struct Gateway {
+    router: Arc<dyn Router>,
+    auth: Arc<dyn Authenticator>,
+    limits: GatewayLimits,
+    clients: Mutex<HashMap<String, UpstreamClient>>,
+}
+
+impl Gateway {
+    /// A gateway routing with `router` and telling tenants with `auth`.
+    pub fn new(router: Arc<dyn Router>, auth: Arc<dyn Authenticator>, limits: GatewayLimits) -> Arc<Self> {
+        Arc::new(Self { router, auth, limits, clients: Mutex::new(HashMap::new()) })
+    }
+
+    /// Serves clients on `listener` until `shutdown` resolves; then stops accepting and returns. Connections and
+    /// tunnels already open carry on until their clients close them.
+    ///
+    /// # Errors
+    /// None so far: accept failures (a reset before accept, out of descriptors) are logged and waited out.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> io::Result<()> {
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder.timer(TokioTimer::new()).header_read_timeout(self.limits.header_timeout);
+        let slots = Arc::new(Semaphore::new(self.limits.max_connections));
+        tokio::pin!(shutdown);
+        loop {
+            let stream = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(error) => {
+                        debug!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => return Ok(()),
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let gateway = self.clone();
+            let service = hyper::service::service_fn(move |request| {
+                let gateway = gateway.clone();
+                async move { Ok::<_, Infallible>(gateway.handle(request).await) }
+            });
+            let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+            tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    debug!(%error, "client connection ended with an error");
+                }
+                drop(slot);
+            });
+        }
+    }
+
+    /// Answers one request: the upstream's answer, or the gateway's own error.
+    async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+        let (tenant, token, options) = match credentials(request.headers(), self.auth.as_ref()) {
+            Ok(found) => found,
+            Err(error) => return error.response(),
+        };
+        let who = Who { tenant: &tenant, token: &token, options: &options };
+        let result = if request.method() == Method::CONNECT {
+            self.tunnel(request, who).await
+        } else {
+            self.forward(request, who).await
+        };
+        result.unwrap_or_else(|error| {
+            debug!(%error, "the gateway answered with an error");
+            error.response()
+        })
+    }
+
+    async fn tunnel(&self, request: Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
+        let authority = request
+            .uri()
+            .authority()
+            .filter(|authority| request.uri().scheme().is_none() && authority.port_u16().is_some())
+            .cloned()
+            .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port"))?;
+        let port = authority.port_u16().unwrap_or_default();
+        let route = RouteRequest {
+            tenant: who.tenant,
+            token: who.token,
+            host: authority.host(),
+            port,
+            options: who.options,
+            connect: true,
+        };
+        let upstream = self.router.route(&route).await?;
+        let opened =
+            tokio::time::timeout(self.limits.connect_timeout, open_tunnel(&upstream, authority.as_str())).await;
+        let (mut stream, leftover) = match opened {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(error)) => {
+                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                return Err(error);
+            }
+            Err(_) => {
+                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                return Err(GatewayError::upstream_timeout(format!(
+                    "proxy {} did not open the tunnel in time",
+                    upstream.proxy
+                )));
+            }
+        };
+        self.router.outcome(&route, &upstream, Outcome::Tunnelled).await;
+        let buffer = self.limits.tunnel_buffer;
+        let upgrade = hyper::upgrade::on(request);
+        // Kept until the tunnel closes (a lease of the tunnel's own is released then).
+        let hold = upstream.hold.clone();
+        tokio::spawn(async move {
+            let _hold = hold;
+            let upgraded = match upgrade.await {
+                Ok(upgraded) => upgraded,
+                Err(error) => {
+                    debug!(%error, "the client left before its tunnel opened");
+                    return;
+                }
+            };
+            let mut client = TokioIo::new(upgraded);
+            if !leftover.is_empty() && client.write_all(&leftover).await.is_err() {
+                return;
+            }
+            if let Err(error) = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut stream, buffer, buffer).await
+            {
+                debug!(%error, "tunnel ended with an error");
+            }
+        });
+        let mut response = Response::new(full(Bytes::new()));
+        identify(response.headers_mut(), &upstream);
+        Ok(response)
+    }
+
+    async fn forward(&self, request: Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
+        let uri = request.uri().clone();
+        if uri.scheme() != Some(&Scheme::HTTP) {
+            return Err(GatewayError::bad_request(
+                "the gateway forwards absolute http:// URLs; send https:// through CONNECT (any HTTPS-capable client does)",
+            ));
+        }
+        let host = uri
+            .host()
+            .filter(|host| !host.is_empty())
+            .ok_or_else(|| GatewayError::bad_request("the URL has no host"))?;
+        let route = RouteRequest {
+            tenant: who.tenant,
+            token: who.token,
+            host,
+            port: uri.port_u16().unwrap_or(80),
+            options: who.options,
+            connect: false,
+        };
+        let upstream = self.router.route(&route).await?;
+        let (mut parts, body) = request.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        if let Some(authorization) = &upstream.authorization {
+            parts.headers.insert(header::PROXY_AUTHORIZATION, authorization.clone());
+        }
+        parts.version = Version::HTTP_11;
+        let client = self.client(&upstream);
+        let answer = tokio::time::timeout(
+            self.limits.connect_timeout.max(Duration::from_secs(60)),
+            client.request(Request::from_parts(parts, body.boxed())),
+        )
+        .await;
+        let response = match answer {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => {
+                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                let kind = if error.is_connect() { "connection_refused" } else { "http_response_incomplete" };
+                return Err(GatewayError::upstream(kind, format!("proxy {}: {}", upstream.proxy, error_chain(&error))));
+            }
+            Err(_) => {
+                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                return Err(GatewayError::upstream_timeout(format!("proxy {} sent no answer in time", upstream.proxy)));
+            }
+        };
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        self.router.outcome(&route, &upstream, Outcome::Answered(response.status(), retry_after)).await;
+        let (mut parts, body) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        identify(&mut parts.headers, &upstream);
+        let body = match upstream.hold {
+            Some(hold) => Holding { inner: body.boxed(), _hold: hold }.boxed(),
+            None => body.boxed(),
+        };
+        Ok(Response::from_parts(parts, body))
+    }
+
+    /// The pooled client for `upstream`.
+    fn client(&self, upstream: &Upstream) -> UpstreamClient {
+        let mut clients = self.clients.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        clients
+            .entry(upstream.address.clone())
+            .or_insert_with(|| {
+                let connector = UpstreamConnector {
+                    address: upstream.address.clone().into(),
+                    timeout: self.limits.connect_timeout,
+                };
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(90))
+                    .pool_timer(TokioTimer::new())
+                    .build(connector)
+            })
+            .clone()
+    }
+}
+
+/// Who sent a request and what its user name asked for.
+#[derive(Clone, Copy)]
+struct Who<'a> {
+    tenant: &'a str,
+    token: &'a str,
+    options: &'a Options,
+}
+
+/// An answer's body that keeps the router's hold until it is done.
+struct Holding {
+    inner: Body,
+    _hold: Arc<dyn Any + Send + Sync>,
+}
+
+impl hyper::body::Body for Holding {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The tenant, token and options of a request, from its `Proxy-Authorization: Basic` (user name: options;
+/// password: a tenant token).
+fn credentials(headers: &HeaderMap, auth: &dyn Authenticator) -> Result<(String, String, Options), GatewayError> {
+    let value = headers.get(header::PROXY_AUTHORIZATION).ok_or_else(|| {
+        GatewayError::credentials("send Proxy-Authorization: Basic, with a tenant token as the password")
+    })?;
+    let value = value.to_str().map_err(|_| GatewayError::credentials("Proxy-Authorization is not text"))?;
+    let encoded = value
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("basic"))
+        .map(|(_, encoded)| encoded.trim())
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization must use the Basic scheme"))?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .ok()
+        .and_then(|bytes| String::from_utf8(bytes).ok())
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization: Basic is not base64 of UTF-8 user:password"))?;
+    let (user, token) = decoded
+        .split_once(':')
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization: Basic has no password"))?;
+    let tenant = auth.tenant(token).ok_or_else(|| GatewayError::credentials("the password is not a valid token"))?;
+    let options = Options::parse(user).map_err(|error| GatewayError::bad_request(error.to_string()))?;
+    Ok((tenant, token.to_owned(), options))
+}
+
+/// Removes the headers that belong to one hop: the standard ones and those `Connection` names.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// Adds the headers naming the proxy and lease a request went through.
+fn identify(headers: &mut HeaderMap, upstream: &Upstream) {
+    if let Ok(proxy) = HeaderValue::from_str(&upstream.proxy) {
+        headers.insert(PROXY_HEADER, proxy);
+    }
+    if let Some(lease) = upstream.lease.as_deref().and_then(|lease| HeaderValue::from_str(lease).ok()) {
+        headers.insert(LEASE_HEADER, lease);
+    }
+}
+
+/// Connects to `upstream` and asks it for a tunnel to `authority`; the stream and any bytes after its answer.
+async fn open_tunnel(upstream: &Upstream, authority: &str) -> Result<(TcpStream, Vec<u8>), GatewayError> {
+    let mut stream = TcpStream::connect(upstream.address.as_str()).await.map_err(|error| {
+        GatewayError::upstream(
+            "connection_refused",
+            format!("proxy {} at {}: {error}", upstream.proxy, upstream.address),
+        )
+    })?;
+    let _ = stream.set_nodelay(true);
+    let mut head = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n");
+    if let Some(authorization) = upstream.authorization.as_ref().and_then(|value| value.to_str().ok()) {
+        head.push_str("Proxy-Authorization: ");
+        head.push_str(authorization);
+        head.push_str("\r\n");
+    }
+    head.push_str("\r\n");
+    let broken = |error: io::Error| {
+        GatewayError::upstream("connection_terminated", format!("proxy {}: {error}", upstream.proxy))
+    };
+    stream.write_all(head.as_bytes()).await.map_err(broken)?;
+    let mut answer = Vec::with_capacity(512);
+    let end = loop {
+        if let Some(end) = answer.windows(4).position(|window| window == b"\r\n\r\n") {
+            break end + 4;
+        }
+        if answer.len() >= MAX_CONNECT_ANSWER {
+            return Err(GatewayError::upstream(
+                "http_response_header_section_size",
+                format!("proxy {} answered with an oversized head", upstream.proxy),
+            ));
+        }
+        let mut chunk = [0_u8; 1024];
+        let read = stream.read(&mut chunk).await.map_err(broken)?;
+        if read == 0 {
+            return Err(GatewayError::upstream(
+                "connection_terminated",
+                format!("proxy {} closed before answering", upstream.proxy),
+            ));
+        }
+        answer.extend_from_slice(&chunk[..read]);
+    };
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut parsed = httparse::Response::new(&mut headers);
+    let status = match parsed.parse(&answer[..end]) {
+        Ok(httparse::Status::Complete(_)) => parsed.code.unwrap_or_default(),
+        _ => {
+            return Err(GatewayError::upstream(
+                "http_protocol_error",
+                format!("proxy {} answered with something not HTTP", upstream.proxy),
+            ));
+        }
+    };
+    match status {
+        200..=299 => Ok((stream, answer[end..].to_vec())),
+        403 => {
+            let policy = parsed
+                .headers
+                .iter()
+                .find(|header| header.name.eq_ignore_ascii_case("x-egress-policy"))
+                .map(|header| String::from_utf8_lossy(header.value).into_owned());
+            Err(GatewayError::denied(format!(
+                "proxy {} refuses {authority}{}",
+                upstream.proxy,
+                policy.map(|policy| format!(" ({policy})")).unwrap_or_default()
+            )))
+        }
+        407 => Err(GatewayError::upstream(
+            "proxy_configuration_error",
+            format!("proxy {} refused the gateway's credentials", upstream.proxy),
+        )),
+        code => Err(GatewayError::upstream(
+            "destination_unavailable",
+            format!("proxy {} answered CONNECT {authority} with {code}", upstream.proxy),
+        )),
+    }
+}
+
+/// An error and its sources, for a message.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Connects the pooled client to one upstream proxy, whatever the request's host: the connection is marked as a
+/// proxy's, so requests keep their absolute URL.
+#[derive(Clone)]
+struct UpstreamConnector {
+    address: Arc<str>,
+    timeout: Duration,
+}
+
+impl tower::Service<Uri> for UpstreamConnector {
+    type Response = ProxyStream;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<ProxyStream>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: Uri) -> Self::Future {
+        let (address, timeout) = (self.address.clone(), self.timeout);
+        Box::pin(async move {
+            let stream = tokio::time::timeout(timeout, TcpStream::connect(&*address))
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, format!("connecting to {address} timed out")))??;
+            let _ = stream.set_nodelay(true);
+            Ok(ProxyStream(TokioIo::new(stream)))
+        })
+    }
+}
+
+/// A connection to an upstream proxy.
+struct ProxyStream(TokioIo<TcpStream>);
+
+impl Connection for ProxyStream {
+    fn connected(&self) -> Connected {
+        Connected::new().proxy(true)
+    }
+}
+
+impl hyper::rt::Read for ProxyStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for ProxyStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::StatusCode;
+
+    use super::*;
+    use crate::route::StaticTokens;
+
+    fn basic(user: &str, password: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_str(&format!("Basic {token}")).expect("a value"));
+        headers
+    }
+
+    #[test]
+    fn credentials_give_the_tenant_and_options_or_say_what_is_wrong() {
+        let tokens = StaticTokens::new().with("s3cret", "crawlers");
+        let (tenant, _, options) = credentials(&basic("session-a", "s3cret"), &tokens).expect("valid");
+        assert_eq!((tenant.as_str(), options.session.as_deref()), ("crawlers", Some("a")));
+        let refused = |headers: HeaderMap| credentials(&headers, &tokens).expect_err("refused");
+        assert_eq!(refused(HeaderMap::new()).status, StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+        assert_eq!(refused(basic("", "wrong")).status, StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+        let mut bearer = HeaderMap::new();
+        bearer.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Bearer s3cret"));
+        assert!(refused(bearer).details.contains("Basic scheme"));
+        let mut garbage = HeaderMap::new();
+        garbage.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic !!!"));
+        assert!(refused(garbage).details.contains("base64"));
+        let bad_option = refused(basic("country-de", "s3cret"));
+        assert_eq!(bad_option.status, StatusCode::BAD_REQUEST);
+        assert!(bad_option.details.contains("unknown option"), "{}", bad_option.details);
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-private"),
+            ("x-private", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("proxy-authorization", "Basic abc"),
+            ("te", "trailers"),
+            ("accept", "*/*"),
+        ] {
+            headers.append(name, HeaderValue::from_static(value));
+        }
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.keys().map(HeaderName::as_str).collect::<Vec<_>>(), ["accept"]);
+    }
+}

@@ -1,0 +1,184 @@
+//! The gateway in front of a real Squid: plain HTTP and CONNECT reach a local origin through it, and every way a
+//! request can be refused is answered with its status and `Proxy-Status`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use egress_gateway::{Gateway, GatewayLimits, StaticRouter, StaticTokens, Upstream};
+use egress_testenv::{LocalOrigin, Squid, SquidOptions, through_proxy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+const TOKEN: &str = "t0ken";
+
+async fn gateway_to(upstream: Upstream) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let gateway = Gateway::new(
+        Arc::new(StaticRouter(upstream)),
+        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
+        GatewayLimits::default(),
+    );
+    tokio::spawn(gateway.serve(listener, std::future::pending()));
+    address
+}
+
+#[tokio::test]
+async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let gateway = gateway_to(Upstream::new(squid.address().to_string(), None, "crawl/squid-1")).await;
+
+    let answer = through_proxy(gateway, "GET", &origin.ip_url(), Some(("session-a", TOKEN))).await.expect("GET");
+    assert_eq!(answer.status, 200, "{}", answer.head);
+    assert_eq!(answer.header("x-egress-proxy"), Some("crawl/squid-1"));
+    // The origin saw Squid's address, not the gateway's: the request went through the upstream.
+    assert_eq!(answer.body, squid.address().ip().to_string());
+
+    // A tunnel: CONNECT, then a request inside it.
+    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
+    let auth = base64_basic("", TOKEN);
+    let target = origin.address();
+    stream
+        .write_all(
+            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("CONNECT");
+    let head = read_head(&mut stream).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("x-egress-proxy: crawl/squid-1"), "{head}");
+    stream.write_all(format!("GET /ip HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes()).await.expect("GET inside");
+    let mut rest = String::new();
+    stream.read_to_string(&mut rest).await.expect("the origin's answer");
+    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
+    assert!(rest.ends_with(&squid.address().ip().to_string()), "{rest}");
+}
+
+#[tokio::test]
+async fn refusals_carry_their_status_and_proxy_status() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions { deny_connect: true, ..SquidOptions::default() }).await.expect("Squid");
+    let gateway = gateway_to(Upstream::new(squid.address().to_string(), None, "crawl/squid-1")).await;
+    // Nothing listens on the discard port of this loopback address.
+    let nowhere = gateway_to(Upstream::new("127.0.0.1:9", None, "crawl/gone")).await;
+    let url = origin.url();
+    let (plain, connect) = ("GET", "CONNECT");
+    let target = origin.address().to_string();
+    let cases = [
+        Case {
+            name: "no credentials",
+            proxy: gateway,
+            method: plain,
+            target: &url,
+            credentials: None,
+            status: 407,
+            kind: "http_request_denied",
+        },
+        Case {
+            name: "wrong token",
+            proxy: gateway,
+            method: plain,
+            target: &url,
+            credentials: Some(("", "guess")),
+            status: 407,
+            kind: "http_request_denied",
+        },
+        Case {
+            name: "unknown option",
+            proxy: gateway,
+            method: plain,
+            target: &url,
+            credentials: Some(("country-de", TOKEN)),
+            status: 400,
+            kind: "http_request_error",
+        },
+        Case {
+            name: "https in absolute form",
+            proxy: gateway,
+            method: plain,
+            target: "https://example.com/",
+            credentials: Some(("", TOKEN)),
+            status: 400,
+            kind: "http_request_error",
+        },
+        Case {
+            name: "CONNECT without a port",
+            proxy: gateway,
+            method: connect,
+            target: "example.com",
+            credentials: Some(("", TOKEN)),
+            status: 400,
+            kind: "http_request_error",
+        },
+        Case {
+            name: "CONNECT the upstream refuses",
+            proxy: gateway,
+            method: connect,
+            target: &target,
+            credentials: Some(("", TOKEN)),
+            status: 403,
+            kind: "destination_ip_prohibited",
+        },
+        Case {
+            name: "upstream down, plain",
+            proxy: nowhere,
+            method: plain,
+            target: &url,
+            credentials: Some(("", TOKEN)),
+            status: 502,
+            kind: "connection_refused",
+        },
+        Case {
+            name: "upstream down, CONNECT",
+            proxy: nowhere,
+            method: connect,
+            target: &target,
+            credentials: Some(("", TOKEN)),
+            status: 502,
+            kind: "connection_refused",
+        },
+    ];
+    for Case { name, proxy, method, target, credentials, status, kind } in cases {
+        let answer =
+            through_proxy(proxy, method, target, credentials).await.unwrap_or_else(|error| panic!("{name}: {error:#}"));
+        assert_eq!(answer.status, status, "{name}: {}", answer.head);
+        let proxy_status =
+            answer.header("proxy-status").unwrap_or_else(|| panic!("{name}: no Proxy-Status in {}", answer.head));
+        assert!(
+            proxy_status.starts_with(&format!("egress-gateway; error={kind}; details=\"")),
+            "{name}: {proxy_status}"
+        );
+        if status == 407 {
+            assert!(answer.header("proxy-authenticate").is_some_and(|value| value.starts_with("Basic")), "{name}");
+        }
+        assert!(answer.body.contains("\"status\""), "{name}: a problem document, got {:?}", answer.body);
+    }
+    assert_eq!(origin.requests(), 0, "no refused request reached the origin");
+}
+
+/// One refused request and what the gateway must answer.
+struct Case<'a> {
+    name: &'a str,
+    proxy: SocketAddr,
+    method: &'a str,
+    target: &'a str,
+    credentials: Option<(&'a str, &'a str)>,
+    status: u16,
+    kind: &'a str,
+}
+
+fn base64_basic(user: &str, password: &str) -> String {
+    use base64::Engine;
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")))
+}
+
+async fn read_head(stream: &mut tokio::net::TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).await.expect("read"), 1, "closed before the head ended");
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}

@@ -1,0 +1,120 @@
+//! The gateway routing through a real discovery server and lease store, in front of two real Squids: sessions
+//! stick to one proxy, a ban seen at the gateway is reported and moves the session, the banned proxy gets no more
+//! requests for that site, and requests without a session rotate.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyId, ProxyRecord, router, serve};
+use egress_gateway::{Gateway, GatewayLimits, LeaseRouter, LeaseRouterConfig, StaticTokens};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseStore};
+use egress_testenv::{LocalOrigin, Squid, SquidOptions, through_proxy};
+use tokio::net::TcpListener;
+
+const TOKEN: &str = "t0ken";
+
+fn record(name: &str, squid: &Squid) -> ProxyRecord {
+    ProxyRecord {
+        id: ProxyId::new("crawl", name),
+        host: squid.address().ip().to_string(),
+        port: squid.address().port(),
+        egress_ip: Some(squid.address().ip().to_string()),
+        labels: BTreeMap::new(),
+        zone: None,
+        provider: None,
+        max_leases: 10,
+        healthy: true,
+        credentials: None,
+        cooldowns: Vec::new(),
+        pool: None,
+        cooldown: None,
+    }
+}
+
+/// A discovery server over a fresh store with the two Squids as its proxies.
+async fn discovery(squids: &[(&str, &Squid)]) -> (SocketAddr, Arc<InMemoryLeaseStore>) {
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(store.clone(), Auth::Disabled, DiscoveryMetrics::default()));
+    for (name, squid) in squids {
+        state.upsert(record(name, squid));
+    }
+    state.mark_synced();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(serve(listener, router(state), std::future::pending()));
+    (address, store)
+}
+
+async fn gateway(discovery: SocketAddr, ban_statuses: Vec<u16>) -> (SocketAddr, Arc<LeaseRouter>) {
+    let config = LeaseRouterConfig { ban_statuses, ..LeaseRouterConfig::new(format!("http://{discovery}")) };
+    let router = LeaseRouter::start(config).expect("router");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let gateway =
+        Gateway::new(router.clone(), Arc::new(StaticTokens::new().with(TOKEN, "crawlers")), GatewayLimits::default());
+    tokio::spawn(gateway.serve(listener, std::future::pending()));
+    (address, router)
+}
+
+/// The proxy a GET through the gateway went through, and the status.
+async fn get(gateway: SocketAddr, url: &str, user: &str) -> (u16, String) {
+    let answer = through_proxy(gateway, "GET", url, Some((user, TOKEN))).await.expect("an answer");
+    (answer.status, answer.header("x-egress-proxy").unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
+    // The local origin's refusal is a 503; a site's ban is whatever the gateway is told it is.
+    let (gateway, router) = gateway(discovery, vec![503]).await;
+    let url = origin.ip_url();
+
+    // Without a session, consecutive requests rotate over both proxies.
+    let mut rotated = BTreeSet::new();
+    for _ in 0..6 {
+        let (status, proxy) = get(gateway, &url, "").await;
+        assert_eq!(status, 200);
+        rotated.insert(proxy);
+    }
+    assert_eq!(rotated.len(), 2, "requests without a session rotate: {rotated:?}");
+
+    // One session, one proxy.
+    let mut seen = BTreeSet::new();
+    for _ in 0..5 {
+        let (status, proxy) = get(gateway, &url, "session-s1").await;
+        assert_eq!(status, 200);
+        seen.insert(proxy);
+    }
+    assert_eq!(seen.len(), 1, "a session sticks to one proxy: {seen:?}");
+    let first = seen.pop_first().expect("a proxy");
+    assert_eq!(router.sessions(), 1);
+
+    // The site bans it: the answer passes through, the ban is reported, the session moves.
+    origin.fail_next(1);
+    let (status, proxy) = get(gateway, &url, "session-s1").await;
+    assert_eq!((status, proxy.as_str()), (503, first.as_str()), "the site's answer is the crawler's to see");
+    let (status, moved) = get(gateway, &url, "session-s1").await;
+    assert_eq!(status, 200);
+    assert_ne!(moved, first, "after a ban the session moves to another proxy");
+    let id: ProxyId = first.parse().expect("a proxy id");
+    assert!(
+        !store.proxy_cooldowns(&id, std::time::SystemTime::now()).is_empty(),
+        "the ban cools {first} down in the store, not in a copy at the gateway"
+    );
+
+    // Nothing goes through the banned proxy for this site any more: new sessions and requests without one.
+    for index in 0..6 {
+        let (status, proxy) = get(gateway, &url, &format!("session-new{index}")).await;
+        assert_eq!(status, 200);
+        assert_ne!(proxy, first, "a new session got the proxy cooling down for the site");
+        let (status, proxy) = get(gateway, &url, "").await;
+        assert_eq!(status, 200);
+        assert_ne!(proxy, first, "a request without a session got the proxy cooling down for the site");
+    }
+}
