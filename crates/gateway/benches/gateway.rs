@@ -9,7 +9,9 @@
 //! the bytes per second of one tunnel carrying a large body. It prints requests/s, p50 and p99 per path, the ratios
 //! to direct Squid (goals: gateway ≥ 0.9 × direct and ≥ the chain), the p50 the gateway adds (goal ≤ 0.3 ms) and the
 //! tunnel's MB/s against direct (goal ≥ 0.9). Each phase runs for a fixed time, twice in alternation; the figures
-//! are the better of the two. Needs Squid (`cargo xtask test` installs it).
+//! are the better of the two. Needs Squid (`cargo xtask test` installs it). `BENCH_GATEWAY_WORKERS` (default 2)
+//! sets the gateway runtime's worker threads and `BENCH_TUNNEL_BUFFER` (default 8192) its tunnel buffer per
+//! direction, to measure those choices.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -89,21 +91,21 @@ fn chunks(
     Chunks(chunk, count)
 }
 
-/// The gateway in front of `squid`, on its own runtime (two worker threads, like the operator's).
-fn gateway(squid: SocketAddr) -> SocketAddr {
+/// The gateway in front of `squid`, on its own runtime of `workers` threads.
+fn gateway(squid: SocketAddr, workers: usize, tunnel_buffer: usize) -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gateway");
     let address = listener.local_addr().expect("address");
     listener.set_nonblocking(true).expect("nonblocking");
     std::thread::spawn(move || {
         let runtime =
-            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+            tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("runtime");
         runtime.block_on(async move {
             let listener = TcpListener::from_std(listener).expect("listener");
             let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
             let gateway = Gateway::new(
                 Arc::new(router),
                 Arc::new(StaticTokens::new().with(TOKEN, "bench")),
-                GatewayLimits::default(),
+                GatewayLimits { tunnel_buffer, ..GatewayLimits::default() },
             );
             gateway.serve(listener, std::future::pending()).await.expect("serve");
         });
@@ -247,9 +249,13 @@ async fn main() {
     let chained = Squid::start(SquidOptions { parent: Some(squid.address()), ..SquidOptions::default() })
         .await
         .expect("the chained Squid");
-    let gateway = gateway(squid.address());
+    let setting =
+        |name: &str, default: usize| std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default);
+    let (workers, buffer) = (setting("BENCH_GATEWAY_WORKERS", 2), setting("BENCH_TUNNEL_BUFFER", 8192));
+    let gateway = gateway(squid.address(), workers, buffer);
     println!(
-        "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice"
+        "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice; \
+         the gateway on {workers} worker thread(s), tunnel buffers of {buffer} bytes"
     );
     let paths =
         [("direct Squid", squid.address()), ("Squid -> Squid", chained.address()), ("gateway -> Squid", gateway)];

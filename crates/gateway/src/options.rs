@@ -20,6 +20,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
+use egress_fleet::PoolId;
+
 /// The longest session ID.
 pub const MAX_SESSION_CHARS: usize = 128;
 
@@ -98,7 +100,7 @@ impl Options {
                 "pool" => {
                     let pool = match value.split_once('.') {
                         Some((namespace, name)) if is_dns_label(namespace) && is_dns_label(name) => {
-                            format!("{namespace}/{name}")
+                            PoolId::new(namespace, name).to_string()
                         }
                         None if is_dns_label(value) => value.to_owned(),
                         _ => {
