@@ -10,8 +10,8 @@
 //! to direct Squid (goals: gateway ≥ 0.9 × direct and ≥ the chain), the p50 the gateway adds (goal ≤ 0.3 ms) and the
 //! tunnel's MB/s against direct (goal ≥ 0.9). Each phase runs for a fixed time, twice in alternation; the figures
 //! are the better of the two. Needs Squid (`cargo xtask test` installs it). `BENCH_GATEWAY_WORKERS` (default 2)
-//! sets the gateway runtime's worker threads and `BENCH_TUNNEL_BUFFER` (default 8192) its tunnel buffer per
-//! direction, to measure those choices.
+//! sets the gateway runtime's worker threads and `BENCH_TUNNEL_BUFFER` (default 65536) the buffer a streaming
+//! tunnel reads into per direction, to measure those choices.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use egress_gateway::{Gateway, GatewayLimits, StaticRouter, StaticTokens, Upstream};
+use egress_gateway::{Buffers, Gateway, GatewayLimits, StaticRouter, StaticTokens, Upstream};
 use egress_testenv::{Squid, SquidOptions};
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::{Bytes, Frame, Incoming};
@@ -92,7 +92,7 @@ fn chunks(
 }
 
 /// The gateway in front of `squid`, on its own runtime of `workers` threads.
-fn gateway(squid: SocketAddr, workers: usize, tunnel_buffer: usize) -> SocketAddr {
+fn gateway(squid: SocketAddr, workers: usize, large_buffer: usize) -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gateway");
     let address = listener.local_addr().expect("address");
     listener.set_nonblocking(true).expect("nonblocking");
@@ -105,7 +105,10 @@ fn gateway(squid: SocketAddr, workers: usize, tunnel_buffer: usize) -> SocketAdd
             let gateway = Gateway::new(
                 Arc::new(router),
                 Arc::new(StaticTokens::new().with(TOKEN, "bench")),
-                GatewayLimits { tunnel_buffer, ..GatewayLimits::default() },
+                GatewayLimits {
+                    tunnel_buffers: Buffers { large: large_buffer, ..Buffers::default() },
+                    ..GatewayLimits::default()
+                },
             );
             gateway.serve(listener, std::future::pending()).await.expect("serve");
         });
@@ -251,11 +254,12 @@ async fn main() {
         .expect("the chained Squid");
     let setting =
         |name: &str, default: usize| std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default);
-    let (workers, buffer) = (setting("BENCH_GATEWAY_WORKERS", 2), setting("BENCH_TUNNEL_BUFFER", 8192));
+    let (workers, buffer) =
+        (setting("BENCH_GATEWAY_WORKERS", 2), setting("BENCH_TUNNEL_BUFFER", Buffers::default().large));
     let gateway = gateway(squid.address(), workers, buffer);
     println!(
         "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice; \
-         the gateway on {workers} worker thread(s), tunnel buffers of {buffer} bytes"
+         the gateway on {workers} worker thread(s), tunnel buffers up to {buffer} bytes"
     );
     let paths =
         [("direct Squid", squid.address()), ("Squid -> Squid", chained.address()), ("gateway -> Squid", gateway)];

@@ -14,6 +14,7 @@ pub mod options;
 pub mod route;
 pub mod server;
 pub mod status;
+pub mod tunnel;
 
 use http_body_util::combinators::BoxBody;
 use hyper::body::Bytes;
@@ -23,6 +24,7 @@ pub use options::{OptionError, Options};
 pub use route::{Authenticator, Outcome, RouteRequest, Router, StaticRouter, StaticTokens, Upstream};
 pub use server::{Gateway, GatewayLimits};
 pub use status::GatewayError;
+pub use tunnel::Buffers;
 
 /// The body of every request and answer the gateway passes on.
 pub type Body = BoxBody<Bytes, hyper::Error>;

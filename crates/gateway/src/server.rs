@@ -35,6 +35,7 @@ use crate::Body;
 use crate::options::Options;
 use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream};
 use crate::status::{GatewayError, full};
+use crate::tunnel::{Buffers, splice};
 
 /// The answer header naming the proxy a request went through (`namespace/name`).
 pub const PROXY_HEADER: &str = "x-egress-proxy";
@@ -54,8 +55,9 @@ pub struct GatewayLimits {
     pub connect_timeout: Duration,
     /// Open client connections; one more is closed as soon as it is accepted.
     pub max_connections: usize,
-    /// The buffer of each direction of a tunnel.
-    pub tunnel_buffer: usize,
+    /// The buffers of each direction of a tunnel: none while it idles, `small` after it wakes, `large` while it
+    /// streams.
+    pub tunnel_buffers: Buffers,
 }
 
 impl Default for GatewayLimits {
@@ -64,7 +66,7 @@ impl Default for GatewayLimits {
             header_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             max_connections: 16_384,
-            tunnel_buffer: 8192,
+            tunnel_buffers: Buffers::default(),
         }
     }
 }
@@ -153,9 +155,9 @@ impl Gateway {
         let authority = request
             .uri()
             .authority()
-            .filter(|authority| request.uri().scheme().is_none() && authority.port_u16().is_some())
+            .filter(|authority| request.uri().scheme().is_none() && authority.port_u16().is_some_and(|port| port != 0))
             .cloned()
-            .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port"))?;
+            .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port, with a port from 1 to 65535"))?;
         let port = authority.port_u16().unwrap_or_default();
         let route = RouteRequest {
             tenant: who.tenant,
@@ -183,7 +185,7 @@ impl Gateway {
             }
         };
         self.router.outcome(&route, &upstream, Outcome::Tunnelled).await;
-        let buffer = self.limits.tunnel_buffer;
+        let buffers = self.limits.tunnel_buffers;
         let upgrade = hyper::upgrade::on(request);
         // Kept until the tunnel closes (a lease of the tunnel's own is released then).
         let hold = upstream.hold.clone();
@@ -200,8 +202,7 @@ impl Gateway {
             if !leftover.is_empty() && client.write_all(&leftover).await.is_err() {
                 return;
             }
-            if let Err(error) = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut stream, buffer, buffer).await
-            {
+            if let Err(error) = splice(&mut client, &mut stream, buffers).await {
                 debug!(%error, "tunnel ended with an error");
             }
         });
@@ -221,6 +222,9 @@ impl Gateway {
             .host()
             .filter(|host| !host.is_empty())
             .ok_or_else(|| GatewayError::bad_request("the URL has no host"))?;
+        if uri.port_u16() == Some(0) {
+            return Err(GatewayError::bad_request("the URL's port is 0"));
+        }
         let route = RouteRequest {
             tenant: who.tenant,
             token: who.token,

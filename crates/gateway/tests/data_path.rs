@@ -154,6 +154,29 @@ async fn refusals_carry_their_status_and_proxy_status() {
         }
         assert!(answer.body.contains("\"status\""), "{name}: a problem document, got {:?}", answer.body);
     }
+    // More malformed requests and user names, each refused by the gateway itself.
+    let more = [
+        ("origin-form request", "GET", "/", "", 400, "http_request_error"),
+        ("ftp URL", "GET", "ftp://example.com/file", "", 400, "http_request_error"),
+        ("port 0", "GET", "http://example.com:0/", "", 400, "http_request_error"),
+        ("CONNECT to port 0", "CONNECT", "example.com:0", "", 400, "http_request_error"),
+        ("CONNECT with a URL", "CONNECT", "http://example.com:443/", "", 400, "http_request_error"),
+        ("an upper-case pool", "GET", url.as_str(), "pool-EU", 400, "http_request_error"),
+        ("sticky without a session", "GET", url.as_str(), "sticky-60", 400, "http_request_error"),
+        ("a label without a value", "GET", url.as_str(), "label-tier", 400, "http_request_error"),
+        ("an option without a dash", "GET", url.as_str(), "session", 400, "http_request_error"),
+        ("a trailing comma", "GET", url.as_str(), "session-a,", 400, "http_request_error"),
+        ("a session given twice", "CONNECT", target.as_str(), "session-a,session-b", 400, "http_request_error"),
+    ];
+    for (name, method, target, user, status, kind) in more {
+        let answer = through_proxy(gateway, method, target, Some((user, TOKEN)))
+            .await
+            .unwrap_or_else(|error| panic!("{name}: {error:#}"));
+        assert_eq!(answer.status, status, "{name}: {}", answer.head);
+        let proxy_status =
+            answer.header("proxy-status").unwrap_or_else(|| panic!("{name}: no Proxy-Status in {}", answer.head));
+        assert!(proxy_status.contains(&format!("error={kind}")), "{name}: {proxy_status}");
+    }
     assert_eq!(origin.requests(), 0, "no refused request reached the origin");
 }
 
