@@ -10,6 +10,7 @@
 //! No `kube` in its contract: the router and the authenticator are traits.
 
 pub mod leases;
+pub mod metrics;
 pub mod options;
 pub mod route;
 pub mod server;
@@ -20,6 +21,7 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Bytes;
 
 pub use leases::{LeaseRouter, LeaseRouterConfig};
+pub use metrics::GatewayMetrics;
 pub use options::{OptionError, Options};
 pub use route::{Authenticator, Outcome, RouteRequest, Router, StaticRouter, StaticTokens, Upstream};
 pub use server::{Gateway, GatewayLimits};

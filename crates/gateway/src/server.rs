@@ -32,6 +32,7 @@ use tokio::sync::Semaphore;
 use tracing::debug;
 
 use crate::Body;
+use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
 use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream};
 use crate::status::{GatewayError, full};
@@ -78,13 +79,24 @@ pub struct Gateway {
     router: Arc<dyn Router>,
     auth: Arc<dyn Authenticator>,
     limits: GatewayLimits,
+    metrics: GatewayMetrics,
     clients: Mutex<HashMap<String, UpstreamClient>>,
 }
 
 impl Gateway {
     /// A gateway routing with `router` and telling tenants with `auth`.
     pub fn new(router: Arc<dyn Router>, auth: Arc<dyn Authenticator>, limits: GatewayLimits) -> Arc<Self> {
-        Arc::new(Self { router, auth, limits, clients: Mutex::new(HashMap::new()) })
+        Self::with_metrics(router, auth, limits, GatewayMetrics::default())
+    }
+
+    /// As [`Gateway::new`], counting into `metrics`.
+    pub fn with_metrics(
+        router: Arc<dyn Router>,
+        auth: Arc<dyn Authenticator>,
+        limits: GatewayLimits,
+        metrics: GatewayMetrics,
+    ) -> Arc<Self> {
+        Arc::new(Self { router, auth, limits, metrics, clients: Mutex::new(HashMap::new()) })
     }
 
     /// Serves clients on `listener` until `shutdown` resolves; then stops accepting and returns. Connections and
@@ -114,6 +126,7 @@ impl Gateway {
                 () = &mut shutdown => return Ok(()),
             };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
+                self.metrics.refused_connection();
                 drop(stream);
                 continue;
             };
@@ -135,20 +148,27 @@ impl Gateway {
 
     /// Answers one request: the upstream's answer, or the gateway's own error.
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+        let connect = request.method() == Method::CONNECT;
         let (tenant, token, options) = match credentials(request.headers(), self.auth.as_ref()) {
             Ok(found) => found,
-            Err(error) => return error.response(),
+            Err(error) => {
+                self.metrics.request("", connect, error.kind);
+                return error.response();
+            }
         };
         let who = Who { tenant: &tenant, token: &token, options: &options };
-        let result = if request.method() == Method::CONNECT {
-            self.tunnel(request, who).await
-        } else {
-            self.forward(request, who).await
-        };
-        result.unwrap_or_else(|error| {
-            debug!(%error, "the gateway answered with an error");
-            error.response()
-        })
+        let result = if connect { self.tunnel(request, who).await } else { self.forward(request, who).await };
+        match result {
+            Ok(response) => {
+                self.metrics.request(&tenant, connect, status_class(response.status().as_u16()));
+                response
+            }
+            Err(error) => {
+                debug!(%error, "the gateway answered with an error");
+                self.metrics.request(&tenant, connect, error.kind);
+                error.response()
+            }
+        }
     }
 
     async fn tunnel(&self, request: Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
@@ -189,6 +209,7 @@ impl Gateway {
         let upgrade = hyper::upgrade::on(request);
         // Kept until the tunnel closes (a lease of the tunnel's own is released then).
         let hold = upstream.hold.clone();
+        let mut gauge = self.metrics.tunnel(who.tenant);
         tokio::spawn(async move {
             let _hold = hold;
             let upgraded = match upgrade.await {
@@ -202,8 +223,9 @@ impl Gateway {
             if !leftover.is_empty() && client.write_all(&leftover).await.is_err() {
                 return;
             }
-            if let Err(error) = splice(&mut client, &mut stream, buffers).await {
-                debug!(%error, "tunnel ended with an error");
+            match splice(&mut client, &mut stream, buffers).await {
+                Ok((up, down)) => gauge.carried(up, down),
+                Err(error) => debug!(%error, "tunnel ended with an error"),
             }
         });
         let mut response = Response::new(full(Bytes::new()));

@@ -4,20 +4,26 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use egress_gateway::{Gateway, GatewayLimits, StaticRouter, StaticTokens, Upstream};
+use egress_gateway::{Gateway, GatewayLimits, GatewayMetrics, StaticRouter, StaticTokens, Upstream};
 use egress_testenv::{LocalOrigin, Squid, SquidOptions, through_proxy};
+use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 const TOKEN: &str = "t0ken";
 
 async fn gateway_to(upstream: Upstream) -> SocketAddr {
+    gateway_counting(upstream, GatewayMetrics::default()).await
+}
+
+async fn gateway_counting(upstream: Upstream, metrics: GatewayMetrics) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
-    let gateway = Gateway::new(
+    let gateway = Gateway::with_metrics(
         Arc::new(StaticRouter(upstream)),
         Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
         GatewayLimits::default(),
+        metrics,
     );
     tokio::spawn(gateway.serve(listener, std::future::pending()));
     address
@@ -27,7 +33,9 @@ async fn gateway_to(upstream: Upstream) -> SocketAddr {
 async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     let origin = LocalOrigin::start().await.expect("origin");
     let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
-    let gateway = gateway_to(Upstream::new(squid.address().to_string(), None, "crawl/squid-1")).await;
+    let mut registry = Registry::default();
+    let metrics = GatewayMetrics::register(&mut registry);
+    let gateway = gateway_counting(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"), metrics).await;
 
     let answer = through_proxy(gateway, "GET", &origin.ip_url(), Some(("session-a", TOKEN))).await.expect("GET");
     assert_eq!(answer.status, 200, "{}", answer.head);
@@ -53,6 +61,36 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     stream.read_to_string(&mut rest).await.expect("the origin's answer");
     assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
     assert!(rest.ends_with(&squid.address().ip().to_string()), "{rest}");
+    drop(stream);
+
+    // Counted per tenant: one plain answer, one tunnel, its bytes once it closed.
+    let _ = through_proxy(gateway, "GET", &origin.url(), None).await.expect("a refusal");
+    let text = egress_testenv::eventually("the tunnel is counted closed", std::time::Duration::from_secs(5), || {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        let closed = text.contains("egress_gateway_open_tunnels 0");
+        async move { closed.then_some(text) }
+    })
+    .await;
+    for line in [
+        r#"egress_gateway_requests_total{tenant="crawlers",kind="plain",result="2xx"} 1"#,
+        r#"egress_gateway_requests_total{tenant="crawlers",kind="connect",result="2xx"} 1"#,
+        r#"egress_gateway_requests_total{tenant="",kind="plain",result="http_request_denied"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    for direction in ["up", "down"] {
+        let bytes = text
+            .lines()
+            .find(|line| {
+                line.starts_with(&format!(
+                    r#"egress_gateway_tunnel_bytes_total{{tenant="crawlers",direction="{direction}"}}"#
+                ))
+            })
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse::<u64>().ok());
+        assert!(bytes.is_some_and(|bytes| bytes > 0), "{direction} bytes in\n{text}");
+    }
 }
 
 #[tokio::test]

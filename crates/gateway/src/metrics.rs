@@ -1,0 +1,111 @@
+//! Gateway metrics, per tenant (a bounded set: the tenants the token file names; a refused credential counts under
+//! no tenant): requests by kind (`plain`, `connect`) and result (`2xx`…`5xx` for answers passed on, `refused` for
+//! the gateway's own errors by their `Proxy-Status` error type), bytes through tunnels each way, tunnels open, and
+//! connections closed at the connection cap.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    tenant: String,
+    kind: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BytesLabels {
+    tenant: String,
+    direction: &'static str,
+}
+
+/// The gateway's metrics. Cloning shares them.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayMetrics {
+    requests: Family<RequestLabels, Counter>,
+    tunnel_bytes: Family<BytesLabels, Counter>,
+    open_tunnels: Gauge,
+    refused_connections: Counter,
+}
+
+impl GatewayMetrics {
+    /// Metrics registered in `registry` under `egress_gateway_`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        let registry = registry.sub_registry_with_prefix("egress_gateway");
+        registry.register(
+            "requests",
+            "Requests by tenant, kind (plain, connect) and result (the answer's status class, or the gateway's own error type)",
+            metrics.requests.clone(),
+        );
+        registry.register(
+            "tunnel_bytes",
+            "Bytes through CONNECT tunnels by tenant and direction (up: from the crawler, down: to it)",
+            metrics.tunnel_bytes.clone(),
+        );
+        registry.register("open_tunnels", "CONNECT tunnels open now", metrics.open_tunnels.clone());
+        registry.register(
+            "refused_connections",
+            "Connections closed as soon as they were accepted, at the connection cap",
+            metrics.refused_connections.clone(),
+        );
+        metrics
+    }
+
+    /// One request answered: `result` is the status class passed on, or the gateway's error type.
+    pub(crate) fn request(&self, tenant: &str, connect: bool, result: &'static str) {
+        let kind = if connect { "connect" } else { "plain" };
+        self.requests.get_or_create(&RequestLabels { tenant: tenant.to_owned(), kind, result }).inc();
+    }
+
+    /// A tunnel opened; the returned guard counts it closed when dropped, with the bytes it carried.
+    pub(crate) fn tunnel(&self, tenant: &str) -> TunnelGauge {
+        self.open_tunnels.inc();
+        TunnelGauge { metrics: self.clone(), tenant: tenant.to_owned(), up: 0, down: 0 }
+    }
+
+    pub(crate) fn refused_connection(&self) {
+        self.refused_connections.inc();
+    }
+}
+
+/// Counts one tunnel open until dropped.
+pub(crate) struct TunnelGauge {
+    metrics: GatewayMetrics,
+    tenant: String,
+    up: u64,
+    down: u64,
+}
+
+impl TunnelGauge {
+    /// The bytes the tunnel carried, counted when it is dropped.
+    pub(crate) fn carried(&mut self, up: u64, down: u64) {
+        (self.up, self.down) = (up, down);
+    }
+}
+
+impl Drop for TunnelGauge {
+    fn drop(&mut self) {
+        self.metrics.open_tunnels.dec();
+        for (direction, bytes) in [("up", self.up), ("down", self.down)] {
+            self.metrics
+                .tunnel_bytes
+                .get_or_create(&BytesLabels { tenant: self.tenant.clone(), direction })
+                .inc_by(bytes);
+        }
+    }
+}
+
+/// The `result` label of an answer passed on.
+pub(crate) fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
