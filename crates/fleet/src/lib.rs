@@ -234,6 +234,18 @@ pub struct PoolDemand {
     pub woken: Option<SystemTime>,
 }
 
+/// Whether `value` is a DNS label: 1–63 of `a-z 0-9 -`, starting and ending with a letter or digit (the names of
+/// namespaces, and every name and key in the providers file).
+pub fn is_dns_label(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    let edge = |byte: &u8| byte.is_ascii_lowercase() || byte.is_ascii_digit();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(edge)
+        && bytes.last().is_some_and(edge)
+        && bytes.iter().all(|byte| edge(byte) || *byte == b'-')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

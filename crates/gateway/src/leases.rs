@@ -68,7 +68,7 @@ struct SessionKey {
 /// A session's hold on a proxy.
 #[derive(Default)]
 struct Held {
-    lease: Option<Arc<LeaseGuard>>,
+    lease: Option<LeaseGuard>,
     upstream: Option<Upstream>,
     renewed: Option<Instant>,
 }
@@ -117,7 +117,7 @@ impl LeaseRouter {
         Ok(client)
     }
 
-    async fn lease(&self, request: &RouteRequest<'_>) -> Result<(Arc<LeaseGuard>, Upstream), GatewayError> {
+    async fn lease(&self, request: &RouteRequest<'_>) -> Result<(LeaseGuard, Upstream), GatewayError> {
         let mut options = LeaseOptions::for_target(request.host).ttl(self.config.lease_ttl);
         if let Some(session) = &request.options.session {
             options = options.session(session.clone());
@@ -131,7 +131,7 @@ impl LeaseRouter {
         let lease = self.client(request.token)?.lease(options).await.map_err(refusal)?;
         let upstream = upstream_of(&lease)?;
         debug!(proxy = %upstream.proxy, lease = lease.id(), host = request.host, "leased");
-        Ok((Arc::new(lease), upstream))
+        Ok((lease, upstream))
     }
 
     fn session_key(&self, request: &RouteRequest<'_>) -> Option<SessionKey> {
@@ -172,30 +172,25 @@ impl LeaseRouter {
                 }
                 continue;
             }
-            let mut held = session.held.lock().await;
+            let mut guard = session.held.lock().await;
+            let held = &mut *guard;
             let due = held.renewed.is_some_and(|renewed| renewed.elapsed() >= self.config.lease_ttl / 2);
             if !due {
                 continue;
             }
-            let Some(lease) = held.lease.take() else { continue };
-            // The guard is shared with requests in flight only for reporting; renewing needs it alone.
-            match Arc::try_unwrap(lease) {
-                Ok(mut lease) => match lease.renew(Some(self.config.lease_ttl)).await {
-                    Ok(replaced) => {
-                        if replaced {
-                            info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
-                            held.upstream = upstream_of(&lease).ok();
-                        }
-                        held.renewed = Some(Instant::now());
-                        held.lease = Some(Arc::new(lease));
+            let Some(lease) = held.lease.as_mut() else { continue };
+            match lease.renew(Some(self.config.lease_ttl)).await {
+                Ok(replaced) => {
+                    if replaced {
+                        info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
+                        held.upstream = upstream_of(lease).ok();
                     }
-                    Err(error) => {
-                        debug!(%error, "renewing a session's lease failed; the next request leases again");
-                        held.upstream = None;
-                        held.renewed = None;
-                    }
-                },
-                Err(shared) => held.lease = Some(shared),
+                    held.renewed = Some(Instant::now());
+                }
+                Err(error) => {
+                    debug!(%error, "renewing a session's lease failed; the next request leases again");
+                    (held.lease, held.upstream, held.renewed) = (None, None, None);
+                }
             }
         }
     }
@@ -216,7 +211,7 @@ impl Router for LeaseRouter {
     async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError> {
         let Some(key) = self.session_key(request) else {
             let (lease, mut upstream) = self.lease(request).await?;
-            upstream.hold = Some(lease as Arc<dyn Any + Send + Sync>);
+            upstream.hold = Some(Arc::new(lease) as Arc<dyn Any + Send + Sync>);
             return Ok(upstream);
         };
         let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
@@ -251,7 +246,7 @@ impl Router for LeaseRouter {
                         let mut held = session.held.lock().await;
                         // The session lets go of this proxy: the next request leases again, elsewhere.
                         held.upstream = None;
-                        held.lease.take()
+                        held.lease.take().map(Arc::new)
                     }
                     None => None,
                 }

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use egress_fleet::PoolId;
+use egress_fleet::{PoolId, is_dns_label};
 
 /// The longest session ID.
 pub const MAX_SESSION_CHARS: usize = 128;
@@ -160,17 +160,6 @@ fn set_once<T>(slot: &mut Option<T>, option: &str, value: T) -> Result<(), Optio
 fn is_session(value: &str) -> bool {
     value.len() <= MAX_SESSION_CHARS
         && value.bytes().all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'~' | b'-'))
-}
-
-/// A DNS label: 1–63 of `a-z 0-9 -`, starting and ending with a letter or digit.
-fn is_dns_label(value: &str) -> bool {
-    let bytes = value.as_bytes();
-    let edge = |byte: &u8| byte.is_ascii_lowercase() || byte.is_ascii_digit();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes.first().is_some_and(edge)
-        && bytes.last().is_some_and(edge)
-        && bytes.iter().all(|byte| edge(byte) || *byte == b'-')
 }
 
 /// A Kubernetes label value: at most 63 of `A-Z a-z 0-9 . _ -`, starting and ending alphanumeric (not empty here).

@@ -389,7 +389,12 @@ impl ProvidersConfig {
             Some(Value::Array(entries)) => std::mem::take(entries),
             _ => Vec::new(),
         };
-        let frame_schema = schema_of::<Frame>();
+        // The frame's schema, with the registered types as the values of `type` and the blocks as known keys.
+        let mut frame_schema = schema_of::<Frame>();
+        frame_schema["properties"]["type"]["enum"] = json!(types.names());
+        for name in types.names() {
+            frame_schema["properties"][name] = json!({});
+        }
         let mut providers = Vec::new();
         let mut names = HashSet::new();
         for (index, entry) in entries.into_iter().enumerate() {
@@ -428,14 +433,8 @@ fn read_entry(
     let blocks: Vec<(&'static str, Value)> =
         types.names().into_iter().filter_map(|name| map.remove(name).map(|block| (name, block))).collect();
     let mut frame_value = Value::Object(map);
-    // The frame's schema, with the registered types as the values of `type` and the blocks as known keys.
-    let mut schema = frame_schema.clone();
-    schema["properties"]["type"]["enum"] = json!(types.names());
-    for name in types.names() {
-        schema["properties"][name] = json!({});
-    }
     let before = problems.len();
-    Checker::new(&schema, problems).check(&schema, &mut frame_value, path);
+    Checker::new(frame_schema, problems).check(frame_schema, &mut frame_value, path);
     let frame = Frame::deserialize(&frame_value).ok();
     if let Some(CooldownSettings { base_seconds: Some(base), max_seconds: Some(max), .. }) =
         frame.as_ref().map(|frame| frame.cooldown)
@@ -481,13 +480,7 @@ fn schema_requires_nothing(schema: &Value) -> bool {
 
 /// Whether `value` matches [`IDENTIFIER_PATTERN`] and fits a DNS label (63 characters).
 pub fn is_identifier(value: &str) -> bool {
-    let bytes = value.as_bytes();
-    let allowed = |byte: &u8| byte.is_ascii_lowercase() || byte.is_ascii_digit();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes.first().is_some_and(allowed)
-        && bytes.last().is_some_and(allowed)
-        && bytes.iter().all(|byte| allowed(byte) || *byte == b'-')
+    egress_fleet::is_dns_label(value)
 }
 
 #[cfg(test)]
