@@ -384,7 +384,7 @@ impl Cli {
             Ok(text) => match ProvidersConfig::parse(
                 &text,
                 &self.providers_config.display().to_string(),
-                crate::run::provider_types().settings(),
+                crate::providers::provider_types().settings(),
             ) {
                 Ok(config) => Some(config),
                 Err(error) => {

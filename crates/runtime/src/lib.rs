@@ -11,6 +11,7 @@ pub mod durable;
 pub mod election;
 mod flags;
 mod handoff;
+mod providers;
 pub mod role_label;
 mod run;
 mod telemetry;

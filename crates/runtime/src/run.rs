@@ -13,8 +13,9 @@ use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, ServerMetrics, T
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
 use egress_lease::{InMemoryLeaseStore, LeaseConfig};
 use egress_provider::ProviderMetrics;
-use egress_provider::registry::{ProviderSet, ProviderTypes};
-use egress_provider_kubernetes::KubernetesProvider;
+use egress_provider::registry::ProviderSet;
+
+pub use crate::providers::provider_types;
 use egress_reconcile::gc::OrphanCollector;
 use egress_reconcile::health_feed::{HealthFeedConfig, run_health_feed};
 use egress_reconcile::ids::{PoolId, pool_ref};
@@ -35,15 +36,6 @@ use crate::flags::Settings;
 /// A new target's first probe starts within this window (jittered), not within a whole interval: a new Proxy, or
 /// every Proxy after a restart or a change of leader, is looked at within seconds, spread out.
 const FIRST_PROBE_WITHIN: Duration = Duration::from_secs(2);
-
-/// The provider types this binary can run, by `type` in the providers file: each backend's settings block and
-/// constructor.
-pub fn provider_types() -> ProviderTypes {
-    ProviderTypes::new()
-        .register::<KubernetesProvider>()
-        .register::<egress_provider_gcp::GcpProvider>()
-        .register::<egress_provider_kvm::KvmProvider>()
-}
 
 /// Refuses discovery routes while this replica does not lead or is shutting down.
 struct LeaderGate(watch::Receiver<bool>, watch::Receiver<bool>);
