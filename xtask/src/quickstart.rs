@@ -5,11 +5,11 @@
 //! `kubectl apply -k` (random `lease` and `read` discovery tokens instead of the example one), the node agent running
 //! the two operator pods as the built binary and the proxy pods as Squid; three sample Proxies shown until Ready (the
 //! last one requires credentials from a Secret), that one leased through the `egress-discovery` Service and a local
-//! page fetched through it with the credentials its lease URL carries. Every file it writes is 0600 in a 0700
-//! directory.
+//! page fetched through it with the credentials its lease URL carries, and the page fetched again through the
+//! `egress-gateway` Service with only a proxy URL. Every file it writes is 0600 in a 0700 directory.
 //!
 //! This process stays outside: it starts the demo inside with `ip netns exec`, and forwards a loopback port here to
-//! the apiserver and another to the discovery Service, through Unix sockets the demo listens on (the file system
+//! the apiserver and others to the discovery and gateway Services, through Unix sockets the demo listens on (the file system
 //! is shared across network namespaces). So `kubectl` on this machine works with the kubeconfig it prints, and so
 //! does the discovery URL. Everything runs until Ctrl-C (`--exit` stops after the demo, once it has checked that
 //! `kubectl get endpointslices` through the forwarded kubeconfig lists the leader).
@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use egress_api::{HealthCheck, Proxy, ProxyAuth, ProxyPhase, ProxySpec, SecretNameRef};
 use egress_client::{DiscoveryClient, LeaseOptions, ProxyId};
 use egress_testenv::install::{InstallOptions, Installation, SYSTEM_NAMESPACE};
-use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy};
+use egress_testenv::{ControlPlane, LocalOrigin, assets, get_through_proxy, through_proxy};
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use serde_json::{Value, json};
@@ -211,6 +211,7 @@ async fn outside(
         };
         let apiserver = forward(dir.path().join("apiserver.sock")).await?;
         let discovery = forward(dir.path().join("discovery.sock")).await?;
+        let gateway = forward(dir.path().join("gateway.sock")).await?;
         let inner_kubeconfig = ready["kubeconfig"].as_str().context("the ready file names the kubeconfig")?;
         let inner_server = ready["server"].as_str().context("the ready file names the apiserver")?;
         let kubeconfig = dir.path().join("kubeconfig");
@@ -222,6 +223,11 @@ async fn outside(
         println!("kubeconfig:  {}", kubeconfig.display());
         println!("kubectl:     {} (or any kubectl)", kubectl.display());
         println!("discovery:   http://{discovery}");
+        // The gateway runs inside, beside the proxies, so it answers here: a crawler needs only this proxy URL.
+        println!(
+            "gateway:     http://session-1:{}@{gateway} (a proxy URL for any crawler; docs/gateway.md)",
+            ready["token"].as_str().unwrap_or("")
+        );
         println!(
             "tokens:      {} (scope lease: lease, renew, release, report)\n             {} (scope read: list proxies, cooldowns)",
             ready["token"].as_str().unwrap_or(""),
@@ -428,6 +434,30 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
     let credentials = userinfo.split_once(':').context("the credentials are user:password")?;
     let status = get_through_proxy(proxy_address, &origin.url(), Some(credentials)).await?;
 
+    // Through the egress-gateway Service, as a crawler that knows nothing but a proxy URL would: the user name names
+    // a session, the password is the lease token.
+    let gateway_address: std::net::SocketAddr =
+        installation.gateway.url().trim_start_matches("http://").parse().context("the gateway Service's address")?;
+    let through_gateway = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = through_proxy(gateway_address, "GET", &origin.url(), Some(("session-demo", &token))).await;
+            match answer {
+                Ok(answer) if answer.status == 200 => break answer,
+                Ok(_) | Err(_) if Instant::now() < deadline => {
+                    tick.tick().await;
+                }
+                Ok(answer) => bail!(
+                    "the page fetched through the gateway answered {}: {}; the gateway pods' logs:\n{}",
+                    answer.status,
+                    answer.header("proxy-status").unwrap_or_default(),
+                    installation.gateway_logs().await
+                ),
+                Err(error) => bail!("fetching through the gateway failed: {error:#}"),
+            }
+        }
+    };
+
     println!();
     println!("=== egress-operator quickstart: ready in {:.0?} ===", started.elapsed());
     let kubectl = |args: &[&str]| {
@@ -454,6 +484,12 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         bail!("the page fetched through the leased proxy answered {status}, not 200");
     }
     lease.release().await?;
+    println!(
+        "gateway:     GET {} through http://session-demo:***@{gateway_address} -> {} via {}",
+        origin.url(),
+        through_gateway.status,
+        through_gateway.header("x-egress-proxy").unwrap_or("?")
+    );
 
     // Tell the process outside how to reach the apiserver and the discovery Service.
     let apiserver = plane.server_address().context("the local control plane has an address")?;
@@ -461,6 +497,7 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         installation.discovery.url().trim_start_matches("http://").parse().context("the Service's address")?;
     serve_socket(&dir.join("apiserver.sock"), apiserver)?;
     serve_socket(&dir.join("discovery.sock"), discovery_address)?;
+    serve_socket(&dir.join("gateway.sock"), gateway_address)?;
     let leader =
         installation.discovery.endpoints().first().map(|endpoint| endpoint.ip().to_string()).unwrap_or_default();
     let ready = json!({

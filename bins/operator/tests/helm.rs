@@ -177,11 +177,21 @@ fn the_other_values_render_what_they_say() {
         "networkPolicy.discoveryFrom[0].namespaceSelector.matchLabels.crawlers=yes",
         "--set",
         "extraArgs[0]=--probe-concurrency=8,otlpEndpoint=http://127.0.0.1:4318",
+        "--set",
+        "gateway.replicaCount=4,gateway.extraArgs[0]=--sticky=1m",
+        "--set",
+        "networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels.crawlers=yes",
     ]);
+    let named = |kind: &str, name: &str| {
+        objects
+            .iter()
+            .find(|object| object["kind"] == kind && object["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("a {kind} {name}"))
+    };
     let kinds: Vec<&str> = objects.iter().filter_map(|object| object["kind"].as_str()).collect();
     assert!(!kinds.contains(&"Secret"), "an existing tokens Secret: none rendered ({kinds:?})");
     assert!(!kinds.contains(&"CustomResourceDefinition") && !kinds.contains(&"PodDisruptionBudget"), "{kinds:?}");
-    let deployment = objects.iter().find(|object| object["kind"] == "Deployment").expect("a Deployment");
+    let deployment = named("Deployment", "egress-operator");
     let pod = &deployment["spec"]["template"]["spec"];
     assert_eq!(deployment["spec"]["replicas"], 3);
     assert_eq!(pod["containers"][0]["image"], "egress-operator:v9");
@@ -192,11 +202,41 @@ fn the_other_values_render_what_they_say() {
     assert!(env.as_array().expect("env").iter().any(|var| var["name"] == "EGRESS_OTLP_ENDPOINT"), "{env}");
     let tokens = pod["volumes"].as_array().expect("volumes").iter().find(|volume| volume["name"] == "tokens");
     assert_eq!(tokens.expect("a tokens volume")["secret"]["secretName"], "my-tokens");
-    let policy = objects.iter().find(|object| object["kind"] == "NetworkPolicy").expect("a NetworkPolicy");
+    let policy = named("NetworkPolicy", "egress-operator");
     let ingress = policy["spec"]["ingress"].as_array().expect("ingress");
-    assert_eq!(ingress.len(), 1, "discovery only: no metrics peers given, so nobody reaches metrics");
+    assert_eq!(ingress.len(), 2, "discovery only (from the peers, and from the gateway): no metrics peers given");
     assert_eq!(ingress[0]["ports"][0]["port"], "discovery");
     assert_eq!(ingress[0]["from"][0]["namespaceSelector"]["matchLabels"]["crawlers"], "yes");
+    assert_eq!(ingress[1]["ports"][0]["port"], "discovery");
+    assert_eq!(ingress[1]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"], "egress-gateway");
+
+    // The gateway: its own replicas and flags, the operator's image, tokens and telemetry.
+    let gateway = named("Deployment", "egress-gateway");
+    let pod = &gateway["spec"]["template"]["spec"];
+    assert_eq!(gateway["spec"]["replicas"], 4);
+    assert_eq!(pod["containers"][0]["image"], "egress-operator:v9");
+    assert_eq!(pod["automountServiceAccountToken"], false, "the gateway needs no Kubernetes API access");
+    let args: Vec<&str> =
+        pod["containers"][0]["args"].as_array().expect("args").iter().flat_map(Value::as_str).collect();
+    assert_eq!(args.first(), Some(&"gateway"), "{args:?}");
+    assert!(args.contains(&"--sticky=1m"), "{args:?}");
+    assert!(
+        pod["containers"][0]["env"].as_array().expect("env").iter().any(|var| var["name"] == "EGRESS_OTLP_ENDPOINT")
+    );
+    let tokens = pod["volumes"].as_array().expect("volumes").iter().find(|volume| volume["name"] == "tokens");
+    assert_eq!(tokens.expect("a tokens volume")["secret"]["secretName"], "my-tokens");
+    let policy = named("NetworkPolicy", "egress-gateway");
+    let ingress = policy["spec"]["ingress"].as_array().expect("ingress");
+    assert_eq!(ingress.len(), 1, "the gateway port only: no metrics peers given");
+    assert_eq!(ingress[0]["ports"][0]["port"], "gateway");
+
+    let without = template(&["--set", "gateway.enabled=false,networkPolicy.enabled=true"]);
+    assert!(
+        without
+            .iter()
+            .all(|object| !object["metadata"]["name"].as_str().is_some_and(|name| name.starts_with("egress-gateway"))),
+        "gateway.enabled=false renders no gateway object"
+    );
 }
 
 #[test]
@@ -211,6 +251,8 @@ fn bad_values_are_refused_naming_the_value() {
         ("clusterId=-bad-", "/clusterId"),
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("crds.keeep=true", "'keeep' not allowed"),
+        ("gateway.replicas=3", "'replicas' not allowed"),
+        ("gateway.replicaCount=-1", "/gateway/replicaCount"),
     ] {
         let output = helm(&["template", RELEASE, chart, "--set", value]);
         let stderr = String::from_utf8_lossy(&output.stderr);

@@ -22,7 +22,7 @@ use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outc
 use percent_encoding::percent_decode_str;
 use tracing::{debug, info};
 
-use crate::route::{Outcome, RouteRequest, Router, Upstream};
+use crate::route::{Outcome, RouteRequest, Router, Upstream, Verdict};
 use crate::status::GatewayError;
 
 /// How the gateway leases.
@@ -38,11 +38,15 @@ pub struct LeaseRouterConfig {
     pub ban_statuses: Vec<u16>,
     /// Upstream statuses reported as a throttle (with the answer's `Retry-After`).
     pub throttle_statuses: Vec<u16>,
+    /// How long a request waits for a proxy when none can take it now but one can within this (every proxy cooling
+    /// down for the site, or at its cap, or a pool waking, with a `Retry-After` inside it): a crawler that knows only
+    /// a proxy URL cannot be expected to read the gateway's 503 and wait. Zero answers 503 at once.
+    pub max_wait: Duration,
 }
 
 impl LeaseRouterConfig {
     /// The defaults for the discovery API at `discovery_url`: 120 s leases, 10 min of stickiness, 401 and 403 as
-    /// bans and 429 as a throttle (crawlee's blocked statuses).
+    /// bans and 429 as a throttle (crawlee's blocked statuses), and up to 10 s of waiting for a proxy.
     pub fn new(discovery_url: impl Into<String>) -> Self {
         Self {
             discovery_url: discovery_url.into(),
@@ -50,14 +54,16 @@ impl LeaseRouterConfig {
             default_sticky: Duration::from_secs(600),
             ban_statuses: vec![401, 403],
             throttle_statuses: vec![429],
+            max_wait: Duration::from_secs(10),
         }
     }
 }
 
 /// Which session: the token (so one tenant's session names are its own), the session, the site and what the user
-/// name asked for.
+/// name asked for; and the tenant, whose cooldowns its leases obey.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct SessionKey {
+    tenant: String,
     token: String,
     session: String,
     host: String,
@@ -128,7 +134,21 @@ impl LeaseRouter {
         if let Some(selector) = request.options.selector() {
             options = options.selector(selector);
         }
-        let lease = self.client(request.token)?.lease(options).await.map_err(refusal)?;
+        let client = self.client(request.token)?;
+        let deadline = tokio::time::Instant::now() + self.config.max_wait;
+        let lease = loop {
+            match client.lease(options.clone()).await {
+                Ok(lease) => break lease,
+                Err(
+                    ClientError::Unavailable { retry_after: Some(wait), .. }
+                    | ClientError::Conflict { retry_after: Some(wait), .. },
+                ) if tokio::time::Instant::now() + wait <= deadline => {
+                    debug!(host = request.host, ?wait, "no proxy can take the request yet; waiting");
+                    tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
+                }
+                Err(error) => return Err(refusal(error)),
+            }
+        };
         let upstream = upstream_of(&lease)?;
         debug!(proxy = %upstream.proxy, lease = lease.id(), host = request.host, "leased");
         Ok((lease, upstream))
@@ -137,6 +157,7 @@ impl LeaseRouter {
     fn session_key(&self, request: &RouteRequest<'_>) -> Option<SessionKey> {
         let session = request.options.session.clone()?;
         Some(SessionKey {
+            tenant: request.tenant.to_owned(),
             token: request.token.to_owned(),
             session,
             host: request.host.to_ascii_lowercase(),
@@ -156,6 +177,37 @@ impl LeaseRouter {
                 })
             })
             .clone()
+    }
+
+    /// Ends every session's hold of `tenant` on the proxy of `blocked` (or one with its egress address) for its
+    /// site: the proxy now cools down for the site, so no session of the tenant may go on sending there; each leases
+    /// again at its next request.
+    async fn let_go(&self, tenant: &str, blocked: &LeaseGuard) {
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions)
+            .iter()
+            .filter(|(key, _)| key.tenant == tenant)
+            .map(|(_, session)| session.clone())
+            .collect();
+        let mut moved = 0;
+        for session in sessions {
+            // A session waiting for a new lease holds its lock for as long as that takes; the lease it gets is not
+            // on the cooling proxy, so it is skipped rather than waited for.
+            let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
+                continue;
+            };
+            let same = held.lease.as_ref().is_some_and(|lease| {
+                lease.target() == blocked.target()
+                    && (lease.proxy() == blocked.proxy()
+                        || blocked.egress_ip().is_some_and(|egress| lease.egress_ip() == Some(egress)))
+            });
+            if same {
+                (held.lease, held.upstream, held.renewed) = (None, None, None);
+                moved += 1;
+            }
+        }
+        if moved > 0 {
+            debug!(proxy = %blocked.proxy(), target = blocked.target(), moved, "sessions let go of a proxy cooling down");
+        }
     }
 
     /// Renews the leases sessions use and releases the ones idle past their stickiness.
@@ -227,15 +279,15 @@ impl Router for LeaseRouter {
         Ok(upstream)
     }
 
-    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) {
-        let Outcome::Answered(status, retry_after) = outcome else { return };
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
+        let Outcome::Answered(status, retry_after) = outcome else { return Verdict::Accepted };
         let code = status.as_u16();
         let reported = if self.config.ban_statuses.contains(&code) {
             Reported::Banned
         } else if self.config.throttle_statuses.contains(&code) {
             Reported::Throttled { retry_after }
         } else {
-            return;
+            return Verdict::Accepted;
         };
         let lease = match (&upstream.hold, self.session_key(request)) {
             (Some(hold), _) => hold.clone().downcast::<LeaseGuard>().ok(),
@@ -260,7 +312,9 @@ impl Router for LeaseRouter {
                 }
                 Err(error) => debug!(%error, "reporting a refusal failed"),
             }
+            self.let_go(request.tenant, &lease).await;
         }
+        Verdict::Blocked
     }
 }
 

@@ -23,7 +23,7 @@ use hyper::body::Bytes;
 pub use leases::{LeaseRouter, LeaseRouterConfig};
 pub use metrics::GatewayMetrics;
 pub use options::{OptionError, Options};
-pub use route::{Authenticator, Outcome, RouteRequest, Router, StaticRouter, StaticTokens, Upstream};
+pub use route::{Authenticator, Outcome, RouteRequest, Router, StaticRouter, StaticTokens, Upstream, Verdict};
 pub use server::{Gateway, GatewayLimits};
 pub use status::GatewayError;
 pub use tunnel::Buffers;

@@ -1,7 +1,7 @@
 //! Gateway metrics, per tenant (a bounded set: the tenants the token file names; a refused credential counts under
 //! no tenant): requests by kind (`plain`, `connect`) and result (`2xx`…`5xx` for answers passed on, `refused` for
-//! the gateway's own errors by their `Proxy-Status` error type), bytes through tunnels each way, tunnels open, and
-//! connections closed at the connection cap.
+//! the gateway's own errors by their `Proxy-Status` error type), retries after a site blocked a proxy, bytes through
+//! tunnels each way, tunnels open, and connections and tunnels refused at the cap.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -29,6 +29,12 @@ pub struct GatewayMetrics {
     tunnel_bytes: Family<BytesLabels, Counter>,
     open_tunnels: Gauge,
     refused_connections: Counter,
+    retries: Family<TenantLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
 }
 
 impl GatewayMetrics {
@@ -48,6 +54,11 @@ impl GatewayMetrics {
         );
         registry.register("open_tunnels", "CONNECT tunnels open now", metrics.open_tunnels.clone());
         registry.register(
+            "retries",
+            "Plain requests tried again on another proxy after the site blocked the one they went through",
+            metrics.retries.clone(),
+        );
+        registry.register(
             "refused_connections",
             "Connections closed as soon as they were accepted, at the connection cap",
             metrics.refused_connections.clone(),
@@ -65,6 +76,10 @@ impl GatewayMetrics {
     pub(crate) fn tunnel(&self, tenant: &str) -> TunnelGauge {
         self.open_tunnels.inc();
         TunnelGauge { metrics: self.clone(), tenant: tenant.to_owned(), up: 0, down: 0 }
+    }
+
+    pub(crate) fn retried(&self, tenant: &str) {
+        self.retries.get_or_create(&TenantLabels { tenant: tenant.to_owned() }).inc();
     }
 
     pub(crate) fn refused_connection(&self) {

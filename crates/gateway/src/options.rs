@@ -1,7 +1,7 @@
 //! The options a crawler puts in the gateway's proxy user name.
 //!
 //! The user name is a comma-separated list of `key-value` options (the value is everything after the key's first
-//! dash), the password a tenant token: `http://session-a1,pool-eu-west:TOKEN@egress-gateway:8080`. An empty user
+//! dash), the password a tenant token: `http://session-a1,pool-eu-west:TOKEN@egress-gateway:8088`. An empty user
 //! name means no options. Keys:
 //!
 //! | option | value | meaning |

@@ -95,6 +95,16 @@ pub enum Outcome {
     Failed,
 }
 
+/// What the router made of an answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The answer is the site's to give: it is passed on.
+    Accepted,
+    /// The site refused this proxy (a ban or a throttle): another proxy may get a better answer, so an idempotent
+    /// request without a body is tried again elsewhere, a bounded number of times.
+    Blocked,
+}
+
 /// Picks upstreams.
 #[async_trait]
 pub trait Router: Send + Sync + 'static {
@@ -104,9 +114,11 @@ pub trait Router: Send + Sync + 'static {
     /// A [`GatewayError`] the gateway answers with (no proxy for the site, a quota, a denied destination).
     async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError>;
 
-    /// What came of a request routed to `upstream` (bans and throttles are reported from here).
-    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) {
+    /// What came of a request routed to `upstream` (bans and throttles are reported from here), and whether the
+    /// site blocked the proxy.
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
         let _ = (request, upstream, outcome);
+        Verdict::Accepted
     }
 }
 

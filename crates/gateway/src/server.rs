@@ -5,8 +5,13 @@
 //! `X-Egress-Proxy` naming the proxy. A `CONNECT host:port` opens a connection to the upstream, asks it for the
 //! same tunnel, answers `200` with `X-Egress-Proxy` (and `X-Egress-Lease`) once the upstream agreed, and then
 //! copies bytes both ways until either side closes. A client that takes longer than `header_timeout` to send a
-//! request head (or idles that long between requests) is closed; at `max_connections` a new connection is closed
-//! as soon as it is accepted.
+//! request head (or idles that long between requests) is closed. Client connections and open tunnels share
+//! `max_connections` slots: at the cap a new connection is closed as soon as it is accepted, and a `CONNECT` on a
+//! connection already open is answered 503.
+//!
+//! Stopping is two steps: [`Gateway::serve`]'s `shutdown` stops accepting and asks every client connection to close
+//! once its request in flight is answered; [`Gateway::drain`] then waits for the answers still streaming and the
+//! tunnels still open, up to a deadline.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -22,19 +27,19 @@ use base64::Engine;
 use http::uri::Scheme;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, Version, header};
 use http_body_util::BodyExt;
-use hyper::body::{Bytes, Frame, Incoming, SizeHint};
+use hyper::body::{Body as _, Bytes, Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tracing::debug;
 
 use crate::Body;
 use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
-use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream};
+use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream, Verdict};
 use crate::status::{GatewayError, full};
 use crate::tunnel::{Buffers, splice};
 
@@ -54,11 +59,15 @@ pub struct GatewayLimits {
     pub header_timeout: Duration,
     /// How long reaching an upstream may take: the TCP connection, and its answer to a `CONNECT`.
     pub connect_timeout: Duration,
-    /// Open client connections; one more is closed as soon as it is accepted.
+    /// Open client connections and tunnels together; one more connection is closed as soon as it is accepted, one
+    /// more tunnel is answered 503.
     pub max_connections: usize,
     /// The buffers of each direction of a tunnel: none while it idles, `small` after it wakes, `large` while it
     /// streams.
     pub tunnel_buffers: Buffers,
+    /// How many times an idempotent plain request without a body is tried again on another proxy after the site
+    /// blocked the one it went through ([`crate::Verdict::Blocked`]); the last answer is passed on.
+    pub retries: u32,
 }
 
 impl Default for GatewayLimits {
@@ -68,6 +77,7 @@ impl Default for GatewayLimits {
             connect_timeout: Duration::from_secs(10),
             max_connections: 16_384,
             tunnel_buffers: Buffers::default(),
+            retries: 2,
         }
     }
 }
@@ -81,6 +91,10 @@ pub struct Gateway {
     limits: GatewayLimits,
     metrics: GatewayMetrics,
     clients: Mutex<HashMap<String, UpstreamClient>>,
+    /// One permit per open client connection or tunnel.
+    slots: Arc<Semaphore>,
+    /// True once the gateway stops: connections close after their request in flight.
+    draining: watch::Sender<bool>,
 }
 
 impl Gateway {
@@ -96,11 +110,32 @@ impl Gateway {
         limits: GatewayLimits,
         metrics: GatewayMetrics,
     ) -> Arc<Self> {
-        Arc::new(Self { router, auth, limits, metrics, clients: Mutex::new(HashMap::new()) })
+        let slots = Arc::new(Semaphore::new(limits.max_connections));
+        let (draining, _) = watch::channel(false);
+        Arc::new(Self { router, auth, limits, metrics, clients: Mutex::new(HashMap::new()), slots, draining })
     }
 
-    /// Serves clients on `listener` until `shutdown` resolves; then stops accepting and returns. Connections and
-    /// tunnels already open carry on until their clients close them.
+    /// Client connections and tunnels open now.
+    pub fn open(&self) -> usize {
+        self.limits.max_connections - self.slots.available_permits()
+    }
+
+    /// Waits until no client connection or tunnel is open, or `timeout` has passed; returns how many are still
+    /// open (those are cut when the process exits). Meant for after [`Gateway::serve`] has returned.
+    pub async fn drain(&self, timeout: Duration) -> usize {
+        let all = u32::try_from(self.limits.max_connections).unwrap_or(u32::MAX);
+        match tokio::time::timeout(timeout, self.slots.acquire_many(all)).await {
+            Ok(Ok(permits)) => {
+                drop(permits);
+                0
+            }
+            _ => self.open(),
+        }
+    }
+
+    /// Serves clients on `listener` until `shutdown` resolves; then stops accepting, asks each client connection
+    /// to close once its request in flight is answered (an idle kept-alive one closes at once), and returns.
+    /// Tunnels already open carry on until either side closes them; [`Gateway::drain`] waits for them.
     ///
     /// # Errors
     /// None so far: accept failures (a reset before accept, out of descriptors) are logged and waited out.
@@ -111,7 +146,6 @@ impl Gateway {
     ) -> io::Result<()> {
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder.timer(TokioTimer::new()).header_read_timeout(self.limits.header_timeout);
-        let slots = Arc::new(Semaphore::new(self.limits.max_connections));
         tokio::pin!(shutdown);
         loop {
             let stream = tokio::select! {
@@ -123,9 +157,12 @@ impl Gateway {
                         continue;
                     }
                 },
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => {
+                    self.draining.send_replace(true);
+                    return Ok(());
+                }
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
+            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
                 self.metrics.refused_connection();
                 drop(stream);
                 continue;
@@ -137,8 +174,17 @@ impl Gateway {
                 async move { Ok::<_, Infallible>(gateway.handle(request).await) }
             });
             let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+            let mut draining = self.draining.subscribe();
             tokio::spawn(async move {
-                if let Err(error) = connection.await {
+                tokio::pin!(connection);
+                let ended = tokio::select! {
+                    ended = connection.as_mut() => ended,
+                    () = async { drop(draining.wait_for(|draining| *draining).await) } => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                };
+                if let Err(error) = ended {
                     debug!(%error, "client connection ended with an error");
                 }
                 drop(slot);
@@ -179,6 +225,11 @@ impl Gateway {
             .cloned()
             .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port, with a port from 1 to 65535"))?;
         let port = authority.port_u16().unwrap_or_default();
+        // The tunnel outlives the client connection's slot (which is given back once the connection is upgraded).
+        let slot = self.slots.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.refused_connection();
+            GatewayError::busy("the gateway has as many connections and tunnels open as it takes")
+        })?;
         let route = RouteRequest {
             tenant: who.tenant,
             token: who.token,
@@ -212,6 +263,7 @@ impl Gateway {
         let mut gauge = self.metrics.tunnel(who.tenant);
         tokio::spawn(async move {
             let _hold = hold;
+            let _slot = slot;
             let upgraded = match upgrade.await {
                 Ok(upgraded) => upgraded,
                 Err(error) => {
@@ -255,19 +307,51 @@ impl Gateway {
             options: who.options,
             connect: false,
         };
-        let upstream = self.router.route(&route).await?;
         let (mut parts, body) = request.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        if let Some(authorization) = &upstream.authorization {
-            parts.headers.insert(header::PROXY_AUTHORIZATION, authorization.clone());
-        }
         parts.version = Version::HTTP_11;
+        // Tried again elsewhere only when sending it twice cannot do anything twice, and there is no body to keep.
+        let retryable = self.limits.retries > 0 && is_idempotent(&parts.method) && body.is_end_stream();
+        let mut body = Some(body.boxed());
+        let mut blocked: Option<Response<Body>> = None;
+        for attempt in 0..=self.limits.retries {
+            let upstream = match self.router.route(&route).await {
+                Ok(upstream) => upstream,
+                // No other proxy to try: the site's answer it is.
+                Err(_) if blocked.is_some() => break,
+                Err(error) => return Err(error),
+            };
+            let mut head = Request::new(body.take().unwrap_or_else(|| full(Bytes::new())));
+            *head.method_mut() = parts.method.clone();
+            *head.uri_mut() = parts.uri.clone();
+            *head.version_mut() = Version::HTTP_11;
+            *head.headers_mut() = parts.headers.clone();
+            if let Some(authorization) = &upstream.authorization {
+                head.headers_mut().insert(header::PROXY_AUTHORIZATION, authorization.clone());
+            }
+            let (response, verdict) = self.send(&route, upstream, head).await?;
+            if verdict == Verdict::Accepted || !retryable || attempt == self.limits.retries {
+                return Ok(response);
+            }
+            debug!(host = route.host, attempt, "the site blocked the proxy; trying another");
+            self.metrics.retried(who.tenant);
+            blocked = Some(response);
+        }
+        blocked.ok_or_else(|| GatewayError::internal("no attempt was made"))
+    }
+
+    /// Sends one request through `upstream`; returns the answer to pass on, and what the router made of it.
+    async fn send(
+        &self,
+        route: &RouteRequest<'_>,
+        upstream: Upstream,
+        request: Request<Body>,
+    ) -> Result<(Response<Body>, Verdict), GatewayError> {
+        let route = *route;
         let client = self.client(&upstream);
-        let answer = tokio::time::timeout(
-            self.limits.connect_timeout.max(Duration::from_secs(60)),
-            client.request(Request::from_parts(parts, body.boxed())),
-        )
-        .await;
+        let answer =
+            tokio::time::timeout(self.limits.connect_timeout.max(Duration::from_secs(60)), client.request(request))
+                .await;
         let response = match answer {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
@@ -286,7 +370,7 @@ impl Gateway {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        self.router.outcome(&route, &upstream, Outcome::Answered(response.status(), retry_after)).await;
+        let verdict = self.router.outcome(&route, &upstream, Outcome::Answered(response.status(), retry_after)).await;
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         identify(&mut parts.headers, &upstream);
@@ -294,7 +378,7 @@ impl Gateway {
             Some(hold) => Holding { inner: body.boxed(), _hold: hold }.boxed(),
             None => body.boxed(),
         };
-        Ok(Response::from_parts(parts, body))
+        Ok((Response::from_parts(parts, body), verdict))
     }
 
     /// The pooled client for `upstream`.
@@ -373,6 +457,11 @@ fn credentials(headers: &HeaderMap, auth: &dyn Authenticator) -> Result<(String,
 }
 
 /// Removes the headers that belong to one hop: the standard ones and those `Connection` names.
+/// Whether sending a request with `method` twice has the effect of sending it once (RFC 9110, 9.2.2).
+fn is_idempotent(method: &Method) -> bool {
+    matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE)
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let listed: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)

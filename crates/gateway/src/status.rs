@@ -82,6 +82,14 @@ impl GatewayError {
         }
     }
 
+    /// The gateway has as many connections and tunnels open as it takes (RFC 9209 has no closer type).
+    pub fn busy(details: impl Into<String>) -> Self {
+        Self {
+            retry_after: Some(Duration::from_secs(1)),
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "proxy_internal_error", details)
+        }
+    }
+
     /// Something inside the gateway failed.
     pub fn internal(details: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "proxy_internal_error", details)

@@ -93,6 +93,106 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     }
 }
 
+/// Opens a tunnel to `target` through the gateway at `gateway`; returns the stream and the answer's head.
+async fn open_tunnel(gateway: SocketAddr, target: SocketAddr) -> (tokio::net::TcpStream, String) {
+    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
+    let auth = base64_basic("", TOKEN);
+    stream
+        .write_all(
+            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("CONNECT");
+    let head = read_head(&mut stream).await;
+    (stream, head)
+}
+
+/// One request inside an open tunnel to the origin, kept alive; its answer's body.
+async fn through_tunnel(stream: &mut tokio::net::TcpStream, target: SocketAddr) -> String {
+    stream.write_all(format!("GET /ip HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes()).await.expect("GET inside");
+    let head = read_head(stream).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.to_ascii_lowercase().strip_prefix("content-length:").map(|n| n.trim().parse().ok()))
+        .flatten()
+        .expect("a Content-Length");
+    let mut body = vec![0; length];
+    stream.read_exact(&mut body).await.expect("the body");
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// Client connections and tunnels share the cap: a tunnel keeps its slot after its connection is upgraded.
+#[tokio::test]
+async fn tunnels_count_against_the_connection_cap() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let gateway = Gateway::new(
+        Arc::new(StaticRouter(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"))),
+        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
+        GatewayLimits { max_connections: 3, ..GatewayLimits::default() },
+    );
+    tokio::spawn(gateway.clone().serve(listener, std::future::pending()));
+    let (mut first, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (_second, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    egress_testenv::eventually("two tunnels hold two slots", std::time::Duration::from_secs(5), || {
+        let open = gateway.open();
+        async move { (open == 2).then_some(()) }
+    })
+    .await;
+    // The third connection takes the last slot, so its CONNECT finds none for the tunnel.
+    let (_third, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("proxy-status: egress-gateway; error=proxy_internal_error"), "{head}");
+    // The tunnels still carry.
+    assert_eq!(through_tunnel(&mut first, origin.address()).await, squid.address().ip().to_string());
+}
+
+/// Stopping: no new connection is taken, an idle kept-alive connection is closed, a tunnel carries on until its
+/// client closes it, and the drain waits for it.
+#[tokio::test]
+async fn a_stopping_gateway_closes_idle_connections_and_drains_tunnels() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let gateway = Gateway::new(
+        Arc::new(StaticRouter(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"))),
+        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
+        GatewayLimits::default(),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(gateway.clone().serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let (mut tunnel, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // A kept-alive plain connection, idle after one answer.
+    let mut idle = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let auth = base64_basic("", TOKEN);
+    let url = origin.ip_url();
+    idle.write_all(format!("GET {url} HTTP/1.1\r\nHost: x\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes())
+        .await
+        .expect("GET");
+    let head = read_head(&mut idle).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    stop.send(()).expect("stop");
+    serving.await.expect("serve").expect("served");
+    assert!(tokio::net::TcpStream::connect(address).await.is_err(), "no new connection after the stop");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(5), idle.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the idle kept-alive connection is closed by the gateway");
+    assert_eq!(gateway.drain(std::time::Duration::from_millis(300)).await, 1, "the tunnel is still open");
+    assert_eq!(through_tunnel(&mut tunnel, origin.address()).await, squid.address().ip().to_string());
+    drop(tunnel);
+    assert_eq!(gateway.drain(std::time::Duration::from_secs(5)).await, 0, "drained once the tunnel closed");
+}
+
 #[tokio::test]
 async fn refusals_carry_their_status_and_proxy_status() {
     let origin = LocalOrigin::start().await.expect("origin");

@@ -46,13 +46,16 @@ async fn discovery(squids: &[(&str, &Squid)]) -> (SocketAddr, Arc<InMemoryLeaseS
     (address, store)
 }
 
-async fn gateway(discovery: SocketAddr, ban_statuses: Vec<u16>) -> (SocketAddr, Arc<LeaseRouter>) {
+async fn gateway(discovery: SocketAddr, ban_statuses: Vec<u16>, retries: u32) -> (SocketAddr, Arc<LeaseRouter>) {
     let config = LeaseRouterConfig { ban_statuses, ..LeaseRouterConfig::new(format!("http://{discovery}")) };
     let router = LeaseRouter::start(config).expect("router");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
-    let gateway =
-        Gateway::new(router.clone(), Arc::new(StaticTokens::new().with(TOKEN, "crawlers")), GatewayLimits::default());
+    let gateway = Gateway::new(
+        router.clone(),
+        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
+        GatewayLimits { retries, ..GatewayLimits::default() },
+    );
     tokio::spawn(gateway.serve(listener, std::future::pending()));
     (address, router)
 }
@@ -71,8 +74,9 @@ async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
         Squid::start(SquidOptions::default()).await.expect("Squid b"),
     );
     let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
-    // The local origin's refusal is a 503; a site's ban is whatever the gateway is told it is.
-    let (gateway, router) = gateway(discovery, vec![503]).await;
+    // The local origin's refusal is a 503; a site's ban is whatever the gateway is told it is. No retries: the
+    // crawler sees the ban (retries have a test of their own).
+    let (gateway, router) = gateway(discovery, vec![503], 0).await;
     let url = origin.ip_url();
 
     // Without a session, consecutive requests rotate over both proxies.
@@ -117,4 +121,57 @@ async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
         assert_eq!(status, 200);
         assert_ne!(proxy, first, "a request without a session got the proxy cooling down for the site");
     }
+}
+
+/// A blocked GET is tried again on another proxy and the crawler gets that answer; a POST is never sent twice; with
+/// no proxy left to try, the site's own answer is passed on, not a gateway error.
+#[tokio::test]
+async fn blocked_idempotent_requests_are_retried_elsewhere_and_others_are_not() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b, c) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+        Squid::start(SquidOptions::default()).await.expect("Squid c"),
+    );
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b), ("squid-c", &c)]).await;
+    let (gateway, _router) = gateway(discovery, vec![503], 2).await;
+    let url = origin.ip_url();
+    let cooling = |store: &InMemoryLeaseStore| -> BTreeSet<String> {
+        ["squid-a", "squid-b", "squid-c"]
+            .into_iter()
+            .filter(|name| {
+                !store.proxy_cooldowns(&ProxyId::new("crawl", name), std::time::SystemTime::now()).is_empty()
+            })
+            .map(|name| format!("crawl/{name}"))
+            .collect()
+    };
+
+    // A POST the site refuses: passed on, reported, not sent again.
+    origin.fail_next(1);
+    let before = origin.requests();
+    let answer = through_proxy(gateway, "POST", &url, Some(("", TOKEN))).await.expect("an answer");
+    assert_eq!(answer.status, 503, "{}", answer.head);
+    assert_eq!(answer.header("proxy-status"), None, "the site's answer, not the gateway's");
+    assert_eq!(origin.requests() - before, 1, "a POST is sent once");
+    let banned_post = answer.header("x-egress-proxy").expect("the proxy").to_owned();
+    assert_eq!(cooling(&store), BTreeSet::from([banned_post.clone()]));
+
+    // A GET the site refuses once: tried again elsewhere, and the crawler gets that answer.
+    origin.fail_next(1);
+    let before = origin.requests();
+    let answer = through_proxy(gateway, "GET", &url, Some(("session-r1", TOKEN))).await.expect("an answer");
+    assert_eq!(answer.status, 200, "{}", answer.head);
+    assert_eq!(origin.requests() - before, 2, "sent twice: refused, then answered");
+    let answered = answer.header("x-egress-proxy").expect("the proxy").to_owned();
+    let banned = cooling(&store);
+    assert_eq!(banned.len(), 2, "the GET's first proxy is cooling down too: {banned:?}");
+    assert!(!banned.contains(&answered), "answered through {answered}, which is not cooling down");
+
+    // Refused again on the last proxy: nothing is left to try, so the site's answer is passed on.
+    origin.fail_next(1);
+    let answer = through_proxy(gateway, "GET", &url, Some(("", TOKEN))).await.expect("an answer");
+    assert_eq!(answer.status, 503, "{}", answer.head);
+    assert_eq!(answer.header("proxy-status"), None, "the site's answer, not the gateway's");
+    assert_eq!(answer.header("x-egress-proxy"), Some(answered.as_str()));
+    assert_eq!(cooling(&store).len(), 3);
 }

@@ -13,15 +13,24 @@ use egress_provider::config::ProvidersConfig;
 pub use crate::telemetry::LogFormat;
 
 /// The egress-operator: runs HTTP forward proxies for web crawlers as `Proxy` objects.
+///
+/// Without a subcommand it runs the operator; `egress-operator gateway` runs the gateway.
 #[derive(Parser, Debug)]
-#[command(name = "egress-operator", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("EGRESS_GIT_COMMIT"), ")"))]
+#[command(
+    name = "egress-operator",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("EGRESS_GIT_COMMIT"), ")"),
+    subcommand_negates_reqs = true
+)]
 pub struct Cli {
+    /// What to run instead of the operator.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// The providers config file (YAML).
-    #[arg(long, env = "EGRESS_PROVIDERS_CONFIG")]
-    pub providers_config: PathBuf,
+    #[arg(long, env = "EGRESS_PROVIDERS_CONFIG", required = true)]
+    pub providers_config: Option<PathBuf>,
     /// This installation's identifier, written on every instance (a label value: letters, digits, '-', '_', '.').
-    #[arg(long, env = "EGRESS_CLUSTER_ID")]
-    pub cluster_id: String,
+    #[arg(long, env = "EGRESS_CLUSTER_ID", required = true)]
+    pub cluster_id: Option<String>,
     /// Where the discovery API listens.
     #[arg(long, env = "EGRESS_DISCOVERY_ADDR", default_value = "0.0.0.0:8090")]
     pub discovery_addr: String,
@@ -122,6 +131,13 @@ pub struct Cli {
     /// The most bytes of a request head (request line and headers); a larger one is answered 431.
     #[arg(long, env = "EGRESS_HTTP_MAX_HEADER_BYTES", default_value_t = egress_discovery::DEFAULT_MAX_HEADER_BYTES)]
     pub http_max_header_bytes: usize,
+}
+
+/// What else the binary runs.
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// The gateway: one forward-proxy address for crawlers, leasing from the discovery API (docs/gateway.md).
+    Gateway(crate::gateway::GatewayCli),
 }
 
 /// How the discovery API authenticates.
@@ -252,6 +268,9 @@ fn is_label_value(value: &str) -> bool {
 impl Cli {
     /// Validates every flag and reads the providers file; returns every problem found.
     pub fn settings(&self) -> Result<Settings, Vec<String>> {
+        let (Some(providers_config), Some(cluster_id)) = (&self.providers_config, &self.cluster_id) else {
+            return Err(vec!["--providers-config and --cluster-id are required to run the operator".into()]);
+        };
         let mut problems = Vec::new();
         let mut address = |flag: &str, value: &str| match value.parse::<SocketAddr>() {
             Ok(address) => Some(address),
@@ -301,10 +320,10 @@ impl Cli {
         {
             problems.push(format!("--watch-namespace {namespace:?} is not a namespace name"));
         }
-        if !is_label_value(&self.cluster_id) {
+        if !is_label_value(cluster_id) {
             problems.push(format!(
                 "--cluster-id {:?} must be a label value: 1 to 63 letters, digits, '-', '_' or '.', alphanumeric at both ends",
-                self.cluster_id
+                cluster_id
             ));
         }
         let otlp_endpoint = self.otlp_endpoint.as_deref().and_then(|text| match crate::telemetry::traces_url(text) {
@@ -380,22 +399,22 @@ impl Cli {
             }
             (DiscoveryAuth::None, _) => {}
         }
-        let providers = match std::fs::read_to_string(&self.providers_config) {
+        let providers = match std::fs::read_to_string(providers_config) {
             Ok(text) => match ProvidersConfig::parse(
                 &text,
-                &self.providers_config.display().to_string(),
+                &providers_config.display().to_string(),
                 crate::providers::provider_types().settings(),
             ) {
                 Ok(config) => Some(config),
                 Err(error) => {
                     problems.extend(
-                        error.problems.iter().map(|problem| format!("{}: {problem}", self.providers_config.display())),
+                        error.problems.iter().map(|problem| format!("{}: {problem}", providers_config.display())),
                     );
                     None
                 }
             },
             Err(error) => {
-                problems.push(format!("--providers-config {}: {error}", self.providers_config.display()));
+                problems.push(format!("--providers-config {}: {error}", providers_config.display()));
                 None
             }
         };
@@ -409,7 +428,7 @@ impl Cli {
                         probe.as_str(),
                         provider.name,
                         allow_rule_for(probe.host(), probe.port()),
-                        self.providers_config.display()
+                        providers_config.display()
                     ));
                 }
             }
@@ -424,7 +443,7 @@ impl Cli {
             .unwrap_or_else(|| "default".into());
         Ok(Settings {
             providers: providers.expect("checked above"),
-            cluster_id: self.cluster_id.clone(),
+            cluster_id: cluster_id.clone(),
             discovery_addr: discovery_addr.expect("checked above"),
             metrics_addr: metrics_addr.expect("checked above"),
             health_addr: health_addr.expect("checked above"),

@@ -69,11 +69,11 @@ fn pool_triggers(
 }
 
 /// Resolves when `flag` becomes true (or its sender is gone).
-async fn until_true(mut flag: watch::Receiver<bool>) {
+pub(crate) async fn until_true(mut flag: watch::Receiver<bool>) {
     let _ = flag.wait_for(|value| *value).await;
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut signal) => {
@@ -397,16 +397,9 @@ fn election_identity(pod_name: Option<String>) -> String {
     format!("{base}_{:08x}", nanos ^ std::process::id().rotate_left(16))
 }
 
-/// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
-async fn serve_all(
-    settings: &Settings,
-    registry: Arc<Registry>,
-    server_metrics: ServerMetrics,
-    discovery: Arc<Discovery>,
-    leader: watch::Receiver<bool>,
-    stop: watch::Receiver<bool>,
-) -> Result<Vec<tokio::task::JoinHandle<()>>> {
-    let metrics = Router::new().route(
+/// `/metrics`: `registry` in the OpenMetrics text format.
+pub(crate) fn metrics_router(registry: Arc<Registry>) -> Router {
+    Router::new().route(
         "/metrics",
         get(move || {
             let registry = registry.clone();
@@ -419,7 +412,19 @@ async fn serve_all(
                 }
             }
         }),
-    );
+    )
+}
+
+/// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
+async fn serve_all(
+    settings: &Settings,
+    registry: Arc<Registry>,
+    server_metrics: ServerMetrics,
+    discovery: Arc<Discovery>,
+    leader: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>> {
+    let metrics = metrics_router(registry);
     let ready_discovery = discovery.clone();
     let health = Router::new().route("/livez", get(|| async { "ok" })).route(
         "/readyz",

@@ -95,10 +95,16 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber: logs in `format` to stdout, and spans to `otlp` when given.
+/// Installs the global subscriber: logs in `format` to stdout, and spans to `otlp` when given, from `service`
+/// (`egress-operator`, `egress-gateway`) of `cluster_id`.
 ///
 /// Must run inside the Tokio runtime when `otlp` is set (export requests run on it).
-pub fn init(format: LogFormat, otlp: Option<&Uri>, cluster_id: &str) -> Result<Telemetry> {
+pub fn init(
+    format: LogFormat,
+    otlp: Option<&Uri>,
+    service: &'static str,
+    cluster_id: Option<&str>,
+) -> Result<Telemetry> {
     // Each layer gets its own copy of the filter: a global one would also silence the wire log.
     let filter =
         || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
@@ -115,8 +121,8 @@ pub fn init(format: LogFormat, otlp: Option<&Uri>, cluster_id: &str) -> Result<T
     let fmt = fmt.with_filter(filter()).with_filter(wire_log::not_sdk());
     let (otel, provider) = match otlp {
         Some(url) => {
-            let provider = tracer_provider(url, cluster_id)?;
-            let tracer = provider.tracer("egress-operator");
+            let provider = tracer_provider(url, service, cluster_id)?;
+            let tracer = provider.tracer(service);
             let layer = tracing_opentelemetry::layer()
                 .with_tracer(tracer)
                 .with_filter(filter())
@@ -150,7 +156,7 @@ impl HttpClient for OnRuntime {
     }
 }
 
-fn tracer_provider(url: &Uri, cluster_id: &str) -> Result<SdkTracerProvider> {
+fn tracer_provider(url: &Uri, service: &'static str, cluster_id: Option<&str>) -> Result<SdkTracerProvider> {
     let client = OnRuntime {
         runtime: tokio::runtime::Handle::try_current().context("traces need the Tokio runtime")?,
         client: std::sync::Arc::new(opentelemetry_http::hyper::HyperClient::with_default_connector(
@@ -167,12 +173,13 @@ fn tracer_provider(url: &Uri, cluster_id: &str) -> Result<SdkTracerProvider> {
         .build()
         .context("building the OTLP trace exporter")?;
     let processor = BatchSpanProcessor::builder(exporter).build();
-    let mut attributes = vec![KeyValue::new("egress.cluster_id", cluster_id.to_owned())];
+    let mut attributes: Vec<KeyValue> =
+        cluster_id.map(|id| KeyValue::new("egress.cluster_id", id.to_owned())).into_iter().collect();
     if let Ok(pod) = std::env::var("POD_NAME") {
         attributes.push(KeyValue::new("service.instance.id", pod));
     }
     let resource = Resource::builder()
-        .with_service_name("egress-operator")
+        .with_service_name(service)
         .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
         .with_attributes(attributes)
         .build();

@@ -1,6 +1,6 @@
 //! The product installed as a user installs it: `kubectl apply -k` of `deploy/default`, as shipped (or `helm install`
-//! of the chart), on the local control plane, with the node agent running the operator's pods and the proxies' pods, and a stand-in for
-//! kube-proxy that reaches a Service through its EndpointSlices.
+//! of the chart), on the local control plane, with the node agent running the operator's and the gateway's pods and
+//! the proxies' pods, and a stand-in for kube-proxy that reaches a Service through its EndpointSlices.
 //!
 //! Only two things are test inputs, in a kustomize overlay over the unmodified `deploy/default`: the providers
 //! ConfigMap, and (outside the manifests) the node agent's image map, which runs the operator's image as the
@@ -44,6 +44,9 @@ pub const SHIPPED_LEASE_TOKEN: &str = "replace-me-lease-token-0000";
 /// The label selecting the operator's pods.
 pub const OPERATOR_SELECTOR: &str = "app.kubernetes.io/name=egress-operator";
 
+/// The label selecting the gateway's pods.
+pub const GATEWAY_SELECTOR: &str = "app.kubernetes.io/name=egress-gateway";
+
 /// What a test chooses about an installation.
 #[derive(Clone, Debug)]
 pub struct InstallOptions {
@@ -67,6 +70,8 @@ pub struct Installation {
     client: Client,
     /// The `egress-discovery` Service, reached through its EndpointSlices.
     pub discovery: ServiceProxy,
+    /// The `egress-gateway` Service, reached the same way.
+    pub gateway: ServiceProxy,
 }
 
 /// How an installation is made.
@@ -100,11 +105,18 @@ impl Installation {
         }
         let client = plane.client().await?;
         let address = plane.server_address().context("an installation needs the local control plane")?;
-        let operator_env = ["DISCOVERY", "METRICS", "HEALTH"]
+        let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
+        let gateway = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-gateway", "gateway").await?;
+        // Each pod listens on its own address (the pods share this network namespace). There is no cluster DNS
+        // here: the gateway's pods reach the discovery Service through its stand-in, as the name would resolve.
+        let operator_env = ["DISCOVERY", "METRICS", "HEALTH", "GATEWAY"]
             .into_iter()
-            .zip([8090, 8080, 8081])
+            .zip([8090, 8080, 8081, 8088])
             .map(|(name, port)| (format!("EGRESS_{name}_ADDR"), format!("{{pod_ip}}:{port}")))
-            .chain(std::iter::once(("EGRESS_DEFAULT_PROBE_URL".to_owned(), options.default_probe_url.clone())))
+            .chain([
+                ("EGRESS_DEFAULT_PROBE_URL".to_owned(), options.default_probe_url.clone()),
+                ("EGRESS_DISCOVERY_URL".to_owned(), discovery.url()),
+            ])
             .collect();
         let images = ImageMap::new()
             .with(
@@ -159,8 +171,7 @@ impl Installation {
                 }
             }
         }
-        let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
-        let installation = Self { agent, client, discovery };
+        let installation = Self { agent, client, discovery, gateway };
         installation.wait_available(Duration::from_secs(180)).await?;
         Ok(installation)
     }
@@ -185,8 +196,57 @@ impl Installation {
         Ok(leases.get_opt("egress-operator").await?.and_then(|lease| lease.spec?.holder_identity))
     }
 
-    /// Waits until the Deployment is Available, every replica Ready, and the discovery Service routes somewhere.
+    /// The gateway's pods, by name.
+    pub async fn gateway_pods(&self) -> Result<Vec<Pod>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let mut items = pods.list(&ListParams::default().labels(GATEWAY_SELECTOR)).await?.items;
+        items.sort_by_key(ResourceExt::name_any);
+        Ok(items)
+    }
+
+    /// Every gateway pod's output.
+    pub async fn gateway_logs(&self) -> String {
+        let pods = self.gateway_pods().await.unwrap_or_default();
+        pods.iter()
+            .map(|pod| {
+                let name = pod.name_any();
+                format!("==== {name}\n{}", self.agent.container_log(SYSTEM_NAMESPACE, &name, "gateway"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Waits until the operator's Deployment is Available, every replica Ready, and the discovery Service routes
+    /// somewhere; and, when the gateway is installed, the same of its Deployment and Service.
     pub async fn wait_available(&self, timeout: Duration) -> Result<()> {
+        self.wait_operator_available(timeout).await?;
+        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let Some(deployment) = deployments.get_opt("egress-gateway").await? else { return Ok(()) };
+            let wanted = deployment.spec.as_ref().and_then(|spec| spec.replicas).unwrap_or(1);
+            let status = deployment.status.unwrap_or_default();
+            let available = status
+                .conditions
+                .iter()
+                .flatten()
+                .any(|condition| condition.type_ == "Available" && condition.status == "True");
+            if available && status.ready_replicas == Some(wanted) && !self.gateway.endpoints().is_empty() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "the gateway's Deployment was not Available with {wanted} Ready replicas and an endpoint within \
+                     {timeout:?} (deployment status {status:?}; endpoints {:?}); logs:\n{}",
+                    self.gateway.endpoints(),
+                    self.gateway_logs().await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn wait_operator_available(&self, timeout: Duration) -> Result<()> {
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
         let deadline = tokio::time::Instant::now() + timeout;
         loop {

@@ -87,29 +87,33 @@ impl OperatorProcess {
             shell_quote(&binary.display().to_string()),
             args.iter().map(|arg| shell_quote(arg)).collect::<Vec<_>>().join(" ")
         );
-        let log = dir.join("operator.log");
-        let process = Wrapped::spawn(&script, &log)?;
         let operator = Self {
-            process: Some(process),
+            process: None,
+            log: dir.join("operator.log"),
             dir,
-            log,
             discovery_url: format!("http://127.0.0.1:{discovery}"),
             metrics_url: format!("http://127.0.0.1:{metrics}"),
             health_url: format!("http://127.0.0.1:{health}"),
             _janitor: janitor,
         };
+        operator.launch(&script, "the operator").await
+    }
+
+    /// Runs `script` under the wrapper and waits until `/livez` answers.
+    async fn launch(mut self, script: &str, what: &str) -> Result<Self> {
+        self.process = Some(Wrapped::spawn(script, &self.log)?);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         let mut poll = tokio::time::interval(Duration::from_millis(100));
         loop {
             poll.tick().await;
-            if http_get(&format!("{}/livez", operator.health_url)).await.is_ok_and(|(status, _)| status == 200) {
-                return Ok(operator);
+            if http_get(&format!("{}/livez", self.health_url)).await.is_ok_and(|(status, _)| status == 200) {
+                return Ok(self);
             }
-            if !operator.alive() {
-                bail!("the operator exited during start-up; its log ends with:\n{}", operator.log_tail());
+            if !self.alive() {
+                bail!("{what} exited during start-up; its log ends with:\n{}", self.log_tail());
             }
             if tokio::time::Instant::now() > deadline {
-                bail!("the operator did not answer /livez in time; its log ends with:\n{}", operator.log_tail());
+                bail!("{what} did not answer /livez in time; its log ends with:\n{}", self.log_tail());
             }
         }
     }
@@ -167,6 +171,59 @@ impl Drop for OperatorProcess {
             process.stop();
         }
         let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A running `egress-operator gateway`, leasing from a discovery API.
+pub struct GatewayProcess {
+    /// The process (its `discovery_url` is the API the gateway leases from; metrics and health are its own).
+    pub process: OperatorProcess,
+    /// Where crawlers connect.
+    pub address: SocketAddr,
+}
+
+impl GatewayProcess {
+    /// Starts `binary gateway` on a free loopback port, leasing from `discovery_url`, with `lease_token` its one
+    /// token, and `extra_args`; waits until `/livez` answers.
+    pub async fn start(binary: &Path, discovery_url: &str, lease_token: &str, extra_args: &[String]) -> Result<Self> {
+        if !binary.is_file() {
+            bail!("{} does not exist: build it with `cargo build -p egress-operator`", binary.display());
+        }
+        let dir = tempfile::Builder::new().prefix("egress-gateway-").tempdir()?.keep();
+        let janitor = Janitor::spawn(&dir, "")?;
+        let tokens = dir.join("tokens");
+        fs::write(&tokens, format!("lease {lease_token}\n"))?;
+        let (listen, metrics, health) = (free_port()?, free_port()?, free_port()?);
+        let mut args = vec![
+            "gateway".to_owned(),
+            format!("--listen-addr=127.0.0.1:{listen}"),
+            format!("--metrics-addr=127.0.0.1:{metrics}"),
+            format!("--health-addr=127.0.0.1:{health}"),
+            format!("--discovery-url={discovery_url}"),
+            format!("--discovery-tokens={}", tokens.display()),
+        ];
+        args.extend(extra_args.iter().cloned());
+        let script = format!(
+            "env RUST_LOG=${{RUST_LOG:-info}} {} {}",
+            shell_quote(&binary.display().to_string()),
+            args.iter().map(|arg| shell_quote(arg)).collect::<Vec<_>>().join(" ")
+        );
+        let process = OperatorProcess {
+            process: None,
+            log: dir.join("gateway.log"),
+            dir,
+            discovery_url: discovery_url.to_owned(),
+            metrics_url: format!("http://127.0.0.1:{metrics}"),
+            health_url: format!("http://127.0.0.1:{health}"),
+            _janitor: janitor,
+        };
+        let process = process.launch(&script, "the gateway").await?;
+        Ok(Self { process, address: SocketAddr::from((Ipv4Addr::LOCALHOST, listen)) })
+    }
+
+    /// `http://<user>:<token>@127.0.0.1:<port>`: the proxy URL a crawler sets.
+    pub fn proxy_url(&self, user: &str, token: &str) -> String {
+        format!("http://{user}:{token}@{}", self.address)
     }
 }
 

@@ -12,6 +12,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/name: egress-operator
 {{- end }}
 
+{{/* The gateway's pods: its Deployment's selector, its PDB's and its Services'. */}}
+{{- define "egress-operator.gatewaySelector" -}}
+app.kubernetes.io/name: egress-gateway
+{{- end }}
+
 {{/* The image reference. */}}
 {{- define "egress-operator.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
