@@ -27,8 +27,17 @@ const WAIT: Duration = Duration::from_secs(120);
 
 /// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`. The pool
 /// tests spread over two of them.
-const NAMESPACES: [&str; 8] =
-    ["e2e-main", "e2e-failover", "e2e-drain", "e2e-chaos", "e2e-pool", "e2e-pool-b", "e2e-tenants", "e2e-rollout"];
+const NAMESPACES: [&str; 9] = [
+    "e2e-main",
+    "e2e-failover",
+    "e2e-drain",
+    "e2e-chaos",
+    "e2e-pool",
+    "e2e-pool-b",
+    "e2e-tenants",
+    "e2e-rollout",
+    "e2e-gateway",
+];
 
 /// The role label the leader sets on its own pod.
 const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
@@ -1776,4 +1785,203 @@ async fn as_nobody_no_file_of_the_node_agent_or_the_control_plane_is_readable() 
     let count = String::from_utf8_lossy(&files.stdout).lines().count();
     assert!(count > 0, "the node agent has files to protect");
     eprintln!("e2e: {count} files under the node agent's directory, none readable as nobody");
+}
+
+/// A GET of `url` through the gateway at `gateway` as `user`: the status and the proxy it went through.
+async fn through_gateway(gateway: std::net::SocketAddr, url: &str, user: &str) -> Result<(u16, String), String> {
+    let answer = tokio::time::timeout(
+        Duration::from_secs(45),
+        egress_testenv::through_proxy(gateway, "GET", url, Some((user, SHIPPED_LEASE_TOKEN))),
+    )
+    .await
+    .map_err(|_| "no answer within 45 s".to_owned())?
+    .map_err(|error| format!("{error:#}"))?;
+    let proxy = answer.header("x-egress-proxy").unwrap_or_default().to_owned();
+    if answer.status != 200 {
+        return Err(format!("{} via {proxy:?}: {}", answer.status, answer.header("proxy-status").unwrap_or_default()));
+    }
+    Ok((answer.status, proxy))
+}
+
+/// Opens a CONNECT tunnel to `target` through the gateway Service; returns it and the gateway pod it reached.
+async fn gateway_tunnel(target: std::net::SocketAddr) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let service = &cluster().installation.gateway;
+    let address: std::net::SocketAddr = service.url().trim_start_matches("http://").parse().expect("the Service");
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect to the gateway Service");
+    let auth = base64_basic("label-e2e=gateway", SHIPPED_LEASE_TOKEN);
+    stream
+        .write_all(
+            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("CONNECT");
+    let mut head = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).await.expect("read"), 1, "the tunnel closed before its answer");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The Service's stand-in logs each connection's endpoint: the last one is this tunnel's.
+    let pod = *service.connections().last().expect("a connection through the Service");
+    (stream, pod)
+}
+
+/// One GET inside an open tunnel (kept alive); its status.
+async fn inside_tunnel(stream: &mut tokio::net::TcpStream, target: std::net::SocketAddr) -> Result<u16, String> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(format!("GET /ip HTTP/1.1\r\nHost: {target}\r\nX-Keep-Alive: 1\r\n\r\n").as_bytes())
+        .await
+        .map_err(|error| format!("writing into the tunnel: {error}"))?;
+    let mut reader = tokio::io::BufReader::new(&mut *stream);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line).await.map_err(|error| format!("reading the tunnel: {error}"))?;
+    let mut length = 0;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).await.map_err(|error| format!("reading the tunnel: {error}"))?;
+        if line.trim().is_empty() {
+            break;
+        }
+        if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).await.map_err(|error| format!("reading the tunnel's body: {error}"))?;
+    status_line.split_whitespace().nth(1).and_then(|code| code.parse().ok()).ok_or(status_line)
+}
+
+fn base64_basic(user: &str, password: &str) -> String {
+    use base64::Engine;
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")))
+}
+
+/// The gateway in-cluster, as `deploy/default` ships it (two replicas behind `egress-gateway`): a crawl with sessions
+/// goes on through one gateway replica killed and then the operator's leader killed. The tunnel open on the
+/// surviving replica carries on through both, new requests succeed within the takeover bound, and every session
+/// keeps its proxy (the discovery store remembers it, so the replica that did not know the session gets the same
+/// one).
+#[tokio::test]
+async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
+    // Alone: it kills the leader.
+    let _suite = SUITE.write().await;
+    let cluster = cluster();
+    let client = client().await;
+    let ns = NAMESPACES[8];
+    let agent = cluster.installation.agent();
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    for name in ["g-1", "g-2"] {
+        let mut proxy = Proxy::new(name, common::managed(&format!("pods-{ns}"), None));
+        proxy.metadata.labels = Some([("e2e".to_owned(), "gateway".to_owned())].into());
+        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    }
+    wait_phase(&client, ns, &["g-1", "g-2"], ProxyPhase::Ready).await;
+    let gateway: std::net::SocketAddr =
+        cluster.installation.gateway.url().trim_start_matches("http://").parse().expect("the gateway Service");
+    let url = cluster._origin.ip_url();
+    let target = cluster._origin.address();
+    // The label keeps the crawl on this test's proxies.
+    let user = |session: usize| format!("session-s{session},label-e2e=gateway");
+
+    // Sessions stick, whichever replica a request reaches.
+    let mut sticky = std::collections::BTreeMap::new();
+    for round in 0..3 {
+        for session in 0..4 {
+            let (_, proxy) = eventually_every("a GET through the gateway", WAIT, Duration::from_millis(500), || {
+                let user = user(session);
+                let url = url.clone();
+                async move { through_gateway(gateway, &url, &user).await }
+            })
+            .await;
+            let first = sticky.entry(session).or_insert_with(|| proxy.clone());
+            assert_eq!(*first, proxy, "session {session} moved in round {round}");
+        }
+    }
+    let distinct: std::collections::BTreeSet<&String> = sticky.values().collect();
+    eprintln!("e2e: 4 sessions through the gateway on {} proxies: {sticky:?}", distinct.len());
+
+    // A tunnel on one replica; the other replica is killed.
+    let (mut tunnel, tunnel_pod) = gateway_tunnel(target).await;
+    assert_eq!(inside_tunnel(&mut tunnel, target).await, Ok(200));
+    let pods = cluster.installation.gateway_pods().await.expect("gateway pods");
+    assert_eq!(pods.len(), 2, "deploy/default runs two gateway replicas");
+    let other = pods.iter().find(|pod| pod_ip(pod) != tunnel_pod.ip().to_string()).expect("the other replica");
+    assert!(agent.signal_container(SYSTEM_NAMESPACE, &other.name_any(), "gateway", "KILL"), "SIGKILL a replica");
+    let killed = Instant::now();
+    // New requests for 10 s: one may meet the dead replica (the connection is refused, and a crawler retries it)
+    // until the container is restarted or its endpoint goes; after that bound every request succeeds.
+    let (mut failed, mut succeeded, mut last_failure) = (0, 0, None);
+    while killed.elapsed() < Duration::from_secs(10) {
+        match through_gateway(gateway, &url, &user(0)).await {
+            Ok((_, proxy)) => {
+                assert_eq!(proxy, sticky[&0], "session 0 moved after a replica died");
+                succeeded += 1;
+            }
+            Err(_) => {
+                failed += 1;
+                last_failure = Some(killed.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "e2e: a gateway replica SIGKILLed: {succeeded} requests succeeded, {failed} failed, the last failure \
+         {last_failure:.1?} after the kill"
+    );
+    assert!(
+        last_failure.is_none_or(|at| at < Duration::from_secs(7)),
+        "requests still failed {last_failure:?} after a replica died (the readiness probe's bound is 6 s)"
+    );
+    assert_eq!(inside_tunnel(&mut tunnel, target).await, Ok(200), "the tunnel on the surviving replica carries on");
+
+    // The leader is killed; the crawl goes on. Sessions hold their leases, so they need no discovery call; a new
+    // session waits for the new leader, within the clients' failover budget.
+    let operators = operator_pods(&client).await;
+    let leader = operators.iter().find(|pod| is_leader(pod)).expect("a leader").clone();
+    assert!(agent.signal_container(SYSTEM_NAMESPACE, &leader.name_any(), "operator", "KILL"), "SIGKILL the leader");
+    let killed = Instant::now();
+    let fresh = tokio::spawn(async move {
+        let started = Instant::now();
+        let result = through_gateway(gateway, &url_of(), "session-new,label-e2e=gateway").await;
+        (result, started.elapsed())
+    });
+    let mut requests = 0;
+    while killed.elapsed() < Duration::from_secs(20) {
+        for session in 0..4 {
+            let (_, proxy) = eventually_every(
+                "a GET of a session through the gateway",
+                Duration::from_secs(30),
+                Duration::from_millis(200),
+                || {
+                    let user = user(session);
+                    let url = url.clone();
+                    async move { through_gateway(gateway, &url, &user).await }
+                },
+            )
+            .await;
+            assert_eq!(proxy, sticky[&session], "session {session} moved while the leader died");
+            requests += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let (result, took) = fresh.await.expect("the new session's request");
+    assert!(result.is_ok(), "a new session's first request during the failover: {result:?}");
+    assert_eq!(inside_tunnel(&mut tunnel, target).await, Ok(200), "the tunnel carries on through the failover");
+    eprintln!(
+        "e2e: leader SIGKILLed during the crawl: {requests} session requests, all on their proxies; a new session's \
+         first request took {took:.1?}"
+    );
+    cluster.installation.wait_available(WAIT).await.expect("both Deployments Available again");
+    for name in ["g-1", "g-2"] {
+        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+}
+
+/// The origin's `/ip` URL (a `'static` way to reach it from a spawned task).
+fn url_of() -> String {
+    cluster()._origin.ip_url()
 }

@@ -298,8 +298,17 @@ impl LeaseStore for InMemoryLeaseStore {
             .and_then(|key| inner.sessions.get(key))
             .map(|(proxy, _)| proxy.clone())
             .filter(|proxy| usable(&inner, proxy));
-        let chosen = sticky
-            .or_else(|| inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()));
+        let chosen = sticky.or_else(|| match &session_key {
+            // A session's first proxy is the same on every replica, so a change of leader (which forgets the
+            // sessions) gives it the one it had while the same proxies are eligible.
+            Some((key, target)) => inner
+                .available
+                .iter()
+                .filter(|(_, _, id)| usable(&inner, id))
+                .max_by_key(|(_, _, id)| rendezvous(key, target, id))
+                .map(|(_, _, id)| id.clone()),
+            None => inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()),
+        });
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
         let lease = inner.grant(self, &proxy, &target, owner, ttl, now);
         if let Some(key) = session_key {

@@ -139,20 +139,30 @@ async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
     counter: &AtomicU64,
     failing: &AtomicU64,
 ) -> Result<()> {
-    let head = read_head(&mut stream).await?;
-    counter.fetch_add(1, Ordering::SeqCst);
-    let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
-    let path = head.split_whitespace().nth(1).unwrap_or("/");
-    let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
-    let status = if fail { "503 Service Unavailable" } else { "200 OK" };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await?;
-    Ok(())
+    loop {
+        let head = read_head(&mut stream).await?;
+        counter.fetch_add(1, Ordering::SeqCst);
+        let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
+        let path = head.split_whitespace().nth(1).unwrap_or("/");
+        let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
+        let status = if fail { "503 Service Unavailable" } else { "200 OK" };
+        // Closed after each answer, unless the request asks to keep the connection (a test holding a tunnel).
+        let keep = head.to_ascii_lowercase().contains(KEEP_ALIVE_HEADER);
+        let response = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{body}",
+            body.len(),
+            if keep { "keep-alive" } else { "close" }
+        );
+        stream.write_all(response.as_bytes()).await?;
+        if !keep {
+            stream.shutdown().await?;
+            return Ok(());
+        }
+    }
 }
+
+/// The request header (lower case, as a line) that keeps the origin's connection open after its answer.
+pub const KEEP_ALIVE_HEADER: &str = "\r\nx-keep-alive: 1\r\n";
 
 async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> Result<String> {
     let mut buffer = Vec::with_capacity(1024);

@@ -115,6 +115,17 @@ pub(super) fn session_key(owner: &str, session: &str) -> String {
     format!("{owner}\n{session}")
 }
 
+/// A session's weight for a proxy (rendezvous hashing): the session's first proxy is the eligible one with the
+/// highest weight, the same choice on every replica and after every restart while the same proxies are eligible,
+/// and an even spread of sessions over them. SipHash with the standard library's fixed keys: the same in every
+/// process of one build, which is what every replica runs.
+pub(super) fn rendezvous(session: &str, target: &str, proxy: &ProxyId) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    (session, target, proxy.namespace(), proxy.name()).hash(&mut hasher);
+    hasher.finish()
+}
+
 /// How long a (proxy, target) pair's reported outcomes are kept after its last report.
 pub(super) const OUTCOMES_KEPT: Duration = Duration::from_secs(3600);
 

@@ -123,6 +123,37 @@ fn sticky_sessions_keep_their_proxy_while_it_is_eligible() {
     assert_ne!(moved, first, "an unhealthy proxy is not sticky");
 }
 
+/// A session's first proxy does not depend on the store's history: a fresh store (a new leader) with the same
+/// proxies gives it the same one, whatever the loads; and sessions spread over the proxies.
+#[test]
+fn a_sessions_first_proxy_is_the_same_in_every_store() {
+    let proxies: Vec<ProxyInfo> = ["a", "b", "c", "d"].into_iter().map(|name| proxy(name, 100)).collect();
+    let first = store_with(&proxies);
+    let second = store_with(&proxies);
+    // Loads that differ between the two stores.
+    for index in 0..7 {
+        second.lease(&request(&format!("other-{index}.example")), t(0)).expect("lease");
+    }
+    let mut spread: BTreeMap<ProxyId, usize> = BTreeMap::new();
+    for index in 0..200 {
+        let session = LeaseRequest { session: Some(format!("s{index}")), ..request("shop.example.com") };
+        let chosen = first.lease(&session, t(0)).expect("lease").proxy;
+        assert_eq!(second.lease(&session, t(0)).expect("lease").proxy, chosen, "session s{index}");
+        *spread.entry(chosen).or_default() += 1;
+    }
+    assert_eq!(spread.len(), 4, "{spread:?}");
+    assert!(spread.values().all(|count| (25..=75).contains(count)), "an even spread: {spread:?}");
+    // Another owner's session of the same name is its own.
+    let theirs = LeaseRequest { session: Some("s0".into()), owner: "team-b".into(), ..request("shop.example.com") };
+    let mine = LeaseRequest { session: Some("s0".into()), ..request("shop.example.com") };
+    let owners_differ = (0..20).any(|index| {
+        let theirs = LeaseRequest { session: Some(format!("s{index}")), ..theirs.clone() };
+        let mine = LeaseRequest { session: Some(format!("s{index}")), ..mine.clone() };
+        first.lease(&theirs, t(0)).expect("lease").proxy != first.lease(&mine, t(0)).expect("lease").proxy
+    });
+    assert!(owners_differ, "owners' sessions are hashed apart");
+}
+
 #[test]
 fn ttl_renew_and_expiry() {
     let store = store_with(&[proxy("a", 1)]);
