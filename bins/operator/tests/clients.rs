@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use egress_api::{Proxy, ProxyPhase};
 use egress_client::DiscoveryClient;
-use egress_testenv::{LocalOrigin, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually};
+use egress_testenv::{
+    GatewayProcess, LocalOrigin, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually,
+};
 use kube::api::{Api, PostParams};
 
 mod common;
@@ -22,12 +24,13 @@ const WAIT: Duration = Duration::from_secs(120);
 const TOKEN: &str = "client-tests-token-0123456789";
 const PROXIES: usize = 3;
 
-/// An operator with three healthy External Proxies on Squids of their own, and an origin.
+/// An operator with three healthy External Proxies on Squids of their own, a gateway leasing from it, and an origin.
 struct Live {
     _ns: TestNamespace,
     _squids: Vec<Squid>,
     origin: LocalOrigin,
     operator: OperatorProcess,
+    gateway: GatewayProcess,
 }
 
 impl Live {
@@ -74,7 +77,12 @@ impl Live {
             }
         })
         .await;
-        Live { _ns: ns, _squids: squids, origin, operator }
+        // Sessions let their proxy go after 3 s idle, so a gateway crawl's leases are back before the next test
+        // counts the fleet's.
+        let gateway = GatewayProcess::start(binary, &operator.discovery_url, TOKEN, &["--sticky=3s".to_owned()])
+            .await
+            .expect("the gateway");
+        Live { _ns: ns, _squids: squids, origin, operator, gateway }
     }
 
     /// The environment every client test reads.
@@ -84,6 +92,7 @@ impl Live {
             .env("EGRESS_TOKEN", TOKEN)
             .env("EGRESS_METRICS", &self.operator.metrics_url)
             .env("EGRESS_ORIGIN", self.origin.url())
+            .env("EGRESS_GATEWAY", self.gateway.address.to_string())
             .env("EGRESS_PROXIES", PROXIES.to_string());
     }
 }

@@ -1,6 +1,10 @@
 """A Scrapy crawl through egress-operator proxies, run in a process of its own by the live Scrapy tests (Twisted's
 reactor starts once per process): `python crawl.py <start URL> <output JSON>`. Settings come from the environment:
-`EGRESS_URL`, `EGRESS_TOKEN`, and `CRAWL_SETTINGS`, a JSON object of Scrapy settings over the defaults below."""
+`EGRESS_URL`, `EGRESS_TOKEN`, and `CRAWL_SETTINGS`, a JSON object of Scrapy settings over the defaults below.
+
+With `CRAWL_PROXY` set (a proxy URL with `{session}` in it, such as the gateway's
+`http://session-{session}:TOKEN@host:port`), the crawl is plain Scrapy: no egress add-on, Scrapy's own retry
+settings, and each request's `meta["proxy"]` that URL for its session."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from scrapy import signals
 from scrapy.crawler import CrawlerProcess
 
 from egress_client.scrapy import PROXY_META
+
+PROXY = os.environ.get("CRAWL_PROXY", "")
 
 
 class SiteSpider(scrapy.Spider):
@@ -40,11 +46,22 @@ class SiteSpider(scrapy.Spider):
     def on_closed(self, spider, reason) -> None:
         self.closed, self.reason = time.monotonic(), reason
 
+    def meta(self, session: str) -> dict:
+        if PROXY:
+            return {"proxy": PROXY.format(session=session), "session": session}
+        return {"egress_session": session}
+
+    async def start(self):
+        for url in self.start_urls:
+            yield scrapy.Request(url, dont_filter=True, meta=self.meta("index") if PROXY else {})
+
     def parse(self, response):
-        self.pages.append({"url": response.url, "status": response.status, "proxy": response.meta.get(PROXY_META)})
+        proxy = response.meta.get(PROXY_META) or response.headers.get("X-Egress-Proxy", b"").decode()
+        session = response.meta.get("session") or response.meta.get("egress_session")
+        self.pages.append({"url": response.url, "status": response.status, "proxy": proxy, "session": session})
         # Crawl sessions, each with a lease of its own per site.
         for index, href in enumerate(response.css("a::attr(href)").getall()):
-            yield response.follow(href, self.parse, meta={"egress_session": str(index % self.sessions)})
+            yield response.follow(href, self.parse, meta=self.meta(str(index % self.sessions)))
 
 
 def main() -> None:
@@ -63,6 +80,10 @@ def main() -> None:
         "LOG_LEVEL": "INFO",
         "TELNETCONSOLE_ENABLED": False,
     }
+    if PROXY:
+        # Plain Scrapy: the proxy URL is all it knows.
+        for key in ("ADDONS", "EGRESS_URL", "EGRESS_TOKEN", "EGRESS_REPORT_EVERY", "RETRY_HTTP_CODES"):
+            del settings[key]
     settings.update(json.loads(os.environ.get("CRAWL_SETTINGS", "{}")))
     process = CrawlerProcess(settings=settings)
     crawler = process.create_crawler(SiteSpider)

@@ -43,9 +43,15 @@ def outcome(name: str) -> float:
     return metric(f'egress_discovery_request_outcomes_total{{outcome="{name}"}}')
 
 
-def crawl(start: str, settings: Optional[Dict[str, Any]] = None, sessions: int = 4, timeout: float = 300) -> dict:
-    """Runs `crawl.py` from `start` with `settings` over its own, and returns what it wrote: pages, stats, the
-    close reason and how long after opening the spider closed."""
+def crawl(
+    start: str,
+    settings: Optional[Dict[str, Any]] = None,
+    sessions: int = 4,
+    timeout: float = 300,
+    env: Optional[Dict[str, str]] = None,
+) -> dict:
+    """Runs `crawl.py` from `start` with `settings` over its own (and `env` over this process's environment), and
+    returns what it wrote: pages, stats, the close reason and how long after opening the spider closed."""
     here = pathlib.Path(__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         output = pathlib.Path(tmp) / "crawl.json"
@@ -56,6 +62,7 @@ def crawl(start: str, settings: Optional[Dict[str, Any]] = None, sessions: int =
                 "PYTHONPATH": str(here.parent / "src"),
                 "CRAWL_SETTINGS": json.dumps(settings or {}),
                 "CRAWL_SESSIONS": str(sessions),
+                **(env or {}),
             },
             capture_output=True,
             text=True,

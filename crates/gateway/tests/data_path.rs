@@ -122,18 +122,25 @@ async fn through_tunnel(stream: &mut tokio::net::TcpStream, target: SocketAddr) 
     String::from_utf8_lossy(&body).into_owned()
 }
 
-/// Client connections and tunnels share the cap: a tunnel keeps its slot after its connection is upgraded.
-#[tokio::test]
-async fn tunnels_count_against_the_connection_cap() {
-    let origin = LocalOrigin::start().await.expect("origin");
-    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+/// A gateway with `limits` in front of `squid` (not serving yet), and the listener it is to serve on.
+async fn gateway_in_front_of(squid: &Squid, limits: GatewayLimits) -> (TcpListener, SocketAddr, Arc<Gateway>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let gateway = Gateway::new(
         Arc::new(StaticRouter(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"))),
         Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
-        GatewayLimits { max_connections: 3, ..GatewayLimits::default() },
+        limits,
     );
+    (listener, address, gateway)
+}
+
+/// Client connections and tunnels share the cap: a tunnel keeps its slot after its connection is upgraded.
+#[tokio::test]
+async fn tunnels_count_against_the_connection_cap() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let (listener, address, gateway) =
+        gateway_in_front_of(&squid, GatewayLimits { max_connections: 3, ..GatewayLimits::default() }).await;
     tokio::spawn(gateway.clone().serve(listener, std::future::pending()));
     let (mut first, head) = open_tunnel(address, origin.address()).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
@@ -158,13 +165,7 @@ async fn tunnels_count_against_the_connection_cap() {
 async fn a_stopping_gateway_closes_idle_connections_and_drains_tunnels() {
     let origin = LocalOrigin::start().await.expect("origin");
     let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = listener.local_addr().expect("address");
-    let gateway = Gateway::new(
-        Arc::new(StaticRouter(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"))),
-        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
-        GatewayLimits::default(),
-    );
+    let (listener, address, gateway) = gateway_in_front_of(&squid, GatewayLimits::default()).await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(gateway.clone().serve(listener, async move {
         let _ = stopped.await;

@@ -175,3 +175,34 @@ async fn blocked_idempotent_requests_are_retried_elsewhere_and_others_are_not() 
     assert_eq!(answer.header("x-egress-proxy"), Some(answered.as_str()));
     assert_eq!(cooling(&store).len(), 3);
 }
+
+/// A ban seen through one session cools the proxy down for the tenant and the site: every other session of the
+/// tenant holding that proxy for that site leaves it too, before it sends another request there.
+#[tokio::test]
+async fn a_ban_moves_every_session_of_the_tenant_off_that_proxy_for_that_site() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, _store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let (gateway, _router) = gateway(discovery, vec![503], 0).await;
+    let url = origin.ip_url();
+    let mut sessions_on: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for index in 0..12 {
+        let user = format!("session-p{index}");
+        let (status, proxy) = get(gateway, &url, &user).await;
+        assert_eq!(status, 200);
+        sessions_on.entry(proxy).or_default().push(user);
+    }
+    let (shared, sessions) =
+        sessions_on.iter().find(|(_, sessions)| sessions.len() >= 2).expect("two sessions on one proxy");
+    origin.fail_next(1);
+    let (status, proxy) = get(gateway, &url, &sessions[0]).await;
+    assert_eq!((status, proxy.as_str()), (503, shared.as_str()));
+    let before = origin.requests();
+    let (status, proxy) = get(gateway, &url, &sessions[1]).await;
+    assert_eq!(status, 200);
+    assert_ne!(&proxy, shared, "{} went on through {shared}, cooling down for the site", sessions[1]);
+    assert_eq!(origin.requests() - before, 1, "one request, through the other proxy");
+}

@@ -183,8 +183,17 @@ impl Installation {
 
     /// The operator's pods, by name.
     pub async fn operator_pods(&self) -> Result<Vec<Pod>> {
+        self.pods(OPERATOR_SELECTOR).await
+    }
+
+    /// The gateway's pods, by name.
+    pub async fn gateway_pods(&self) -> Result<Vec<Pod>> {
+        self.pods(GATEWAY_SELECTOR).await
+    }
+
+    async fn pods(&self, selector: &str) -> Result<Vec<Pod>> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let mut items = pods.list(&ListParams::default().labels(OPERATOR_SELECTOR)).await?.items;
+        let mut items = pods.list(&ListParams::default().labels(selector)).await?.items;
         items.sort_by_key(ResourceExt::name_any);
         Ok(items)
     }
@@ -196,105 +205,71 @@ impl Installation {
         Ok(leases.get_opt("egress-operator").await?.and_then(|lease| lease.spec?.holder_identity))
     }
 
-    /// The gateway's pods, by name.
-    pub async fn gateway_pods(&self) -> Result<Vec<Pod>> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let mut items = pods.list(&ListParams::default().labels(GATEWAY_SELECTOR)).await?.items;
-        items.sort_by_key(ResourceExt::name_any);
-        Ok(items)
-    }
-
-    /// Every gateway pod's output.
-    pub async fn gateway_logs(&self) -> String {
-        let pods = self.gateway_pods().await.unwrap_or_default();
-        pods.iter()
-            .map(|pod| {
-                let name = pod.name_any();
-                format!("==== {name}\n{}", self.agent.container_log(SYSTEM_NAMESPACE, &name, "gateway"))
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
     /// Waits until the operator's Deployment is Available, every replica Ready, and the discovery Service routes
     /// somewhere; and, when the gateway is installed, the same of its Deployment and Service.
     pub async fn wait_available(&self, timeout: Duration) -> Result<()> {
-        self.wait_operator_available(timeout).await?;
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
         let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let Some(deployment) = deployments.get_opt("egress-gateway").await? else { return Ok(()) };
-            let wanted = deployment.spec.as_ref().and_then(|spec| spec.replicas).unwrap_or(1);
-            let status = deployment.status.unwrap_or_default();
-            let available = status
-                .conditions
-                .iter()
-                .flatten()
-                .any(|condition| condition.type_ == "Available" && condition.status == "True");
-            if available && status.ready_replicas == Some(wanted) && !self.gateway.endpoints().is_empty() {
-                return Ok(());
-            }
-            if tokio::time::Instant::now() > deadline {
-                bail!(
-                    "the gateway's Deployment was not Available with {wanted} Ready replicas and an endpoint within \
-                     {timeout:?} (deployment status {status:?}; endpoints {:?}); logs:\n{}",
-                    self.gateway.endpoints(),
-                    self.gateway_logs().await
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-
-    async fn wait_operator_available(&self, timeout: Duration) -> Result<()> {
-        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let deployment = deployments.get_opt("egress-operator").await?;
-            let status = deployment.as_ref().and_then(|d| d.status.clone()).unwrap_or_default();
-            let wanted = deployment.and_then(|d| d.spec?.replicas).unwrap_or(1);
-            let available = status
-                .conditions
-                .iter()
-                .flatten()
-                .any(|condition| condition.type_ == "Available" && condition.status == "True");
-            if available && status.ready_replicas == Some(wanted) && !self.discovery.endpoints().is_empty() {
-                return Ok(());
-            }
-            if tokio::time::Instant::now() > deadline {
-                let pods: Vec<String> = self
-                    .operator_pods()
-                    .await
-                    .unwrap_or_default()
+        // The gateway may be left out (the chart's `gateway.enabled=false`); the operator may not.
+        for (name, service, selector, container, optional) in [
+            ("egress-operator", &self.discovery, OPERATOR_SELECTOR, "operator", false),
+            ("egress-gateway", &self.gateway, GATEWAY_SELECTOR, "gateway", true),
+        ] {
+            loop {
+                let deployment = deployments.get_opt(name).await?;
+                if deployment.is_none() && optional {
+                    break;
+                }
+                let status = deployment.as_ref().and_then(|d| d.status.clone()).unwrap_or_default();
+                let wanted = deployment.and_then(|d| d.spec?.replicas).unwrap_or(1);
+                let available = status
+                    .conditions
                     .iter()
-                    .map(|pod| format!("{} {}", pod.name_any(), serde_json::to_string(&pod.status).unwrap_or_default()))
-                    .collect();
-                let logs: String = self
-                    .operator_pods()
-                    .await
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|pod| self.agent.container_log(SYSTEM_NAMESPACE, &pod.name_any(), "operator"))
-                    .collect::<Vec<_>>()
-                    .join("\n----\n");
-                bail!(
-                    "the operator's Deployment was not Available with {wanted} Ready replicas and a discovery endpoint \
-                     within {timeout:?} (deployment status {status:?}; endpoints {:?}); pods:\n{}\nlogs:\n{logs}",
-                    self.discovery.endpoints(),
-                    pods.join("\n")
-                );
+                    .flatten()
+                    .any(|condition| condition.type_ == "Available" && condition.status == "True");
+                if available && status.ready_replicas == Some(wanted) && !service.endpoints().is_empty() {
+                    break;
+                }
+                if tokio::time::Instant::now() > deadline {
+                    let pods: Vec<String> = self
+                        .pods(selector)
+                        .await
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|pod| {
+                            format!("{} {}", pod.name_any(), serde_json::to_string(&pod.status).unwrap_or_default())
+                        })
+                        .collect();
+                    bail!(
+                        "the {name} Deployment was not Available with {wanted} Ready replicas and a Service endpoint \
+                         within {timeout:?} (deployment status {status:?}; endpoints {:?}); pods:\n{}\nlogs:\n{}",
+                        service.endpoints(),
+                        pods.join("\n"),
+                        self.logs(selector, container).await
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
+        Ok(())
     }
 
     /// Every operator pod's output, for messages and for checks such as "no request was forbidden".
     pub async fn operator_logs(&self) -> String {
-        let pods = self.operator_pods().await.unwrap_or_default();
+        self.logs(OPERATOR_SELECTOR, "operator").await
+    }
+
+    /// Every gateway pod's output.
+    pub async fn gateway_logs(&self) -> String {
+        self.logs(GATEWAY_SELECTOR, "gateway").await
+    }
+
+    async fn logs(&self, selector: &str, container: &str) -> String {
+        let pods = self.pods(selector).await.unwrap_or_default();
         pods.iter()
             .map(|pod| {
                 let name = pod.name_any();
-                format!("==== {name}\n{}", self.agent.container_log(SYSTEM_NAMESPACE, &name, "operator"))
+                format!("==== {name}\n{}", self.agent.container_log(SYSTEM_NAMESPACE, &name, container))
             })
             .collect::<Vec<_>>()
             .join("\n")

@@ -1,0 +1,96 @@
+// A real crawlee CheerioCrawler crawl of the 200-page test site through the gateway, with nothing egress-specific but
+// the proxy URL: crawlee's own ProxyConfiguration, whose URL carries crawlee's session ID as the gateway session
+// (`http://session-<id>:<token>@<gateway>`). The site bans one proxy's address outright (403) and rate-limits every
+// other address (429 with Retry-After: 2 on every twentieth request from it). The gateway reports those, retries
+// elsewhere and waits out short cooldowns, so the crawl must fetch every page with a 200, never through a proxy while
+// it was cooling down for the site, and each session must keep its proxy unless a refusal moved it.
+
+import assert from 'node:assert/strict';
+import { mkdtemp, rm } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { test } from 'node:test';
+
+import { CheerioCrawler, Configuration, ProxyConfiguration, log } from '@crawlee/cheerio';
+
+import { DiscoveryClient } from '../dist/index.js';
+import { Site } from '../support/site.mjs';
+
+const URL_ = process.env.EGRESS_URL ?? '';
+const TOKEN = process.env.EGRESS_TOKEN ?? '';
+const GATEWAY = process.env.EGRESS_GATEWAY ?? '';
+const PAGES = 200;
+const RETRY_AFTER = 2;
+const skip = URL_ && GATEWAY ? false : 'needs a live operator and gateway: run through `cargo xtask test`';
+
+test('a plain crawlee crawl through the gateway fetches every page and sessions stick', { skip, timeout: 300_000 }, async () => {
+  const addresses = (await new DiscoveryClient(URL_, { token: TOKEN }).proxies()).map((p) => p.egressIP).sort();
+  assert.ok(new Set(addresses).size >= 3 && !addresses.includes(undefined), String(addresses));
+  const site = await new Site({ banned: addresses[0], pages: PAGES, retryAfter: RETRY_AFTER }).start();
+  const storage = await mkdtemp(path.join(tmpdir(), 'egress-crawlee-gateway-'));
+  log.setLevel(log.LEVELS.ERROR);
+  /** @type {{ url: string, status: number, session: string, proxy: string }[]} */
+  const pages = [];
+  try {
+    const crawler = new CheerioCrawler(
+      {
+        proxyConfiguration: new ProxyConfiguration({
+          newUrlFunction: (sessionId) => `http://session-${sessionId}:${TOKEN}@${GATEWAY}`,
+        }),
+        sessionPoolOptions: { maxPoolSize: 4 },
+        maxConcurrency: 8,
+        maxRequestsPerMinute: 1500,
+        requestHandler: async ({ request, response, session, enqueueLinks }) => {
+          pages.push({
+            url: request.url,
+            status: response.statusCode ?? 0,
+            session: session?.id ?? '',
+            proxy: String(response.headers['x-egress-proxy'] ?? ''),
+          });
+          await enqueueLinks({ selector: 'a' });
+        },
+      },
+      new Configuration({ persistStorage: false, storageClientOptions: { localDataDirectory: storage } }),
+    );
+    const finished = await crawler.run([site.url]);
+    assert.equal(finished.requestsFailed, 0, JSON.stringify(finished));
+  } finally {
+    await site.stop();
+    await rm(storage, { recursive: true, force: true });
+  }
+  const { log: requests, banned } = site;
+  const refusals = requests.filter(([, , , status]) => status === 403 || status === 429).length;
+  // Every page (and the index) was fetched, each with a 200.
+  assert.equal(new Set(pages.map((page) => page.url)).size, PAGES + 1, `${pages.length} pages`);
+  assert.ok(pages.every((page) => page.status === 200));
+  // No request reached the site through a proxy while it was cooling down for it: after the banned address's first
+  // 403 (plus a second for requests already in flight), and inside a throttle's Retry-After.
+  const bans = requests.filter(([, ip, , status]) => ip === banned && status === 403).map(([t]) => t);
+  const late = bans.length ? requests.filter(([t, ip]) => ip === banned && t > Math.min(...bans) + 1.0) : [];
+  const inside = [];
+  for (const address of new Set(requests.map(([, ip]) => ip).filter((ip) => ip !== banned))) {
+    const throttles = requests.filter(([, ip, , status]) => ip === address && status === 429).map(([t]) => t);
+    inside.push(...requests.filter(([t, ip]) => ip === address && throttles.some((at) => at + 1.0 < t && t < at + RETRY_AFTER - 0.2)));
+  }
+  // A session moves only when a refusal moves it: each (session, proxy) pair beyond one per session is a move.
+  const sessions = new Set(pages.map((page) => page.session));
+  const pairs = new Set(pages.map((page) => `${page.session} ${page.proxy}`));
+  const moves = pairs.size - sessions.size;
+  console.log(
+    `crawlee through the gateway: ${pages.length} pages, ${requests.length} requests at the site, ${refusals} refusals ` +
+      `(retried by the gateway), ${sessions.size} sessions on ${pairs.size} (session, proxy) pairs, ` +
+      `through a cooling proxy ${late.length + inside.length}`,
+  );
+  assert.equal(late.length, 0, `${late.length} requests through the banned proxy after its ban`);
+  assert.equal(inside.length, 0, `${inside.length} requests through a throttled proxy inside its Retry-After`);
+  assert.ok(refusals >= 2, 'the site refused some requests (a ban and throttles)');
+  assert.ok(pages.every((page) => page.proxy !== ''), 'every answer names its proxy (X-Egress-Proxy)');
+  assert.ok(moves <= refusals, `${moves} session moves for ${refusals} refusals: sessions do not stick`);
+  // Idle sessions let their leases go (the test gateway's stickiness is 3 s): the fleet is as the next test expects.
+  const client = new DiscoveryClient(URL_, { token: TOKEN });
+  const deadline = Date.now() + 30_000;
+  while ((await client.proxies()).some((proxy) => proxy.activeLeases > 0)) {
+    assert.ok(Date.now() < deadline, 'the gateway released its sessions\' leases once they idled');
+    await new Promise((resolve) => setTimeout(resolve, 250));
+  }
+});
