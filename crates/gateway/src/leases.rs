@@ -22,7 +22,7 @@ use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outc
 use percent_encoding::percent_decode_str;
 use tracing::{debug, info};
 
-use crate::route::{Outcome, RouteRequest, Router, Upstream, Verdict};
+use crate::route::{Outcome, Report, RouteRequest, Router, Upstream, Verdict};
 use crate::status::GatewayError;
 
 /// How the gateway leases.
@@ -269,6 +269,29 @@ impl Router for LeaseRouter {
         let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
         *lock(&session.last_used) = Instant::now();
         let mut held = session.held.lock().await;
+        if let Some(report) = request.report {
+            // The crawler saw a refusal the gateway could not (inside a tunnel): reported on the session's lease,
+            // which every session of the tenant then leaves for the site, and this request goes elsewhere.
+            (held.upstream, held.renewed) = (None, None);
+            if let Some(lease) = held.lease.take() {
+                drop(held);
+                let reported = match report {
+                    Report::Banned => Reported::Banned,
+                    Report::Throttled(retry_after) => Reported::Throttled { retry_after },
+                };
+                match lease.report(reported, None).await {
+                    Ok(until) => info!(
+                        proxy = %lease.proxy(),
+                        host = request.host,
+                        cooldown_until = until.as_deref().unwrap_or("-"),
+                        "reported the refusal the crawler saw"
+                    ),
+                    Err(error) => debug!(%error, "reporting the crawler's refusal failed"),
+                }
+                self.let_go(request.tenant, &lease).await;
+                held = session.held.lock().await;
+            }
+        }
         if let (Some(_), Some(upstream)) = (&held.lease, &held.upstream) {
             return Ok(upstream.clone());
         }

@@ -23,7 +23,9 @@ use hyper::body::Bytes;
 pub use leases::{LeaseRouter, LeaseRouterConfig};
 pub use metrics::GatewayMetrics;
 pub use options::{OptionError, Options};
-pub use route::{Authenticator, Outcome, RouteRequest, Router, StaticRouter, StaticTokens, Upstream, Verdict};
+pub use route::{
+    Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, StaticRouter, StaticTokens, Upstream, Verdict,
+};
 pub use server::{Gateway, GatewayLimits};
 pub use status::GatewayError;
 pub use tunnel::Buffers;

@@ -29,6 +29,47 @@ pub struct RouteRequest<'a> {
     pub options: &'a Options,
     /// A `CONNECT` tunnel (true) or a plain HTTP request.
     pub connect: bool,
+    /// What the crawler reports of its session's proxy with `X-Egress-Report` (a refusal the gateway could not see,
+    /// inside a tunnel): the router reports it and moves the session before routing this request.
+    pub report: Option<Report>,
+}
+
+/// The request header a crawler reports its session's proxy with: `banned`, or `throttled` with an optional
+/// `; retry-after=<seconds>`.
+pub const REPORT_HEADER: &str = "x-egress-report";
+
+/// A refusal the crawler saw through its session's proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// The site banned the proxy.
+    Banned,
+    /// The site throttled the proxy, to be left alone this long when it said.
+    Throttled(Option<Duration>),
+}
+
+impl Report {
+    /// Parses an `X-Egress-Report` value.
+    ///
+    /// # Errors
+    /// What is wrong with it, for a 400.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let mut parts = value.split(';').map(str::trim);
+        let outcome = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let mut retry_after = None;
+        for part in parts {
+            let seconds = part
+                .strip_prefix("retry-after=")
+                .and_then(|seconds| seconds.parse::<u64>().ok())
+                .filter(|seconds| (1..=86_400).contains(seconds))
+                .ok_or_else(|| format!("{REPORT_HEADER}: {part:?} is not retry-after=<seconds from 1 to 86400>"))?;
+            retry_after = Some(Duration::from_secs(seconds));
+        }
+        match outcome.as_str() {
+            "banned" if retry_after.is_none() => Ok(Self::Banned),
+            "throttled" => Ok(Self::Throttled(retry_after)),
+            _ => Err(format!("{REPORT_HEADER} is `banned` or `throttled[; retry-after=<seconds>]`, not {value:?}")),
+        }
+    }
 }
 
 impl fmt::Debug for RouteRequest<'_> {
@@ -39,6 +80,7 @@ impl fmt::Debug for RouteRequest<'_> {
             .field("port", &self.port)
             .field("options", &self.options)
             .field("connect", &self.connect)
+            .field("report", &self.report)
             .finish_non_exhaustive()
     }
 }

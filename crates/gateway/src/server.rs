@@ -34,12 +34,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
-use tracing::debug;
+use tracing::{Instrument, debug};
 
 use crate::Body;
 use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
-use crate::route::{Authenticator, Outcome, RouteRequest, Router, Upstream, Verdict};
+use crate::route::{Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, Upstream, Verdict};
 use crate::status::{GatewayError, full};
 use crate::tunnel::{Buffers, splice};
 
@@ -202,15 +202,36 @@ impl Gateway {
                 return error.response();
             }
         };
-        let who = Who { tenant: &tenant, token: &token, options: &options };
-        let result = if connect { self.tunnel(request, who).await } else { self.forward(request, who).await };
+        let report = match reported(request.headers(), &options) {
+            Ok(report) => report,
+            Err(error) => {
+                self.metrics.request(&tenant, connect, error.kind);
+                return error.response();
+            }
+        };
+        let who = Who { tenant: &tenant, token: &token, options: &options, report };
+        // One span per request (exported with the operator's OTLP settings): who, what, through which proxy, and how
+        // it ended. The host and the proxy are recorded once known.
+        let span = tracing::info_span!(
+            "gateway request",
+            tenant = %tenant,
+            kind = if connect { "connect" } else { "plain" },
+            host = tracing::field::Empty,
+            proxy = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
+        let result = async { if connect { self.tunnel(request, who).await } else { self.forward(request, who).await } }
+            .instrument(span.clone())
+            .await;
         match result {
             Ok(response) => {
+                span.record("status", response.status().as_u16());
                 self.metrics.request(&tenant, connect, status_class(response.status().as_u16()));
                 response
             }
             Err(error) => {
-                debug!(%error, "the gateway answered with an error");
+                span.record("status", error.status.as_u16());
+                span.in_scope(|| debug!(%error, "the gateway answered with an error"));
                 self.metrics.request(&tenant, connect, error.kind);
                 error.response()
             }
@@ -225,6 +246,7 @@ impl Gateway {
             .cloned()
             .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port, with a port from 1 to 65535"))?;
         let port = authority.port_u16().unwrap_or_default();
+        tracing::Span::current().record("host", authority.host());
         // The tunnel outlives the client connection's slot (which is given back once the connection is upgraded).
         let slot = self.slots.clone().try_acquire_owned().map_err(|_| {
             self.metrics.refused_connection();
@@ -237,8 +259,10 @@ impl Gateway {
             port,
             options: who.options,
             connect: true,
+            report: who.report,
         };
         let upstream = self.router.route(&route).await?;
+        tracing::Span::current().record("proxy", upstream.proxy.as_str());
         let opened =
             tokio::time::timeout(self.limits.connect_timeout, open_tunnel(&upstream, authority.as_str())).await;
         let (mut stream, leftover) = match opened {
@@ -299,6 +323,7 @@ impl Gateway {
         if uri.port_u16() == Some(0) {
             return Err(GatewayError::bad_request("the URL's port is 0"));
         }
+        tracing::Span::current().record("host", host);
         let route = RouteRequest {
             tenant: who.tenant,
             token: who.token,
@@ -306,9 +331,12 @@ impl Gateway {
             port: uri.port_u16().unwrap_or(80),
             options: who.options,
             connect: false,
+            report: who.report,
         };
         let (mut parts, body) = request.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        // The report is the gateway's to act on, not the site's to see.
+        parts.headers.remove(REPORT_HEADER);
         parts.version = Version::HTTP_11;
         // Tried again elsewhere only when sending it twice cannot do anything twice, and there is no body to keep.
         let retryable = self.limits.retries > 0 && is_idempotent(&parts.method) && body.is_end_stream();
@@ -348,6 +376,7 @@ impl Gateway {
         request: Request<Body>,
     ) -> Result<(Response<Body>, Verdict), GatewayError> {
         let route = *route;
+        tracing::Span::current().record("proxy", upstream.proxy.as_str());
         let client = self.client(&upstream);
         let answer =
             tokio::time::timeout(self.limits.connect_timeout.max(Duration::from_secs(60)), client.request(request))
@@ -406,6 +435,7 @@ struct Who<'a> {
     tenant: &'a str,
     token: &'a str,
     options: &'a Options,
+    report: Option<Report>,
 }
 
 /// An answer's body that keeps the router's hold until it is done.
@@ -457,6 +487,19 @@ fn credentials(headers: &HeaderMap, auth: &dyn Authenticator) -> Result<(String,
 }
 
 /// Removes the headers that belong to one hop: the standard ones and those `Connection` names.
+/// The `X-Egress-Report` of a request, which takes a session to report on.
+fn reported(headers: &HeaderMap, options: &Options) -> Result<Option<Report>, GatewayError> {
+    let Some(value) = headers.get(REPORT_HEADER) else { return Ok(None) };
+    let value = value.to_str().map_err(|_| GatewayError::bad_request(format!("{REPORT_HEADER} is not ASCII")))?;
+    let report = Report::parse(value).map_err(GatewayError::bad_request)?;
+    if options.session.is_none() {
+        return Err(GatewayError::bad_request(format!(
+            "{REPORT_HEADER} reports the proxy of a session: put session-<id> in the proxy user name"
+        )));
+    }
+    Ok(Some(report))
+}
+
 /// Whether sending a request with `method` twice has the effect of sending it once (RFC 9110, 9.2.2).
 fn is_idempotent(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE)

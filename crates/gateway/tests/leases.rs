@@ -206,3 +206,67 @@ async fn a_ban_moves_every_session_of_the_tenant_off_that_proxy_for_that_site() 
     assert_ne!(&proxy, shared, "{} went on through {shared}, cooling down for the site", sessions[1]);
     assert_eq!(origin.requests() - before, 1, "one request, through the other proxy");
 }
+
+/// Opens a CONNECT tunnel to `target` through the gateway as `user`, with `extra` header lines; returns the answer's
+/// head (the tunnel is closed when it returns).
+async fn connect(gateway: SocketAddr, target: SocketAddr, user: &str, extra: &str) -> String {
+    use base64::Engine;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{TOKEN}"));
+    let request =
+        format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n{extra}\r\n");
+    stream.write_all(request.as_bytes()).await.expect("CONNECT");
+    let mut head = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.expect("read") == 1 {
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().skip(1).find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        key.trim().eq_ignore_ascii_case(name).then(|| value.trim())
+    })
+}
+
+/// Inside a tunnel the gateway cannot see a ban; the crawler reports it with `X-Egress-Report` on its session's next
+/// request: the proxy cools down for the site in the store and the session (and this request) moves.
+#[tokio::test]
+async fn a_ban_reported_with_x_egress_report_moves_a_tunnelling_session() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let (gateway, _router) = gateway(discovery, vec![403], 0).await;
+    let target = origin.address();
+    let first = connect(gateway, target, "session-t1", "").await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    let banned = header(&first, "x-egress-proxy").expect("the proxy").to_owned();
+    let again = connect(gateway, target, "session-t1", "").await;
+    assert_eq!(header(&again, "x-egress-proxy"), Some(banned.as_str()), "the session sticks");
+
+    let moved = connect(gateway, target, "session-t1", "X-Egress-Report: banned\r\n").await;
+    assert!(moved.starts_with("HTTP/1.1 200"), "{moved}");
+    let now_on = header(&moved, "x-egress-proxy").expect("the proxy").to_owned();
+    assert_ne!(now_on, banned, "the reported session moves");
+    let id: ProxyId = banned.parse().expect("a proxy id");
+    assert!(!store.proxy_cooldowns(&id, std::time::SystemTime::now()).is_empty(), "{banned} cools down in the store");
+    let after = connect(gateway, target, "session-t1", "").await;
+    assert_eq!(header(&after, "x-egress-proxy"), Some(now_on.as_str()), "and sticks to its new proxy");
+
+    // A report needs a session to report on, and a value the gateway knows.
+    for (user, value, why) in [
+        ("", "banned", "put session-<id> in the proxy user name"),
+        ("session-t1", "blocked", "is `banned` or `throttled"),
+        ("session-t1", "throttled; retry-after=soon", "retry-after=<seconds"),
+    ] {
+        let refused = connect(gateway, target, user, &format!("X-Egress-Report: {value}\r\n")).await;
+        assert!(refused.starts_with("HTTP/1.1 400"), "{value}: {refused}");
+        assert!(header(&refused, "proxy-status").is_some_and(|status| status.contains(why)), "{value}: {refused}");
+    }
+}
