@@ -9,7 +9,10 @@
 //! the bytes per second of one tunnel carrying a large body. It prints requests/s, p50 and p99 per path, the ratios
 //! to direct Squid (goals: gateway ≥ 0.9 × direct and ≥ the chain), the p50 the gateway adds (goal ≤ 0.3 ms) and the
 //! tunnel's MB/s against direct (goal ≥ 0.9). Each phase runs for a fixed time, twice in alternation; the figures
-//! are the better of the two. Needs Squid (`cargo xtask test` installs it). `BENCH_GATEWAY_WORKERS` (default 2)
+//! are the better of the two. Last, the memory of idle tunnels: a gateway in a process of its own (this binary,
+//! started again) holds 9,000 CONNECT tunnels to a minimal upstream in this process, and its RSS growth per tunnel is
+//! printed (goal ≤ 16 KiB; 9,000 because this machine allows 20,000 open files per process and a tunnel takes two
+//! in the gateway). Needs Squid (`cargo xtask test` installs it). `BENCH_GATEWAY_WORKERS` (default 2)
 //! sets the gateway runtime's worker threads and `BENCH_TUNNEL_BUFFER` (default 65536) the buffer a streaming
 //! tunnel reads into per direction, to measure those choices.
 
@@ -92,7 +95,7 @@ fn chunks(
 }
 
 /// The gateway in front of `squid`, on its own runtime of `workers` threads.
-fn gateway(squid: SocketAddr, workers: usize, large_buffer: usize) -> SocketAddr {
+fn gateway(squid: SocketAddr, workers: usize, limits: GatewayLimits) -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gateway");
     let address = listener.local_addr().expect("address");
     listener.set_nonblocking(true).expect("nonblocking");
@@ -102,14 +105,7 @@ fn gateway(squid: SocketAddr, workers: usize, large_buffer: usize) -> SocketAddr
         runtime.block_on(async move {
             let listener = TcpListener::from_std(listener).expect("listener");
             let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
-            let gateway = Gateway::new(
-                Arc::new(router),
-                Arc::new(StaticTokens::new().with(TOKEN, "bench")),
-                GatewayLimits {
-                    tunnel_buffers: Buffers { large: large_buffer, ..Buffers::default() },
-                    ..GatewayLimits::default()
-                },
-            );
+            let gateway = Gateway::new(Arc::new(router), Arc::new(StaticTokens::new().with(TOKEN, "bench")), limits);
             gateway.serve(listener, std::future::pending()).await.expect("serve");
         });
     });
@@ -245,8 +241,128 @@ fn better(a: Figures, b: Figures) -> Figures {
     Figures { rate: a.rate.max(b.rate), p50: a.p50.min(b.p50), p99: a.p99.min(b.p99) }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+/// How many idle tunnels the memory phase holds: as many as this machine allows, whose limit of 20,000 open files
+/// per process (which root cannot raise here) leaves the gateway, with two sockets per tunnel, room for 9,000.
+const IDLE_TUNNELS: usize = 9_000;
+
+/// The environment variable that makes this binary the gateway of the memory phase, in front of the upstream it
+/// names: it prints `listening <address>`, then answers each line on its input with `rss <bytes>`.
+const IDLE_GATEWAY: &str = "BENCH_IDLE_GATEWAY_UPSTREAM";
+
+/// A minimal upstream proxy on its own thread: answers every `CONNECT` with 200 and holds the connection, idle,
+/// until the client closes it.
+fn idle_upstream() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the upstream");
+    let address = listener.local_addr().expect("address");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(listener).expect("listener");
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else { continue };
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut byte = [0_u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if stream.read(&mut byte).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    if stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.is_err() {
+                        return;
+                    }
+                    let _ = stream.read(&mut byte).await;
+                });
+            }
+        });
+    });
+    address
+}
+
+/// This process's resident set, in bytes.
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|pages| pages.parse().ok()).expect("resident pages");
+    pages * 4096
+}
+
+/// The memory phase's gateway process: a gateway (two worker threads, as in the throughput phases) in front of
+/// `upstream`, reporting its own RSS on request.
+fn idle_gateway(upstream: SocketAddr) {
+    use std::io::BufRead;
+    let limits = GatewayLimits { max_connections: IDLE_TUNNELS * 2, ..GatewayLimits::default() };
+    println!("listening {}", gateway(upstream, 2, limits));
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            return;
+        }
+        println!("rss {}", rss());
+    }
+}
+
+/// Opens `IDLE_TUNNELS` tunnels through a gateway process of its own to an idle upstream in this one, and prints
+/// the gateway's RSS growth per tunnel.
+async fn idle_tunnel_memory() {
+    use std::io::{BufRead, Write};
+    let upstream = idle_upstream();
+    let mut child = std::process::Command::new(std::env::current_exe().expect("this binary"))
+        .env(IDLE_GATEWAY, upstream.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the gateway process");
+    let mut input = child.stdin.take().expect("its input");
+    let mut output = std::io::BufReader::new(child.stdout.take().expect("its output")).lines();
+    let mut next = move || output.next().and_then(Result::ok).unwrap_or_default();
+    let proxy: SocketAddr =
+        next().strip_prefix("listening ").and_then(|address| address.parse().ok()).expect("address");
+    let mut gateway_rss = move || -> u64 {
+        writeln!(input, "rss").expect("ask");
+        next().strip_prefix("rss ").and_then(|bytes| bytes.parse().ok()).expect("an RSS")
+    };
+    // Idle, but warm: one tunnel opened and closed first.
+    drop(tunnel(proxy, upstream).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = gateway_rss();
+    let mut held = Vec::with_capacity(IDLE_TUNNELS);
+    while held.len() < IDLE_TUNNELS {
+        let batch = (IDLE_TUNNELS - held.len()).min(256);
+        let opening: Vec<_> = (0..batch).map(|_| tokio::spawn(tunnel(proxy, upstream))).collect();
+        for handle in opening {
+            held.push(handle.await.expect("a tunnel"));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let loaded = gateway_rss();
+    let per_tunnel = loaded.saturating_sub(idle) as f64 / IDLE_TUNNELS as f64 / 1024.0;
+    println!(
+        "{IDLE_TUNNELS} idle tunnels: gateway RSS {:.1} MiB idle, {:.1} MiB with them open: {per_tunnel:.1} KiB per \
+         tunnel (goal <= 16)",
+        idle as f64 / 1048576.0,
+        loaded as f64 / 1048576.0
+    );
+    drop(held);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn main() {
+    if let Some(upstream) = std::env::var(IDLE_GATEWAY).ok().and_then(|address| address.parse().ok()) {
+        idle_gateway(upstream);
+        return;
+    }
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("the runtime");
+    runtime.block_on(async {
+        throughput().await;
+        idle_tunnel_memory().await;
+    });
+}
+
+/// The throughput and latency phases.
+async fn throughput() {
     let origin = origin();
     let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
     let chained = Squid::start(SquidOptions { parent: Some(squid.address()), ..SquidOptions::default() })
@@ -256,7 +372,9 @@ async fn main() {
         |name: &str, default: usize| std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default);
     let (workers, buffer) =
         (setting("BENCH_GATEWAY_WORKERS", 2), setting("BENCH_TUNNEL_BUFFER", Buffers::default().large));
-    let gateway = gateway(squid.address(), workers, buffer);
+    let limits =
+        GatewayLimits { tunnel_buffers: Buffers { large: buffer, ..Buffers::default() }, ..GatewayLimits::default() };
+    let gateway = gateway(squid.address(), workers, limits);
     println!(
         "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice; \
          the gateway on {workers} worker thread(s), tunnel buffers up to {buffer} bytes"
