@@ -204,6 +204,7 @@ async fn refusals_carry_their_status_and_proxy_status() {
     let url = origin.url();
     let (plain, connect) = ("GET", "CONNECT");
     let target = origin.address().to_string();
+    let long_session = format!("session-{}", "s".repeat(129));
     let cases = [
         Case {
             name: "no credentials",
@@ -306,6 +307,18 @@ async fn refusals_carry_their_status_and_proxy_status() {
         ("an option without a dash", "GET", url.as_str(), "session", 400, "http_request_error"),
         ("a trailing comma", "GET", url.as_str(), "session-a,", 400, "http_request_error"),
         ("a session given twice", "CONNECT", target.as_str(), "session-a,session-b", 400, "http_request_error"),
+        ("a session with a slash", "GET", url.as_str(), "session-a/b", 400, "http_request_error"),
+        ("a session of 129 characters", "GET", url.as_str(), &long_session, 400, "http_request_error"),
+        ("sticky 0", "GET", url.as_str(), "session-a,sticky-0", 400, "http_request_error"),
+        ("sticky over a day", "GET", url.as_str(), "session-a,sticky-86401", 400, "http_request_error"),
+        ("sticky not a number", "GET", url.as_str(), "session-a,sticky-1m", 400, "http_request_error"),
+        ("a pool of three parts", "GET", url.as_str(), "pool-a.b.c", 400, "http_request_error"),
+        ("a zone that is no label value", "GET", url.as_str(), "zone-eu west", 400, "http_request_error"),
+        ("a zone given twice", "GET", url.as_str(), "zone-a,zone-b", 400, "http_request_error"),
+        ("a label without a key", "GET", url.as_str(), "label-=x", 400, "http_request_error"),
+        ("an empty option", "GET", url.as_str(), "session-a,,pool-p", 400, "http_request_error"),
+        ("an option with an empty value", "GET", url.as_str(), "session-", 400, "http_request_error"),
+        ("an empty host", "GET", "http://:80/", "", 400, "http_request_error"),
     ];
     for (name, method, target, user, status, kind) in more {
         let answer = through_proxy(gateway, method, target, Some((user, TOKEN)))
@@ -316,7 +329,32 @@ async fn refusals_carry_their_status_and_proxy_status() {
             answer.header("proxy-status").unwrap_or_else(|| panic!("{name}: no Proxy-Status in {}", answer.head));
         assert!(proxy_status.contains(&format!("error={kind}")), "{name}: {proxy_status}");
     }
+    // Credentials that are not Basic user:password.
+    for (name, authorization) in [
+        ("a Bearer token", "Bearer t0ken".to_owned()),
+        ("Basic that is not base64", "Basic !!!".to_owned()),
+        ("Basic without a colon", format!("Basic {}", base64_encode(TOKEN))),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
+        stream
+            .write_all(
+                format!("GET {url} HTTP/1.1\r\nHost: x\r\nProxy-Authorization: {authorization}\r\n\r\n").as_bytes(),
+            )
+            .await
+            .expect("request");
+        let head = read_head(&mut stream).await;
+        assert!(head.starts_with("HTTP/1.1 407"), "{name}: {head}");
+        assert!(
+            head.to_ascii_lowercase().contains("proxy-status: egress-gateway; error=http_request_denied"),
+            "{name}"
+        );
+    }
     assert_eq!(origin.requests(), 0, "no refused request reached the origin");
+}
+
+fn base64_encode(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
 }
 
 /// One refused request and what the gateway must answer.
