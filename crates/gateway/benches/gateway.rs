@@ -37,9 +37,14 @@ const TOKEN: &str = "bench-token";
 const PAGE: &[u8] = &[b'x'; 1024];
 const LARGE: u64 = 256 * 1024 * 1024;
 
-/// A keep-alive origin on its own thread: `/` answers a 1 KiB page, `/large` 256 MiB.
-fn origin() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the origin");
+/// Accepts connections on a loopback port with a runtime of its own on its own thread, each handled by `handle`
+/// in a task of its own; returns the port's address.
+fn serve_on_own_thread<F, Fut>(handle: F) -> SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("address");
     listener.set_nonblocking(true).expect("nonblocking");
     std::thread::spawn(move || {
@@ -48,28 +53,29 @@ fn origin() -> SocketAddr {
             let listener = TcpListener::from_std(listener).expect("listener");
             loop {
                 let Ok((stream, _)) = listener.accept().await else { continue };
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(async move {
-                    let service = service_fn(|request: hyper::Request<Incoming>| async move {
-                        let body: http_body_util::combinators::BoxBody<Bytes, Infallible> =
-                            if request.uri().path() == "/large" {
-                                let chunk = Bytes::from(vec![b'y'; 64 * 1024]);
-                                let count = (LARGE / chunk.len() as u64) as usize;
-                                let stream = chunks(chunk, count);
-                                StreamBody::new(stream).boxed()
-                            } else {
-                                Full::new(Bytes::from_static(PAGE)).boxed()
-                            };
-                        Ok::<_, Infallible>(hyper::Response::new(body))
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
+                tokio::spawn(handle(stream));
             }
         });
     });
     address
+}
+
+/// A keep-alive origin on its own thread: `/` answers a 1 KiB page, `/large` 256 MiB.
+fn origin() -> SocketAddr {
+    serve_on_own_thread(|stream| async move {
+        let _ = stream.set_nodelay(true);
+        let service = service_fn(|request: hyper::Request<Incoming>| async move {
+            let body: http_body_util::combinators::BoxBody<Bytes, Infallible> = if request.uri().path() == "/large" {
+                let chunk = Bytes::from(vec![b'y'; 64 * 1024]);
+                let count = (LARGE / chunk.len() as u64) as usize;
+                StreamBody::new(chunks(chunk, count)).boxed()
+            } else {
+                Full::new(Bytes::from_static(PAGE)).boxed()
+            };
+            Ok::<_, Infallible>(hyper::Response::new(body))
+        });
+        let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+    })
 }
 
 /// `count` frames of `chunk`, as a stream.
@@ -252,33 +258,20 @@ const IDLE_GATEWAY: &str = "BENCH_IDLE_GATEWAY_UPSTREAM";
 /// A minimal upstream proxy on its own thread: answers every `CONNECT` with 200 and holds the connection, idle,
 /// until the client closes it.
 fn idle_upstream() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the upstream");
-    let address = listener.local_addr().expect("address");
-    listener.set_nonblocking(true).expect("nonblocking");
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        runtime.block_on(async move {
-            let listener = TcpListener::from_std(listener).expect("listener");
-            loop {
-                let Ok((mut stream, _)) = listener.accept().await else { continue };
-                tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut byte = [0_u8; 1];
-                    while !head.ends_with(b"\r\n\r\n") {
-                        if stream.read(&mut byte).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        head.push(byte[0]);
-                    }
-                    if stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.is_err() {
-                        return;
-                    }
-                    let _ = stream.read(&mut byte).await;
-                });
+    serve_on_own_thread(|mut stream| async move {
+        let mut head = Vec::new();
+        let mut byte = [0_u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if stream.read(&mut byte).await.unwrap_or(0) == 0 {
+                return;
             }
-        });
-    });
-    address
+            head.push(byte[0]);
+        }
+        if stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.is_err() {
+            return;
+        }
+        let _ = stream.read(&mut byte).await;
+    })
 }
 
 /// This process's resident set, in bytes.

@@ -44,16 +44,8 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     assert_eq!(answer.body, squid.address().ip().to_string());
 
     // A tunnel: CONNECT, then a request inside it.
-    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
-    let auth = base64_basic("", TOKEN);
     let target = origin.address();
-    stream
-        .write_all(
-            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
-        )
-        .await
-        .expect("CONNECT");
-    let head = read_head(&mut stream).await;
+    let (mut stream, head) = open_tunnel(gateway, target).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.to_ascii_lowercase().contains("x-egress-proxy: crawl/squid-1"), "{head}");
     stream.write_all(format!("GET /ip HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes()).await.expect("GET inside");
