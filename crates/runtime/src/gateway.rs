@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::flags::parse_duration;
+use crate::durations::parse_duration;
 use crate::telemetry::LogFormat;
 
 /// Flags of `egress-operator gateway` (each with an environment fallback).
@@ -296,7 +296,7 @@ impl Authenticator for LeaseTokens {
 /// # Errors
 /// The tokens file cannot be read, or an address cannot be bound.
 pub async fn run(settings: GatewaySettings) -> Result<()> {
-    run_until(settings, crate::run::shutdown_signal()).await
+    run_until(settings, crate::serving::shutdown_signal()).await
 }
 
 /// As [`run`], stopping when `stop` resolves instead of on a signal.
@@ -332,7 +332,7 @@ pub async fn run_until(settings: GatewaySettings, stop: impl Future<Output = ()>
     );
     let mut servers = Vec::new();
     for (name, address, router) in [
-        ("metrics", settings.metrics_addr, crate::run::metrics_router(registry)),
+        ("metrics", settings.metrics_addr, crate::serving::metrics_router(registry)),
         ("health", settings.health_addr, health),
     ] {
         let listener =
@@ -346,7 +346,7 @@ pub async fn run_until(settings: GatewaySettings, stop: impl Future<Output = ()>
                 ServerLimits::default(),
                 name,
                 metrics,
-                crate::run::until_true(stop),
+                crate::serving::until_true(stop),
             )
             .await
             {

@@ -9,6 +9,7 @@
 
 mod discovery_feed;
 pub mod durable;
+mod durations;
 pub mod election;
 mod flags;
 pub mod gateway;
@@ -16,6 +17,7 @@ mod handoff;
 mod providers;
 pub mod role_label;
 mod run;
+mod serving;
 mod telemetry;
 
 use std::process::ExitCode;

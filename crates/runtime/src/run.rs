@@ -32,6 +32,7 @@ use tracing::{info, warn};
 
 use crate::discovery_feed::{DiscoverySignals, PoolWakes, run_discovery_feed};
 use crate::flags::Settings;
+use crate::serving::{metrics_router, shutdown_signal, until_true};
 
 /// A new target's first probe starts within this window (jittered), not within a whole interval: a new Proxy, or
 /// every Proxy after a restart or a change of leader, is looked at within seconds, spread out.
@@ -66,26 +67,6 @@ fn pool_triggers(
             }
         }
     })
-}
-
-/// Resolves when `flag` becomes true (or its sender is gone).
-pub(crate) async fn until_true(mut flag: watch::Receiver<bool>) {
-    let _ = flag.wait_for(|value| *value).await;
-}
-
-pub(crate) async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => info!("interrupted; shutting down"),
-        () = terminate => info!("SIGTERM; shutting down"),
-    }
 }
 
 /// Runs the operator with `settings` until SIGTERM (or Ctrl-C), then shuts down in order.
@@ -395,24 +376,6 @@ fn election_identity(pod_name: Option<String>) -> String {
     let nanos =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.subsec_nanos());
     format!("{base}_{:08x}", nanos ^ std::process::id().rotate_left(16))
-}
-
-/// `/metrics`: `registry` in the OpenMetrics text format.
-pub(crate) fn metrics_router(registry: Arc<Registry>) -> Router {
-    Router::new().route(
-        "/metrics",
-        get(move || {
-            let registry = registry.clone();
-            async move {
-                let mut text = String::new();
-                match prometheus_client::encoding::text::encode(&mut text, &registry) {
-                    Ok(()) => ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
-                        .into_response(),
-                    Err(error) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
-                }
-            }
-        }),
-    )
 }
 
 /// Serves /metrics, /livez and /readyz, and the discovery API; each stops gracefully on `stop`.
