@@ -1915,7 +1915,11 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
     // New requests for 10 s: one may meet the dead replica (the connection is refused, and a crawler retries it)
     // until the container is restarted or its endpoint goes; after that bound every request succeeds.
     let (mut failed, mut succeeded, mut last_failure) = (0, 0, None);
+    // A crawler's pace: a request every 100 ms.
+    let mut pace = tokio::time::interval(Duration::from_millis(100));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while killed.elapsed() < Duration::from_secs(10) {
+        pace.tick().await;
         match through_gateway(gateway, &url, &user(0)).await {
             Ok((_, proxy)) => {
                 assert_eq!(proxy, sticky[&0], "session 0 moved after a replica died");
@@ -1926,7 +1930,6 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
                 last_failure = Some(killed.elapsed());
             }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!(
         "e2e: a gateway replica SIGKILLed: {succeeded} requests succeeded, {failed} failed, the last failure \
@@ -1950,7 +1953,11 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
         (result, started.elapsed())
     });
     let mut requests = 0;
+    // The four sessions crawl at a pace of a round every 250 ms.
+    let mut pace = tokio::time::interval(Duration::from_millis(250));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while killed.elapsed() < Duration::from_secs(20) {
+        pace.tick().await;
         for session in 0..4 {
             let (_, proxy) = eventually_every(
                 "a GET of a session through the gateway",
@@ -1966,7 +1973,6 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
             assert_eq!(proxy, sticky[&session], "session {session} moved while the leader died");
             requests += 1;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let (result, took) = fresh.await.expect("the new session's request");
     assert!(result.is_ok(), "a new session's first request during the failover: {result:?}");
