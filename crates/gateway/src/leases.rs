@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported};
 use percent_encoding::percent_decode_str;
+use tokio::sync::watch;
 use tracing::{debug, info};
 
 use crate::route::{Outcome, Report, RouteRequest, Router, Upstream, Verdict};
@@ -77,6 +78,29 @@ struct Held {
     lease: Option<LeaseGuard>,
     upstream: Option<Upstream>,
     renewed: Option<Instant>,
+    /// Revokes the upstream handed out for the lease, closing the session's tunnels through it.
+    revoke: Option<watch::Sender<bool>>,
+}
+
+impl Held {
+    /// Holds `lease` through `upstream`, which is handed out with a revocation the hold can fire.
+    fn hold(&mut self, lease: LeaseGuard, mut upstream: Upstream) -> Upstream {
+        let (revoke, revoked) = watch::channel(false);
+        upstream.revoked = Some(revoked);
+        (self.lease, self.upstream, self.renewed, self.revoke) =
+            (Some(lease), Some(upstream.clone()), Some(Instant::now()), Some(revoke));
+        upstream
+    }
+
+    /// Lets the proxy go because the site refused it: the session's tunnels through it close, and its next request
+    /// leases again. Returns the lease, to report on.
+    fn leave(&mut self) -> Option<LeaseGuard> {
+        if let Some(revoke) = self.revoke.take() {
+            revoke.send_replace(true);
+        }
+        (self.upstream, self.renewed) = (None, None);
+        self.lease.take()
+    }
 }
 
 struct Session {
@@ -201,13 +225,48 @@ impl LeaseRouter {
                         || blocked.egress_ip().is_some_and(|egress| lease.egress_ip() == Some(egress)))
             });
             if same {
-                (held.lease, held.upstream, held.renewed) = (None, None, None);
+                held.leave();
                 moved += 1;
             }
         }
         if moved > 0 {
             debug!(proxy = %blocked.proxy(), target = blocked.target(), moved, "sessions let go of a proxy cooling down");
         }
+    }
+
+    /// Reports `report` on the proxy `session` holds for the request's site, and lets every session of the tenant go
+    /// of it. A session this replica holds no lease for (its requests went through another replica, or it idled
+    /// past its stickiness here) leases one first: the store gives a session the proxy it holds, whichever replica
+    /// leased it. Returns the proxy reported.
+    async fn report_session(
+        &self,
+        request: &RouteRequest<'_>,
+        session: &Session,
+        report: Report,
+    ) -> Result<String, GatewayError> {
+        let held = session.held.lock().await.leave();
+        let lease = match held {
+            Some(lease) => lease,
+            None => self.lease(request).await?.0,
+        };
+        let reported = match report {
+            Report::Banned => Reported::Banned,
+            Report::Throttled(retry_after) => Reported::Throttled { retry_after },
+        };
+        match lease.report(reported, None).await {
+            Ok(until) => info!(
+                proxy = %lease.proxy(),
+                host = request.host,
+                cooldown_until = until.as_deref().unwrap_or("-"),
+                "reported the refusal the crawler saw"
+            ),
+            Err(error) => {
+                self.let_go(request.tenant, &lease).await;
+                return Err(GatewayError::discovery(format!("reporting the refusal failed: {error}")));
+            }
+        }
+        self.let_go(request.tenant, &lease).await;
+        Ok(lease.proxy().to_string())
     }
 
     /// Renews the leases sessions use and releases the ones idle past their stickiness.
@@ -235,13 +294,16 @@ impl LeaseRouter {
                 Ok(replaced) => {
                     if replaced {
                         info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
-                        held.upstream = upstream_of(lease).ok();
+                        held.upstream = upstream_of(lease).ok().map(|mut upstream| {
+                            upstream.revoked = held.revoke.as_ref().map(watch::Sender::subscribe);
+                            upstream
+                        });
                     }
                     held.renewed = Some(Instant::now());
                 }
                 Err(error) => {
                     debug!(%error, "renewing a session's lease failed; the next request leases again");
-                    (held.lease, held.upstream, held.renewed) = (None, None, None);
+                    *held = Held::default();
                 }
             }
         }
@@ -268,38 +330,25 @@ impl Router for LeaseRouter {
         };
         let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
         *lock(&session.last_used) = Instant::now();
-        let mut held = session.held.lock().await;
         if let Some(report) = request.report {
             // The crawler saw a refusal the gateway could not (inside a tunnel): reported on the session's lease,
             // which every session of the tenant then leaves for the site, and this request goes elsewhere.
-            (held.upstream, held.renewed) = (None, None);
-            if let Some(lease) = held.lease.take() {
-                drop(held);
-                let reported = match report {
-                    Report::Banned => Reported::Banned,
-                    Report::Throttled(retry_after) => Reported::Throttled { retry_after },
-                };
-                match lease.report(reported, None).await {
-                    Ok(until) => info!(
-                        proxy = %lease.proxy(),
-                        host = request.host,
-                        cooldown_until = until.as_deref().unwrap_or("-"),
-                        "reported the refusal the crawler saw"
-                    ),
-                    Err(error) => debug!(%error, "reporting the crawler's refusal failed"),
-                }
-                self.let_go(request.tenant, &lease).await;
-                held = session.held.lock().await;
-            }
+            self.report_session(request, &session, report).await?;
         }
+        let mut held = session.held.lock().await;
         if let (Some(_), Some(upstream)) = (&held.lease, &held.upstream) {
             return Ok(upstream.clone());
         }
         let (lease, upstream) = self.lease(request).await?;
-        held.lease = Some(lease);
-        held.upstream = Some(upstream.clone());
-        held.renewed = Some(Instant::now());
-        Ok(upstream)
+        Ok(held.hold(lease, upstream))
+    }
+
+    async fn report(&self, request: &RouteRequest<'_>, report: Report) -> Result<String, GatewayError> {
+        let key = self.session_key(request).ok_or_else(|| {
+            GatewayError::bad_request("a report is on a session's proxy: put session-<id> in the proxy user name")
+        })?;
+        let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
+        self.report_session(request, &session, report).await
     }
 
     async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
@@ -317,12 +366,8 @@ impl Router for LeaseRouter {
             (None, Some(key)) => {
                 let session = lock(&self.sessions).get(&key).cloned();
                 match session {
-                    Some(session) => {
-                        let mut held = session.held.lock().await;
-                        // The session lets go of this proxy: the next request leases again, elsewhere.
-                        held.upstream = None;
-                        held.lease.take().map(Arc::new)
-                    }
+                    // The session lets go of this proxy: the next request leases again, elsewhere.
+                    Some(session) => session.held.lock().await.leave().map(Arc::new),
                     None => None,
                 }
             }

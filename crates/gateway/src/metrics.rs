@@ -1,7 +1,7 @@
 //! Gateway metrics, per tenant (a bounded set: the tenants the token file names; a refused credential counts under
-//! no tenant): requests by kind (`plain`, `connect`) and result (`2xx`…`5xx` for answers passed on, `refused` for
+//! no tenant): requests by kind (`plain`, `connect`, `report`) and result (`2xx`…`5xx` for answers passed on, `refused` for
 //! the gateway's own errors by their `Proxy-Status` error type), retries after a site blocked a proxy, bytes through
-//! tunnels each way, tunnels open, and connections and tunnels refused at the cap.
+//! tunnels each way, tunnels open and closed after a refusal, and connections and tunnels refused at the cap.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -30,6 +30,7 @@ pub struct GatewayMetrics {
     open_tunnels: Gauge,
     refused_connections: Counter,
     retries: Family<TenantLabels, Counter>,
+    revoked_tunnels: Family<TenantLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -59,6 +60,11 @@ impl GatewayMetrics {
             metrics.retries.clone(),
         );
         registry.register(
+            "revoked_tunnels",
+            "CONNECT tunnels closed by the gateway because the site refused their proxy (a ban or throttle reported)",
+            metrics.revoked_tunnels.clone(),
+        );
+        registry.register(
             "refused_connections",
             "Connections closed as soon as they were accepted, at the connection cap",
             metrics.refused_connections.clone(),
@@ -66,9 +72,9 @@ impl GatewayMetrics {
         metrics
     }
 
-    /// One request answered: `result` is the status class passed on, or the gateway's error type.
-    pub(crate) fn request(&self, tenant: &str, connect: bool, result: &'static str) {
-        let kind = if connect { "connect" } else { "plain" };
+    /// One request answered: `kind` is `plain`, `connect` or `report`; `result` the status class passed on, or the
+    /// gateway's error type.
+    pub(crate) fn request(&self, tenant: &str, kind: &'static str, result: &'static str) {
         self.requests.get_or_create(&RequestLabels { tenant: tenant.to_owned(), kind, result }).inc();
     }
 
@@ -96,6 +102,11 @@ pub(crate) struct TunnelGauge {
 }
 
 impl TunnelGauge {
+    /// The gateway closed the tunnel: the site refused its proxy.
+    pub(crate) fn revoked(&self) {
+        self.metrics.revoked_tunnels.get_or_create(&TenantLabels { tenant: self.tenant.clone() }).inc();
+    }
+
     /// The bytes the tunnel carried, counted when it is dropped.
     pub(crate) fn carried(&mut self, up: u64, down: u64) {
         (self.up, self.down) = (up, down);

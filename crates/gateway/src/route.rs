@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use base64::Engine;
 use http::{HeaderValue, StatusCode};
+use tokio::sync::watch;
 
 use crate::options::Options;
 use crate::status::GatewayError;
@@ -99,6 +100,9 @@ pub struct Upstream {
     /// Whatever the router wants kept until the request's answer (or its tunnel) ends, such as a lease of the
     /// request's own, released when this is dropped.
     pub hold: Option<Arc<dyn Any + Send + Sync>>,
+    /// Turns `true` when the router takes this upstream back from the site (it now cools down for it): a tunnel
+    /// through it closes then, so a crawler's kept-alive tunnel cannot go on reaching the site through a banned proxy.
+    pub revoked: Option<watch::Receiver<bool>>,
 }
 
 impl fmt::Debug for Upstream {
@@ -122,7 +126,18 @@ impl Upstream {
             value.set_sensitive(true);
             Some(value)
         });
-        Self { address: address.into(), authorization, proxy: proxy.into(), lease: None, hold: None }
+        Self { address: address.into(), authorization, proxy: proxy.into(), lease: None, hold: None, revoked: None }
+    }
+
+    /// Resolves once the router has taken this upstream back; never when it cannot (no [`Upstream::revoked`], or
+    /// its sender gone without revoking).
+    pub async fn revocation(&self) {
+        if let Some(mut revoked) = self.revoked.clone()
+            && revoked.wait_for(|revoked| *revoked).await.is_ok()
+        {
+            return;
+        }
+        std::future::pending().await
     }
 }
 
@@ -161,6 +176,16 @@ pub trait Router: Send + Sync + 'static {
     async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
         let _ = (request, upstream, outcome);
         Verdict::Accepted
+    }
+
+    /// Reports `report` on the proxy the session of `request` holds for its site, without routing anything through
+    /// it (`POST /report` on the gateway); returns that proxy (`namespace/name`).
+    ///
+    /// # Errors
+    /// The router keeps no sessions, or the session's proxy cannot be found or reported.
+    async fn report(&self, request: &RouteRequest<'_>, report: Report) -> Result<String, GatewayError> {
+        let _ = (request, report);
+        Err(GatewayError::bad_request("this gateway routes every request to one proxy: there is nothing to report"))
     }
 }
 

@@ -49,6 +49,9 @@ pub const PROXY_HEADER: &str = "x-egress-proxy";
 /// The answer header naming the lease a request went under.
 pub const LEASE_HEADER: &str = "x-egress-lease";
 
+/// The path of the gateway's own report endpoint.
+pub const REPORT_PATH: &str = "/report";
+
 /// The longest answer head an upstream may send to a `CONNECT`.
 const MAX_CONNECT_ANSWER: usize = 8192;
 
@@ -195,17 +198,25 @@ impl Gateway {
     /// Answers one request: the upstream's answer, or the gateway's own error.
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
         let connect = request.method() == Method::CONNECT;
+        let own = !connect && request.uri().scheme().is_none() && request.uri().authority().is_none();
+        let kind = if connect {
+            "connect"
+        } else if own {
+            "report"
+        } else {
+            "plain"
+        };
         let (tenant, token, options) = match credentials(request.headers(), self.auth.as_ref()) {
             Ok(found) => found,
             Err(error) => {
-                self.metrics.request("", connect, error.kind);
+                self.metrics.request("", kind, error.kind);
                 return error.response();
             }
         };
         let report = match reported(request.headers(), &options) {
             Ok(report) => report,
             Err(error) => {
-                self.metrics.request(&tenant, connect, error.kind);
+                self.metrics.request(&tenant, kind, error.kind);
                 return error.response();
             }
         };
@@ -215,24 +226,32 @@ impl Gateway {
         let span = tracing::info_span!(
             "gateway request",
             tenant = %tenant,
-            kind = if connect { "connect" } else { "plain" },
+            kind,
             host = tracing::field::Empty,
             proxy = tracing::field::Empty,
             status = tracing::field::Empty,
         );
-        let result = async { if connect { self.tunnel(request, who).await } else { self.forward(request, who).await } }
+        let result = async {
+            if connect {
+                self.tunnel(request, who).await
+            } else if own {
+                self.own(&request, who).await
+            } else {
+                self.forward(request, who).await
+            }
+        }
             .instrument(span.clone())
             .await;
         match result {
             Ok(response) => {
                 span.record("status", response.status().as_u16());
-                self.metrics.request(&tenant, connect, status_class(response.status().as_u16()));
+                self.metrics.request(&tenant, kind, status_class(response.status().as_u16()));
                 response
             }
             Err(error) => {
                 span.record("status", error.status.as_u16());
                 span.in_scope(|| debug!(%error, "the gateway answered with an error"));
-                self.metrics.request(&tenant, connect, error.kind);
+                self.metrics.request(&tenant, kind, error.kind);
                 error.response()
             }
         }
@@ -284,6 +303,7 @@ impl Gateway {
         let upgrade = hyper::upgrade::on(request);
         // Kept until the tunnel closes (a lease of the tunnel's own is released then).
         let hold = upstream.hold.clone();
+        let revoked = upstream.clone();
         let mut gauge = self.metrics.tunnel(who.tenant);
         tokio::spawn(async move {
             let _hold = hold;
@@ -299,13 +319,58 @@ impl Gateway {
             if !leftover.is_empty() && client.write_all(&leftover).await.is_err() {
                 return;
             }
-            match splice(&mut client, &mut stream, buffers).await {
-                Ok((up, down)) => gauge.carried(up, down),
-                Err(error) => debug!(%error, "tunnel ended with an error"),
+            tokio::select! {
+                copied = splice(&mut client, &mut stream, buffers) => match copied {
+                    Ok((up, down)) => gauge.carried(up, down),
+                    Err(error) => debug!(%error, "tunnel ended with an error"),
+                },
+                () = revoked.revocation() => {
+                    debug!(proxy = %revoked.proxy, "closing a tunnel: its proxy was refused by the site");
+                    gauge.revoked();
+                }
             }
         });
         let mut response = Response::new(full(Bytes::new()));
         identify(response.headers_mut(), &upstream);
+        Ok(response)
+    }
+
+    /// A request to the gateway itself (origin form): `POST /report?target=<host>` with `X-Egress-Report`, which
+    /// reports the session's proxy for that site without sending anything through it.
+    async fn own(&self, request: &Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
+        if request.uri().path() != REPORT_PATH {
+            return Err(GatewayError::bad_request(format!(
+                "the gateway forwards absolute http:// URLs (and CONNECT for https://); the only request to the \
+                 gateway itself is POST {REPORT_PATH}, not {} {}",
+                request.method(),
+                request.uri().path()
+            )));
+        }
+        if request.method() != Method::POST {
+            return Err(GatewayError::bad_request(format!("{REPORT_PATH} takes POST, not {}", request.method())));
+        }
+        let target = report_target(request.uri().query().unwrap_or_default())?;
+        let report = who.report.ok_or_else(|| {
+            GatewayError::bad_request(format!("POST {REPORT_PATH} takes {REPORT_HEADER}: banned, or throttled[; retry-after=<seconds>]"))
+        })?;
+        tracing::Span::current().record("host", target.host());
+        let route = RouteRequest {
+            tenant: who.tenant,
+            token: who.token,
+            host: target.host(),
+            port: target.port_u16().unwrap_or(443),
+            options: who.options,
+            connect: false,
+            report: None,
+        };
+        let proxy = self.router.report(&route, report).await?;
+        tracing::Span::current().record("proxy", proxy.as_str());
+        let body = serde_json::json!({ "proxy": proxy, "target": target.host() }).to_string();
+        let mut response = Response::new(full(Bytes::from(body)));
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Ok(value) = HeaderValue::from_str(&proxy) {
+            response.headers_mut().insert(PROXY_HEADER, value);
+        }
         Ok(response)
     }
 
@@ -498,6 +563,20 @@ fn reported(headers: &HeaderMap, options: &Options) -> Result<Option<Report>, Ga
         )));
     }
     Ok(Some(report))
+}
+
+/// The site of a `POST /report`: its `target=` query parameter, a host or `host:port` (percent-encoded or not).
+fn report_target(query: &str) -> Result<http::uri::Authority, GatewayError> {
+    let value = query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("target="))
+        .ok_or_else(|| GatewayError::bad_request(format!("POST {REPORT_PATH} takes ?target=<host> (the site refused)")))?;
+    let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy().into_owned();
+    value
+        .parse::<http::uri::Authority>()
+        .ok()
+        .filter(|target| !target.host().is_empty() && !target.as_str().contains('@') && target.port_u16() != Some(0))
+        .ok_or_else(|| GatewayError::bad_request(format!("the report's target {value:?} is not a host or host:port")))
 }
 
 /// Whether sending a request with `method` twice has the effect of sending it once (RFC 9110, 9.2.2).

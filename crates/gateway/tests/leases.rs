@@ -210,19 +210,26 @@ async fn a_ban_moves_every_session_of_the_tenant_off_that_proxy_for_that_site() 
 /// Opens a CONNECT tunnel to `target` through the gateway as `user`, with `extra` header lines; returns the answer's
 /// head (the tunnel is closed when it returns).
 async fn connect(gateway: SocketAddr, target: SocketAddr, user: &str, extra: &str) -> String {
+    exchange(gateway, &format!("CONNECT {target}"), user, extra).await.0
+}
+
+/// Sends `request` (a method and target) to the gateway as `user` with `extra` header lines; returns the answer's
+/// head and the connection (a tunnel after a CONNECT's 200).
+async fn exchange(gateway: SocketAddr, request: &str, user: &str, extra: &str) -> (String, tokio::net::TcpStream) {
     use base64::Engine;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
     let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{TOKEN}"));
-    let request =
-        format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n{extra}\r\n");
-    stream.write_all(request.as_bytes()).await.expect("CONNECT");
+    let request = format!(
+        "{request} HTTP/1.1\r\nHost: {gateway}\r\nProxy-Authorization: Basic {auth}\r\nContent-Length: 0\r\n{extra}\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.expect("request");
     let mut head = Vec::new();
     let mut byte = [0_u8; 1];
     while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.expect("read") == 1 {
         head.push(byte[0]);
     }
-    String::from_utf8_lossy(&head).into_owned()
+    (String::from_utf8_lossy(&head).into_owned(), stream)
 }
 
 fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
@@ -268,5 +275,61 @@ async fn a_ban_reported_with_x_egress_report_moves_a_tunnelling_session() {
         let refused = connect(gateway, target, user, &format!("X-Egress-Report: {value}\r\n")).await;
         assert!(refused.starts_with("HTTP/1.1 400"), "{value}: {refused}");
         assert!(header(&refused, "proxy-status").is_some_and(|status| status.contains(why)), "{value}: {refused}");
+    }
+}
+
+/// `POST /report` reports a ban seen inside a tunnel without opening another: the session's proxy cools down for the
+/// site, the tunnels the session (or any session of the tenant) holds through it to that site are closed, so a
+/// crawler's kept-alive tunnel cannot reach the site through it again, and the session's next tunnel goes elsewhere.
+#[tokio::test]
+async fn post_report_cools_the_sessions_proxy_down_and_closes_its_tunnels_there() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let (gateway, _router) = gateway(discovery, vec![403], 0).await;
+    let target = origin.address();
+    let (head, mut tunnel) = exchange(gateway, &format!("CONNECT {target}"), "session-r1", "").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let banned = header(&head, "x-egress-proxy").expect("the proxy").to_owned();
+    // The tunnel carries a request to the site and stays open (the crawler's kept-alive connection).
+    let get = format!("GET / HTTP/1.1\r\nHost: {target}\r\nX-Keep-Alive: 1\r\n\r\n");
+    tunnel.write_all(get.as_bytes()).await.expect("a request in the tunnel");
+    let mut answer = [0_u8; 12];
+    tunnel.read_exact(&mut answer).await.expect("the site's answer");
+    assert_eq!(&answer, b"HTTP/1.1 200");
+
+    let (report, _) =
+        exchange(gateway, &format!("POST /report?target={target}"), "session-r1", "X-Egress-Report: banned\r\n").await;
+    assert!(report.starts_with("HTTP/1.1 200"), "{report}");
+    assert_eq!(header(&report, "x-egress-proxy"), Some(banned.as_str()), "the report names the proxy: {report}");
+    let id: ProxyId = banned.parse().expect("a proxy id");
+    assert!(!store.proxy_cooldowns(&id, std::time::SystemTime::now()).is_empty(), "{banned} cools down in the store");
+    // The open tunnel is closed: reading it ends (EOF or a reset) instead of waiting for more of the site.
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), tunnel.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the tunnel through {banned} is still open after the report");
+    let before = origin.requests();
+    let moved = connect(gateway, target, "session-r1", "").await;
+    assert!(moved.starts_with("HTTP/1.1 200"), "{moved}");
+    assert_ne!(header(&moved, "x-egress-proxy"), Some(banned.as_str()), "the session's next tunnel goes elsewhere");
+    assert_eq!(origin.requests(), before, "the report itself sent nothing to the site");
+
+    // What the report endpoint refuses, each with a 400 and a Proxy-Status saying why.
+    for (request, user, extra, why) in [
+        (format!("POST /report?target={target}"), "", "X-Egress-Report: banned\r\n", "session-<id>"),
+        (format!("POST /report?target={target}"), "session-r1", "", "takes x-egress-report"),
+        ("POST /report".to_owned(), "session-r1", "X-Egress-Report: banned\r\n", "?target=<host>"),
+        ("POST /report?target=".to_owned(), "session-r1", "X-Egress-Report: banned\r\n", "is not a host"),
+        ("POST /report?target=u%40evil:1".to_owned(), "session-r1", "X-Egress-Report: banned\r\n", "is not a host"),
+        (format!("GET /report?target={target}"), "session-r1", "X-Egress-Report: banned\r\n", "takes POST"),
+        ("POST /status".to_owned(), "session-r1", "X-Egress-Report: banned\r\n", "the only request to the gateway"),
+    ] {
+        let (refused, _) = exchange(gateway, &request, user, extra).await;
+        assert!(refused.starts_with("HTTP/1.1 400"), "{request}: {refused}");
+        assert!(header(&refused, "proxy-status").is_some_and(|status| status.contains(why)), "{request}: {refused}");
     }
 }
