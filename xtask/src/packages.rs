@@ -12,7 +12,7 @@ use crate::process::{output, run};
 /// The packages, and why each is needed.
 pub const REQUIRED: &[(&str, &str)] = &[
     ("squid", "real Squid proxies for the kubernetes provider and the node agent"),
-    ("openssl", "RSA service-account keys for the gcp provider's tests"),
+    ("openssl", "RSA service-account keys for the gcp provider's tests, and the https test sites' certificates"),
     ("pkg-config", "locating libvirt when building the kvm provider"),
     ("libvirt-dev", "the libvirt client library the kvm provider links"),
     ("libvirt-daemon-system", "a real libvirtd with directory pools for the kvm provider's tests"),

@@ -26,6 +26,7 @@ import { ProxyConfiguration, RetryRequestError, SessionError, type Request, type
 
 import { DiscoveryClient, type Lease, type Report } from './client.js';
 import { DiscoveryError, Gone, NotFound, Unavailable, retryAfterSeconds } from './errors.js';
+import { gatewayProxyUrl, reportToGateway, type GatewayOptions } from './gateway.js';
 
 export interface EgressProxyConfigurationOptions {
   /** The discovery API's URL (or pass `client`). */
@@ -417,4 +418,105 @@ export class EgressProxyConfiguration extends ProxyConfiguration {
       void Promise.all(ending.map((held) => this.#drop(held)));
     });
   }
+}
+
+/** How `EgressGateway` sends requests through the gateway. */
+export interface EgressGatewayOptions extends Omit<GatewayOptions, 'session'> {
+  /** The gateway's `http://host:port`. */
+  url: string;
+  /** A `lease`-scope discovery token: the proxy password. */
+  token: string;
+  /** Answers inside tunnels reported `banned` (default `[401, 403]`). */
+  banCodes?: number[];
+  /** Answers inside tunnels reported `throttled` with their `Retry-After` (default `[429]`). */
+  throttleCodes?: number[];
+}
+
+/** What `EgressGateway` reported, for logs and assertions. */
+export interface EgressGatewayStats {
+  bans: number;
+  throttles: number;
+  /** Reports the gateway refused or that did not reach it. */
+  reportErrors: number;
+}
+
+/**
+ * crawlee through the egress gateway: each crawlee session is a gateway session (`session-<id>` in the proxy user
+ * name), and a refusal inside an `https://` tunnel, which the gateway cannot see, is reported to it
+ * (`POST /report`): the proxy cools down for the site, the gateway closes the session's tunnels through it, and
+ * crawlee's own handling of the blocked status (the session retires, the request goes again on a new session) sends
+ * the request through another proxy. Plain `http://` refusals are the gateway's own to report and retry.
+ *
+ * ```ts
+ * const gateway = new EgressGateway({ url: 'http://egress-gateway.egress-system:8088', token });
+ * const crawler = new CheerioCrawler({ ...gateway.crawlerOptions(), requestHandler });
+ * ```
+ */
+export class EgressGateway {
+  readonly stats: EgressGatewayStats = { bans: 0, throttles: 0, reportErrors: 0 };
+  readonly #url: string;
+  readonly #token: string;
+  readonly #options: Omit<GatewayOptions, 'session'>;
+  readonly #banCodes: Set<number>;
+  readonly #throttleCodes: Set<number>;
+
+  constructor({ url, token, banCodes = [401, 403], throttleCodes = [429], ...options }: EgressGatewayOptions) {
+    // A bad option is a configuration error now, not a 400 on every request.
+    gatewayProxyUrl(url, token, options);
+    this.#url = url;
+    this.#token = token;
+    this.#options = options;
+    this.#banCodes = new Set(banCodes);
+    this.#throttleCodes = new Set(throttleCodes);
+  }
+
+  /** The proxy URL of a crawlee session (or, without one, a rotating one). */
+  proxyUrl(sessionId?: string | number): string {
+    const session = sessionId === undefined ? undefined : String(sessionId);
+    return gatewayProxyUrl(this.#url, this.#token, { ...this.#options, session });
+  }
+
+  /** A `ProxyConfiguration` whose URL carries each crawlee session as the gateway session. */
+  proxyConfiguration(): ProxyConfiguration {
+    return new ProxyConfiguration({ newUrlFunction: (sessionId) => this.proxyUrl(sessionId) });
+  }
+
+  /** The crawler options that wire it in: `new CheerioCrawler({ ...gateway.crawlerOptions(), requestHandler })`. */
+  crawlerOptions(): {
+    proxyConfiguration: ProxyConfiguration;
+    postNavigationHooks: Array<(context: EgressGatewayContext) => Promise<void>>;
+  } {
+    return { proxyConfiguration: this.proxyConfiguration(), postNavigationHooks: [this.postNavigationHook] };
+  }
+
+  /** Reports a ban or throttle the site answered inside a tunnel of a session. */
+  readonly postNavigationHook = async (context: EgressGatewayContext): Promise<void> => {
+    const status = statusOf(context.response);
+    const proxyUrl = context.proxyInfo?.url;
+    const url = context.request.loadedUrl ?? context.request.url;
+    if (status === undefined || proxyUrl === undefined || !url.startsWith('https:') || context.session === undefined) {
+      return;
+    }
+    const banned = this.#banCodes.has(status);
+    if (!banned && !this.#throttleCodes.has(status)) return;
+    const retryAfter = banned ? undefined : retryAfterSeconds(headerOf(context.response, 'retry-after'), {});
+    try {
+      await reportToGateway(proxyUrl, url, banned ? 'banned' : 'throttled', retryAfter === undefined ? {} : { retryAfterSeconds: retryAfter });
+      if (banned) this.stats.bans += 1;
+      else this.stats.throttles += 1;
+    } catch (error) {
+      // Unreported, the proxy does not cool down; crawlee still retires the session and retries the request.
+      this.stats.reportErrors += 1;
+      context.log?.warning(`reporting a refusal to the gateway failed: ${(error as Error).message}`);
+    }
+  };
+}
+
+/** The part of crawlee's crawling context `EgressGateway` reads. */
+export interface EgressGatewayContext {
+  request: Request;
+  session?: Session;
+  response?: unknown;
+  proxyInfo?: { url: string };
+  log?: { warning(message: string): void };
 }

@@ -35,3 +35,11 @@ export {
   retryAfterSeconds,
   type Problem,
 } from './errors.js';
+export {
+  GATEWAY_REPORTS,
+  GatewayError,
+  gatewayProxyUrl,
+  reportToGateway,
+  type GatewayOptions,
+  type GatewayReport,
+} from './gateway.js';

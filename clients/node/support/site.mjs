@@ -2,10 +2,29 @@
 // fetched it (each test Squid reaches origins from an address of its own). The banned address gets 403 for every
 // page; every other address gets 429 with Retry-After on every `throttleEvery`-th request it makes.
 
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import http from 'node:http';
+import https from 'node:https';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+
+/** A fresh self-signed certificate for 127.0.0.1 (made by the openssl command). */
+function selfSigned() {
+  const dir = mkdtempSync(path.join(tmpdir(), 'egress-site-tls-'));
+  try {
+    const [key, cert] = [path.join(dir, 'key.pem'), path.join(dir, 'cert.pem')];
+    execFileSync('openssl', ['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1', '-nodes',
+      '-keyout', key, '-out', cert, '-days', '1', '-subj', '/CN=127.0.0.1', '-addext', 'subjectAltName=IP:127.0.0.1'],
+      { stdio: 'pipe' });
+    return { key: readFileSync(key), cert: readFileSync(cert) };
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
 
 export class Site {
-  constructor({ banned, pages = 200, throttleEvery = 20, retryAfter = 2 }) {
+  constructor({ banned, pages = 200, throttleEvery = 20, retryAfter = 2, tls = false }) {
     this.banned = banned;
     this.pages = pages;
     /** [seconds since start, client address, path, status] for every request. */
@@ -14,10 +33,12 @@ export class Site {
     this.url = '';
     const served = new Map();
     const start = performance.now();
-    this.server = http.createServer((request, response) => {
+    this.tls = tls;
+    const handler = (request, response) => {
       const client = request.socket.remoteAddress;
       let status = 200;
-      const headers = { 'content-type': 'text/html' };
+      // Who fetched it, for a crawler that cannot see which proxy its tunnel went through.
+      const headers = { 'content-type': 'text/html', 'x-seen-from': String(client) };
       if (client === banned) {
         status = 403;
       } else {
@@ -37,13 +58,14 @@ export class Site {
       }
       response.writeHead(status, headers);
       response.end(`<html><body>${body}</body></html>`);
-    });
+    };
+    this.server = tls ? https.createServer(selfSigned(), handler) : http.createServer(handler);
   }
 
   async start() {
     await new Promise((resolve) => this.server.listen(0, '127.0.0.1', () => resolve(undefined)));
     const address = /** @type {import('node:net').AddressInfo} */ (this.server.address());
-    this.url = `http://127.0.0.1:${address.port}/`;
+    this.url = `${this.tls ? 'https' : 'http'}://127.0.0.1:${address.port}/`;
     return this;
   }
 

@@ -1,6 +1,7 @@
-// A real crawlee CheerioCrawler crawl of the 200-page test site through the gateway, with nothing egress-specific but
-// the proxy URL: crawlee's own ProxyConfiguration, whose URL carries crawlee's session ID as the gateway session
-// (`http://session-<id>:<token>@<gateway>`). The site bans one proxy's address outright (403) and rate-limits every
+// Real crawlee CheerioCrawler crawls of the 200-page test site through the gateway: over plain HTTP with nothing
+// egress-specific but the proxy URL (crawlee's own ProxyConfiguration, whose URL carries crawlee's session ID as the
+// gateway session, `http://session-<id>:<token>@<gateway>`), and over HTTPS (CONNECT tunnels) with the package's
+// `EgressGateway`, which reports the refusals crawlee sees inside the tunnels. The site bans one proxy's address outright (403) and rate-limits every
 // other address (429 with Retry-After: 2 on every twentieth request from it). The gateway reports those, retries
 // elsewhere and waits out short cooldowns, so the crawl must fetch every page with a 200, never through a proxy while
 // it was cooling down for the site, and each session must keep its proxy unless a refusal moved it.
@@ -13,6 +14,7 @@ import { test } from 'node:test';
 
 import { CheerioCrawler, Configuration, ProxyConfiguration, log } from '@crawlee/cheerio';
 
+import { EgressGateway } from '../dist/crawlee.js';
 import { DiscoveryClient } from '../dist/index.js';
 import { Site } from '../support/site.mjs';
 
@@ -23,10 +25,15 @@ const PAGES = 200;
 const RETRY_AFTER = 2;
 const skip = URL_ && GATEWAY ? false : 'needs a live operator and gateway: run through `cargo xtask test`';
 
-test('a plain crawlee crawl through the gateway fetches every page and sessions stick', { skip, timeout: 300_000 }, async () => {
+/**
+ * Crawls the test site (over TLS with `tls`) with crawlee through the gateway, with `options` (the proxy
+ * configuration and hooks) over the shared crawler options; checks every page came with a 200, none through a proxy
+ * cooling down for the site, and sessions stuck; returns what it counted.
+ */
+async function crawlThroughGateway(label, { tls, options }) {
   const addresses = (await new DiscoveryClient(URL_, { token: TOKEN }).proxies()).map((p) => p.egressIP).sort();
   assert.ok(new Set(addresses).size >= 3 && !addresses.includes(undefined), String(addresses));
-  const site = await new Site({ banned: addresses[0], pages: PAGES, retryAfter: RETRY_AFTER }).start();
+  const site = await new Site({ banned: addresses[0], pages: PAGES, retryAfter: RETRY_AFTER, tls }).start();
   const storage = await mkdtemp(path.join(tmpdir(), 'egress-crawlee-gateway-'));
   log.setLevel(log.LEVELS.ERROR);
   /** @type {{ url: string, status: number, session: string, proxy: string }[]} */
@@ -34,9 +41,7 @@ test('a plain crawlee crawl through the gateway fetches every page and sessions 
   try {
     const crawler = new CheerioCrawler(
       {
-        proxyConfiguration: new ProxyConfiguration({
-          newUrlFunction: (sessionId) => `http://session-${sessionId}:${TOKEN}@${GATEWAY}`,
-        }),
+        ...options,
         sessionPoolOptions: { maxPoolSize: 4 },
         maxConcurrency: 8,
         maxRequestsPerMinute: 1500,
@@ -45,7 +50,8 @@ test('a plain crawlee crawl through the gateway fetches every page and sessions 
             url: request.url,
             status: response.statusCode ?? 0,
             session: session?.id ?? '',
-            proxy: String(response.headers['x-egress-proxy'] ?? ''),
+            // Inside a tunnel the proxy's name is not in sight: the site says which address it saw.
+            proxy: String(response.headers['x-egress-proxy'] ?? response.headers['x-seen-from'] ?? ''),
           });
           await enqueueLinks({ selector: 'a' });
         },
@@ -77,14 +83,13 @@ test('a plain crawlee crawl through the gateway fetches every page and sessions 
   const pairs = new Set(pages.map((page) => `${page.session} ${page.proxy}`));
   const moves = pairs.size - sessions.size;
   console.log(
-    `crawlee through the gateway: ${pages.length} pages, ${requests.length} requests at the site, ${refusals} refusals ` +
-      `(retried by the gateway), ${sessions.size} sessions on ${pairs.size} (session, proxy) pairs, ` +
-      `through a cooling proxy ${late.length + inside.length}`,
+    `${label}: ${pages.length} pages, ${requests.length} requests at the site, ${refusals} refusals, ` +
+      `${sessions.size} sessions on ${pairs.size} (session, proxy) pairs, through a cooling proxy ${late.length + inside.length}`,
   );
   assert.equal(late.length, 0, `${late.length} requests through the banned proxy after its ban`);
   assert.equal(inside.length, 0, `${inside.length} requests through a throttled proxy inside its Retry-After`);
   assert.ok(refusals >= 2, 'the site refused some requests (a ban and throttles)');
-  assert.ok(pages.every((page) => page.proxy !== ''), 'every answer names its proxy (X-Egress-Proxy)');
+  assert.ok(pages.every((page) => page.proxy !== ''), 'every answer names its proxy or address');
   assert.ok(moves <= refusals, `${moves} session moves for ${refusals} refusals: sessions do not stick`);
   // Idle sessions let their leases go (the test gateway's stickiness is 3 s): the fleet is as the next test expects.
   const client = new DiscoveryClient(URL_, { token: TOKEN });
@@ -93,4 +98,23 @@ test('a plain crawlee crawl through the gateway fetches every page and sessions 
     assert.ok(Date.now() < deadline, 'the gateway released its sessions\' leases once they idled');
     await new Promise((resolve) => setTimeout(resolve, 250));
   }
+  return { refusals, pages: pages.length };
+}
+
+test('a plain crawlee crawl through the gateway fetches every page and sessions stick', { skip, timeout: 300_000 }, async () => {
+  const proxyConfiguration = new ProxyConfiguration({
+    newUrlFunction: (sessionId) => `http://session-${sessionId}:${TOKEN}@${GATEWAY}`,
+  });
+  await crawlThroughGateway('crawlee through the gateway (retried by the gateway)', { tls: false, options: { proxyConfiguration } });
+});
+
+test('an https crawlee crawl through the gateway reports what it sees in tunnels with EgressGateway', { skip, timeout: 300_000 }, async () => {
+  const gateway = new EgressGateway({ url: `http://${GATEWAY}`, token: TOKEN });
+  const { refusals } = await crawlThroughGateway('crawlee through the gateway over CONNECT', {
+    tls: true,
+    options: gateway.crawlerOptions(),
+  });
+  console.log(`EgressGateway reported ${JSON.stringify(gateway.stats)}`);
+  assert.equal(gateway.stats.reportErrors, 0);
+  assert.equal(gateway.stats.bans + gateway.stats.throttles, refusals, 'every refusal in a tunnel was reported');
 });

@@ -4,7 +4,9 @@ reactor starts once per process): `python crawl.py <start URL> <output JSON>`. S
 
 With `CRAWL_PROXY` set (a proxy URL with `{session}` in it, such as the gateway's
 `http://session-{session}:TOKEN@host:port`), the crawl is plain Scrapy: no egress add-on, Scrapy's own retry
-settings, and each request's `meta["proxy"]` that URL for its session."""
+settings, and each request's `meta["proxy"]` that URL for its session. With `CRAWL_GATEWAY` set (the gateway's
+host:port), the crawl uses the gateway middleware, `egress_client.scrapy.EgressGatewayMiddleware`, instead: each
+request's session in `meta["egress_session"]`, refusals inside tunnels reported to the gateway."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import scrapy
 from scrapy import signals
 from scrapy.crawler import CrawlerProcess
 
-from egress_client.scrapy import PROXY_META
+from egress_client.scrapy import GATEWAY_MIDDLEWARE, PROXY_META
 
 PROXY = os.environ.get("CRAWL_PROXY", "")
+GATEWAY = os.environ.get("CRAWL_GATEWAY", "")
 
 
 class SiteSpider(scrapy.Spider):
@@ -53,10 +56,12 @@ class SiteSpider(scrapy.Spider):
 
     async def start(self):
         for url in self.start_urls:
-            yield scrapy.Request(url, dont_filter=True, meta=self.meta("index") if PROXY else {})
+            yield scrapy.Request(url, dont_filter=True, meta=self.meta("index") if PROXY or GATEWAY else {})
 
     def parse(self, response):
         proxy = response.meta.get(PROXY_META) or response.headers.get("X-Egress-Proxy", b"").decode()
+        # Inside a tunnel the proxy's name is not in sight: the site says which address it saw.
+        proxy = proxy or response.headers.get("X-Seen-From", b"").decode()
         session = response.meta.get("session") or response.meta.get("egress_session")
         self.pages.append({"url": response.url, "status": response.status, "proxy": proxy, "session": session})
         # Crawl sessions, each with a lease of its own per site.
@@ -84,6 +89,12 @@ def main() -> None:
         # Plain Scrapy: the proxy URL is all it knows.
         for key in ("ADDONS", "EGRESS_URL", "EGRESS_TOKEN", "EGRESS_REPORT_EVERY", "RETRY_HTTP_CODES"):
             del settings[key]
+    elif GATEWAY:
+        # Through the gateway with its middleware: no add-on, Scrapy's own retry settings.
+        for key in ("ADDONS", "EGRESS_URL", "EGRESS_REPORT_EVERY", "RETRY_HTTP_CODES"):
+            del settings[key]
+        settings["DOWNLOADER_MIDDLEWARES"] = {GATEWAY_MIDDLEWARE: 600}
+        settings["EGRESS_GATEWAY"] = GATEWAY
     settings.update(json.loads(os.environ.get("CRAWL_SETTINGS", "{}")))
     process = CrawlerProcess(settings=settings)
     crawler = process.create_crawler(SiteSpider)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import http.server
 import os
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -23,10 +26,26 @@ RETRY_AFTER = 2
 pytestmark = pytest.mark.skipif(not URL, reason="needs a live operator: run through `cargo xtask test`")
 
 
+def tls_context() -> ssl.SSLContext:
+    """A server context with a fresh self-signed certificate for 127.0.0.1 (made by the openssl command)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        key, cert = os.path.join(tmp, "key.pem"), os.path.join(tmp, "cert.pem")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True,
+            capture_output=True,
+        )
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+    return context
+
+
 class Site:
     """The origin: an index linking every page, each page answered according to who fetched it."""
 
-    def __init__(self, banned: str, links: str = "/page/"):
+    def __init__(self, banned: str, links: str = "/page/", tls: bool = False):
         self.banned = banned
         self.log: list = []  # (time, client address, path, status)
         self.lock = threading.Lock()
@@ -39,14 +58,15 @@ class Site:
 
             def do_GET(self):
                 client = self.client_address[0]
-                status, headers = 200, {}
+                # Who fetched it, for a crawler that cannot see which proxy its tunnel went through.
+                status, headers = 200, {"X-Seen-From": client}
                 with site.lock:
                     if client == site.banned:
                         status = 403
                     else:
                         site.served[client] = site.served.get(client, 0) + 1
                         if site.served[client] % 20 == 0:
-                            status, headers = 429, {"Retry-After": str(RETRY_AFTER)}
+                            status, headers = 429, {**headers, "Retry-After": str(RETRY_AFTER)}
                     site.log.append((time.monotonic(), client, self.path, status))
                 if self.path == "/":
                     body = "".join(f'<a href="{links}{i}">{i}</a>' for i in range(PAGES))
@@ -55,7 +75,13 @@ class Site:
                 answer(self, status, headers, body)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        if tls:
+            # The handshake happens in the handler's thread, at its first read, not in the accepting one.
+            self.server.socket = tls_context().wrap_socket(
+                self.server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 

@@ -1,5 +1,6 @@
-"""A real Scrapy crawl of the 200-page test site through the gateway, with nothing egress-specific but the proxy URL:
-no add-on, Scrapy's default settings, `meta["proxy"] = "http://session-<n>:<token>@<gateway>"`. The site bans one
+"""Real Scrapy crawls of the 200-page test site through the gateway: over plain HTTP with nothing egress-specific but
+the proxy URL (no add-on, Scrapy's default settings, `meta["proxy"] = "http://session-<n>:<token>@<gateway>"`), and
+over HTTPS (CONNECT tunnels) with the gateway middleware, which reports the refusals it sees inside the tunnels. The site bans one
 proxy's address outright (403) and rate-limits every other address (429 with Retry-After: 2 on every twentieth request
 from it). The gateway reports those, retries elsewhere and waits out short cooldowns, so the crawl must fetch every
 page with a 200, never through a proxy while it was cooling down for the site, and each session must keep its proxy
@@ -66,6 +67,40 @@ def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_session
     assert all(page["proxy"] for page in pages), "every answer names its proxy (X-Egress-Proxy)"
     assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
     # Idle sessions let their leases go (the test gateway's stickiness is 3 s): the fleet is as the next test expects.
+    deadline = time.monotonic() + 30
+    with DiscoveryClient(URL, TOKEN) as client:
+        while any(proxy.active_leases for proxy in client.proxies()):
+            assert time.monotonic() < deadline, "the gateway released its sessions' leases once they idled"
+            time.sleep(0.25)
+
+
+def test_an_https_scrapy_crawl_through_the_gateway_middleware_reports_what_it_sees_in_tunnels() -> None:
+    with DiscoveryClient(URL, TOKEN) as client:
+        addresses = sorted(proxy.egress_ip for proxy in client.proxies())
+    site = Site(banned=addresses[0], tls=True)
+    result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env={"CRAWL_GATEWAY": GATEWAY})
+    site.server.shutdown()
+    pages = [page for page in result["pages"] if page["status"] == 200]
+    stats = result["stats"]
+    log = site.log
+    refusals = sum(1 for _, _, _, status in log if status in (403, 429))
+    reported = stats.get("egress_gateway/reported/banned", 0) + stats.get("egress_gateway/reported/throttled", 0)
+    assert len({page["url"] for page in pages}) == PAGES + 1, f"{len(pages)} pages; stats {stats}"
+    assert all(page["url"].startswith("https://") for page in pages), "every page came through a tunnel"
+    violations = cooling_violations(log, site.banned)
+    pairs = {(page["session"], page["proxy"]) for page in pages if page["session"] != "index"}
+    moves = len(pairs) - SESSIONS
+    print(
+        f"scrapy through the gateway over CONNECT: {len(pages)} pages, {len(log)} requests at the site, {refusals} "
+        f"refusals, {reported} reported by the middleware, {stats.get('egress_gateway/report_failed', 0)} reports "
+        f"failed, {SESSIONS} sessions on {len(pairs)} (session, address) pairs, through a cooling proxy "
+        f"{len(violations)}"
+    )
+    assert not violations, f"{len(violations)} requests through a proxy cooling down for the site: {violations[:5]}"
+    assert refusals >= 2, "the site refused some requests (a ban and throttles)"
+    assert reported == refusals, f"every refusal in a tunnel was reported: {reported} of {refusals}; stats {stats}"
+    assert all(page["proxy"] for page in pages), "the site named the address of every answer"
+    assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
     deadline = time.monotonic() + 30
     with DiscoveryClient(URL, TOKEN) as client:
         while any(proxy.active_leases for proxy in client.proxies()):

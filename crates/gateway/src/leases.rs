@@ -72,6 +72,10 @@ struct SessionKey {
     selector: Option<String>,
 }
 
+/// How long after a session left a proxy a report with no lease held since is taken for an echo of the refusal
+/// that made it leave: long enough for the requests in flight through the proxy then to be answered.
+const ECHO_WINDOW: Duration = Duration::from_secs(5);
+
 /// A session's hold on a proxy.
 #[derive(Default)]
 struct Held {
@@ -80,6 +84,8 @@ struct Held {
     renewed: Option<Instant>,
     /// Revokes the upstream handed out for the lease, closing the session's tunnels through it.
     revoke: Option<watch::Sender<bool>>,
+    /// The proxy the session last left after a refusal, and when.
+    left: Option<(String, Instant)>,
 }
 
 impl Held {
@@ -99,7 +105,21 @@ impl Held {
             revoke.send_replace(true);
         }
         (self.upstream, self.renewed) = (None, None);
-        self.lease.take()
+        let lease = self.lease.take();
+        if let Some(lease) = &lease {
+            self.left = Some((lease.proxy().to_string(), Instant::now()));
+        }
+        lease
+    }
+
+    /// The proxy the session left after a refusal less than [`ECHO_WINDOW`] ago, when it has not leased another
+    /// since: a report now is most likely an echo of that refusal (another request of the session, in flight through
+    /// the same proxy, refused too), not news about a proxy the session has not used yet.
+    fn echo(&self) -> Option<&str> {
+        match (&self.lease, &self.left) {
+            (None, Some((proxy, at))) if at.elapsed() < ECHO_WINDOW => Some(proxy),
+            _ => None,
+        }
     }
 }
 
@@ -244,8 +264,14 @@ impl LeaseRouter {
         session: &Session,
         report: Report,
     ) -> Result<String, GatewayError> {
-        let held = session.held.lock().await.leave();
-        let lease = match held {
+        let mut held = session.held.lock().await;
+        if let Some(proxy) = held.echo() {
+            debug!(%proxy, host = request.host, "a report of a proxy the session just left: already reported");
+            return Ok(proxy.to_owned());
+        }
+        let left = held.leave();
+        drop(held);
+        let lease = match left {
             Some(lease) => lease,
             None => self.lease(request).await?.0,
         };
@@ -266,6 +292,7 @@ impl LeaseRouter {
             }
         }
         self.let_go(request.tenant, &lease).await;
+        session.held.lock().await.left = Some((lease.proxy().to_string(), Instant::now()));
         Ok(lease.proxy().to_string())
     }
 
@@ -366,8 +393,14 @@ impl Router for LeaseRouter {
             (None, Some(key)) => {
                 let session = lock(&self.sessions).get(&key).cloned();
                 match session {
-                    // The session lets go of this proxy: the next request leases again, elsewhere.
-                    Some(session) => session.held.lock().await.leave().map(Arc::new),
+                    // The session lets go of this proxy (unless it already did, after another request's refusal,
+                    // and may hold another by now): the next request leases again, elsewhere.
+                    Some(session) => {
+                        let mut held = session.held.lock().await;
+                        let through =
+                            held.lease.as_ref().is_some_and(|lease| upstream.lease.as_deref() == Some(lease.id()));
+                        if through { held.leave().map(Arc::new) } else { None }
+                    }
                     None => None,
                 }
             }

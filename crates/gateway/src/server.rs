@@ -240,8 +240,8 @@ impl Gateway {
                 self.forward(request, who).await
             }
         }
-            .instrument(span.clone())
-            .await;
+        .instrument(span.clone())
+        .await;
         match result {
             Ok(response) => {
                 span.record("status", response.status().as_u16());
@@ -351,7 +351,9 @@ impl Gateway {
         }
         let target = report_target(request.uri().query().unwrap_or_default())?;
         let report = who.report.ok_or_else(|| {
-            GatewayError::bad_request(format!("POST {REPORT_PATH} takes {REPORT_HEADER}: banned, or throttled[; retry-after=<seconds>]"))
+            GatewayError::bad_request(format!(
+                "POST {REPORT_PATH} takes {REPORT_HEADER}: banned, or throttled[; retry-after=<seconds>]"
+            ))
         })?;
         tracing::Span::current().record("host", target.host());
         let route = RouteRequest {
@@ -567,10 +569,9 @@ fn reported(headers: &HeaderMap, options: &Options) -> Result<Option<Report>, Ga
 
 /// The site of a `POST /report`: its `target=` query parameter, a host or `host:port` (percent-encoded or not).
 fn report_target(query: &str) -> Result<http::uri::Authority, GatewayError> {
-    let value = query
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("target="))
-        .ok_or_else(|| GatewayError::bad_request(format!("POST {REPORT_PATH} takes ?target=<host> (the site refused)")))?;
+    let value = query.split('&').find_map(|pair| pair.strip_prefix("target=")).ok_or_else(|| {
+        GatewayError::bad_request(format!("POST {REPORT_PATH} takes ?target=<host> (the site refused)"))
+    })?;
     let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy().into_owned();
     value
         .parse::<http::uri::Authority>()

@@ -333,3 +333,74 @@ async fn post_report_cools_the_sessions_proxy_down_and_closes_its_tunnels_there(
         assert!(header(&refused, "proxy-status").is_some_and(|status| status.contains(why)), "{request}: {refused}");
     }
 }
+
+/// An origin that says when its one request arrived and answers it with 503 only when told (so a test can do things
+/// while it is in flight).
+async fn held_origin() -> (SocketAddr, tokio::sync::oneshot::Receiver<()>, tokio::sync::oneshot::Sender<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let (answer, told) = tokio::sync::oneshot::channel::<()>();
+    let (arrived, arrival) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut head = Vec::new();
+        let mut byte = [0_u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.expect("read") == 1 {
+            head.push(byte[0]);
+        }
+        let _ = arrived.send(());
+        let _ = told.await;
+        let _ = stream.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n").await;
+    });
+    (address, arrival, answer)
+}
+
+/// A refusal reported twice (two requests of one session refused by the same proxy, one report each) cools only
+/// that proxy down, not the one the session moved to after the first; nor does a refusal answered after the
+/// session moved, through the proxy it left. Regression: both reported the session's new proxy, so one ban through
+/// one proxy cooled two down (seen as a proxy no crawl used in the https crawls).
+#[tokio::test]
+async fn echoes_of_a_refusal_do_not_cool_down_the_proxy_the_session_moved_to() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b, c) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+        Squid::start(SquidOptions::default()).await.expect("Squid c"),
+    );
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b), ("squid-c", &c)]).await;
+    let (gateway, _router) = gateway(discovery, vec![503], 0).await;
+    let target = origin.address();
+    let cooling = |name: &str| {
+        let id: ProxyId = name.parse().expect("a proxy id");
+        !store.proxy_cooldowns(&id, std::time::SystemTime::now()).is_empty()
+    };
+    let report = format!("POST /report?target={target}");
+
+    // Two reports of one refusal: the second names the proxy the first reported, and cools nothing else.
+    let first = connect(gateway, target, "session-e1", "").await;
+    let on = header(&first, "x-egress-proxy").expect("the proxy").to_owned();
+    let (once, _) = exchange(gateway, &report, "session-e1", "X-Egress-Report: banned\r\n").await;
+    let (twice, _) = exchange(gateway, &report, "session-e1", "X-Egress-Report: banned\r\n").await;
+    assert_eq!(header(&once, "x-egress-proxy"), Some(on.as_str()), "{once}");
+    assert_eq!(header(&twice, "x-egress-proxy"), Some(on.as_str()), "the echo names the proxy already reported");
+    let cooled: Vec<&str> =
+        ["crawl/squid-a", "crawl/squid-b", "crawl/squid-c"].into_iter().filter(|name| cooling(name)).collect();
+    assert_eq!(cooled, [on.as_str()], "one refusal cooled down one proxy");
+
+    // A plain request in flight through the session's proxy while the session moves; its refusal arrives after.
+    let (held, arrival, answer) = held_origin().await;
+    let in_flight = tokio::spawn(async move { get(gateway, &format!("http://{held}/"), "session-e2").await });
+    arrival.await.expect("the request reached the held origin");
+    let (status, moved_from) = get(gateway, &origin.ip_url(), "session-e2").await;
+    assert_eq!(status, 200);
+    let (reported, _) = exchange(gateway, &report, "session-e2", "X-Egress-Report: banned\r\n").await;
+    assert_eq!(header(&reported, "x-egress-proxy"), Some(moved_from.as_str()), "{reported}");
+    let (status, now_on) = get(gateway, &origin.ip_url(), "session-e2").await;
+    assert_eq!(status, 200);
+    assert_ne!(now_on, moved_from);
+    answer.send(()).expect("the held request is still waiting");
+    let (status, through) = in_flight.await.expect("the request in flight");
+    assert_eq!((status, through.as_str()), (503, moved_from.as_str()), "it went through the proxy the session left");
+    assert!(!cooling(&now_on), "the refusal through {moved_from} cooled down {now_on}, the session's new proxy");
+}

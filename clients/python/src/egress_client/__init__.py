@@ -1,5 +1,6 @@
 """A client for the egress-operator discovery API: lease proxies for a site, reuse them, report what the site did,
-and release them. Sync (`DiscoveryClient`) and async (`AsyncDiscoveryClient`), on httpx."""
+and release them. Sync (`DiscoveryClient`) and async (`AsyncDiscoveryClient`), on httpx. Through the gateway
+instead: `gateway_proxy_url` and `report_to_gateway` (module `egress_client.gateway`)."""
 
 from ._client import DEFAULT_FAILOVER_BUDGET, AsyncDiscoveryClient, AsyncLease, DiscoveryClient, Lease
 from ._errors import (
@@ -16,6 +17,7 @@ from ._errors import (
     Unavailable,
 )
 from ._models import OUTCOMES, CooldownInfo, LeasedProxy, ProxyInfo
+from .gateway import GatewayError, areport_to_gateway, gateway_proxy_url, report_to_gateway
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ __all__ = [
     "DiscoveryClient",
     "DiscoveryError",
     "Forbidden",
+    "GatewayError",
     "Gone",
     "Lease",
     "LeasedProxy",
@@ -40,4 +43,7 @@ __all__ = [
     "TransportError",
     "Unauthorized",
     "Unavailable",
+    "areport_to_gateway",
+    "gateway_proxy_url",
+    "report_to_gateway",
 ]

@@ -29,6 +29,11 @@ now (503 with Retry-After) the request waits that long, without blocking the rea
 `engine.close_spider`) a waiting request is dropped within half a second (`IgnoreRequest`, counted in
 `egress/dropped_closing`), so the crawl can close. Exceptions are reported as `failed`. Every lease is reported and
 released when the spider closes. Needs Scrapy 2.14 or newer on its (default) asyncio reactor.
+
+Through the gateway instead (one proxy URL for the fleet, docs/gateway.md), Scrapy needs no add-on for plain
+`http://` crawls: `meta["proxy"]` set to the gateway URL is all. For `https://` the site's answer is inside the
+tunnel, where only Scrapy sees it: `EgressGatewayMiddleware` sets `meta["proxy"]` per session and reports the
+refusals it sees to the gateway (see the class).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from scrapy.utils.misc import build_from_crawler, load_object
 
 from ._client import AsyncDiscoveryClient, AsyncLease
 from ._errors import DiscoveryError, Gone, NotFound, Unavailable
+from .gateway import GatewayError, areport_to_gateway, gateway_proxy_url
 
 #: The request.meta key holding the ID of the lease a request went through.
 LEASE_META = "egress_lease"
@@ -57,6 +63,8 @@ PROXY_META = "egress_proxy"
 RETRIES_META = "egress_retries"
 #: The middleware's import path, as `DOWNLOADER_MIDDLEWARES` names it.
 MIDDLEWARE = "egress_client.scrapy.EgressProxyMiddleware"
+#: The gateway middleware's import path, as `DOWNLOADER_MIDDLEWARES` names it.
+GATEWAY_MIDDLEWARE = "egress_client.scrapy.EgressGatewayMiddleware"
 #: The download handler's import path, as `DOWNLOAD_HANDLERS` names it.
 HANDLER = "egress_client.scrapy.EgressDownloadHandler"
 
@@ -543,3 +551,78 @@ class EgressAddon:
         priority = max(settings.getpriority("DOWNLOAD_HANDLERS") or 0, 15)
         settings.set("DOWNLOAD_HANDLERS", handlers, priority)
         settings.set("EGRESS_DOWNLOAD_HANDLERS", wrapped, max(settings.getpriority("EGRESS_DOWNLOAD_HANDLERS") or 0, 15))
+
+
+class EgressGatewayMiddleware:
+    """Scrapy through the egress gateway. Settings::
+
+        DOWNLOADER_MIDDLEWARES = {"egress_client.scrapy.EgressGatewayMiddleware": 600}
+        EGRESS_GATEWAY = "http://egress-gateway.egress-system:8088"
+        EGRESS_TOKEN = "..."                     # a discovery token that may lease: the proxy password
+        EGRESS_GATEWAY_OPTIONS = {"pool": "eu"}  # optional: gateway_proxy_url's keywords (pool, zone, labels, ...)
+        EGRESS_SESSION_META = "egress_session"   # request.meta key: the gateway session of a request
+        EGRESS_BAN_CODES = [401, 403]            # reported `banned`
+        EGRESS_THROTTLE_CODES = [429]            # reported `throttled` with the answer's Retry-After
+        EGRESS_MAX_RETRIES = 5                   # reschedules of one request after refusals
+
+    Each request without a `proxy` of its own leaves through the gateway, in the session its meta names (without
+    one, each request rotates). A refusal of an `https://` request in a session is reported to the gateway
+    (`POST /report`): the proxy cools down for the site, the gateway closes the session's tunnels through it, and
+    the request is scheduled again (`dont_filter`), to go through another proxy. Plain `http://` refusals are the
+    gateway's own to report and retry; their answers pass through. Runs before `RetryMiddleware` (550), so a 429 is
+    reported rather than retried through the same tunnel."""
+
+    def __init__(self, crawler: Any, settings: Any):
+        gateway = settings.get("EGRESS_GATEWAY")
+        if not gateway:
+            raise NotConfigured("EGRESS_GATEWAY is not set: the egress gateway's http://host:port")
+        token = settings.get("EGRESS_TOKEN")
+        if not token:
+            raise ValueError("EGRESS_TOKEN is not set: the gateway takes a discovery token as the proxy password")
+        self.gateway, self.token = gateway, token
+        self.options: Dict[str, Any] = dict(settings.getdict("EGRESS_GATEWAY_OPTIONS"))
+        # Checked now: a bad option is a configuration error, not a 400 per request.
+        gateway_proxy_url(gateway, token, **self.options)
+        self.stats = crawler.stats
+        self.session_meta: str = settings.get("EGRESS_SESSION_META", "egress_session")
+        self.ban_codes = {int(code) for code in settings.getlist("EGRESS_BAN_CODES", [401, 403])}
+        self.throttle_codes = {int(code) for code in settings.getlist("EGRESS_THROTTLE_CODES", [429])}
+        self.max_retries = settings.getint("EGRESS_MAX_RETRIES", 5)
+        self.urls: Dict[Optional[str], str] = {}
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> "EgressGatewayMiddleware":
+        return cls(crawler, crawler.settings)
+
+    def _url(self, session: Optional[str]) -> str:
+        url = self.urls.get(session)
+        if url is None:
+            url = self.urls[session] = gateway_proxy_url(self.gateway, self.token, session=session, **self.options)
+        return url
+
+    def process_request(self, request: Request, spider: Any = None) -> None:
+        if "proxy" not in request.meta:
+            session = request.meta.get(self.session_meta)
+            request.meta["proxy"] = self._url(None if session is None else str(session))
+
+    async def process_response(self, request: Request, response: Response, spider: Any = None) -> Any:
+        refused = response.status in self.ban_codes or response.status in self.throttle_codes
+        session = request.meta.get(self.session_meta)
+        if not refused or session is None or urllib.parse.urlsplit(request.url).scheme != "https":
+            return response
+        outcome = "banned" if response.status in self.ban_codes else "throttled"
+        try:
+            await areport_to_gateway(self._url(str(session)), request.url, outcome, retry_after=_retry_after(response))
+            self.stats.inc_value(f"egress_gateway/reported/{outcome}")
+        except GatewayError as error:
+            # Unreported, the proxy does not cool down: the request is still tried again, on whichever proxy.
+            self.stats.inc_value("egress_gateway/report_failed")
+            spider_logger = getattr(spider, "logger", None)
+            if spider_logger is not None:
+                spider_logger.warning("reporting a refusal to the gateway failed: %s", error)
+        retries = int(request.meta.get(RETRIES_META, 0))
+        if retries >= self.max_retries:
+            self.stats.inc_value("egress_gateway/retries_exhausted")
+            return response
+        self.stats.inc_value("egress_gateway/retries")
+        return request.replace(meta={**request.meta, RETRIES_META: retries + 1}, dont_filter=True)
