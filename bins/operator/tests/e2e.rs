@@ -1904,6 +1904,24 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
     let distinct: std::collections::BTreeSet<&String> = sticky.values().collect();
     eprintln!("e2e: 4 sessions through the gateway on {} proxies: {sticky:?}", distinct.len());
 
+    // A CONNECT (and a plain GET) to an address the pods' destination policy denies (the origin's address on another
+    // port: the policy allows the origin's port only) is refused with 403 and never reaches it.
+    let denied = tokio::net::TcpListener::bind((target.ip(), 0)).await.expect("a listener on a denied port");
+    let denied_at = denied.local_addr().expect("its address");
+    for (method, url) in [("CONNECT", denied_at.to_string()), ("GET", format!("http://{denied_at}/"))] {
+        let answer = egress_testenv::through_proxy(gateway, method, &url, Some((&user(0), SHIPPED_LEASE_TOKEN)))
+            .await
+            .expect("an answer");
+        let status = answer.header("proxy-status").unwrap_or_default().to_owned();
+        eprintln!("e2e: {method} {url} through the gateway: {} ({status})", answer.status);
+        assert_eq!(answer.status, 403, "{method} to a denied address: {status}");
+        if method == "CONNECT" {
+            assert!(status.contains("destination_ip_prohibited"), "{status}");
+        }
+    }
+    let reached = tokio::time::timeout(Duration::from_secs(2), denied.accept()).await;
+    assert!(reached.is_err(), "a connection reached the denied address: {reached:?}");
+
     // A tunnel on one replica; the other replica is killed.
     let (mut tunnel, tunnel_pod) = gateway_tunnel(target).await;
     assert_eq!(inside_tunnel(&mut tunnel, target).await, Ok(200));

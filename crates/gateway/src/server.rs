@@ -460,6 +460,13 @@ impl Gateway {
                 return Err(GatewayError::upstream_timeout(format!("proxy {} sent no answer in time", upstream.proxy)));
             }
         };
+        // The proxy's own refusal (its destination policy), not the site's: no ban to report, nothing to retry.
+        if response.status() == http::StatusCode::FORBIDDEN
+            && let Some(policy) = response.headers().get(POLICY_HEADER)
+        {
+            let policy = String::from_utf8_lossy(policy.as_bytes()).into_owned();
+            return Err(policy_denial(&upstream.proxy, route.host, Some(policy)));
+        }
         let retry_after = response
             .headers()
             .get(header::RETRY_AFTER)
@@ -565,6 +572,17 @@ fn reported(headers: &HeaderMap, options: &Options) -> Result<Option<Report>, Ga
         )));
     }
     Ok(Some(report))
+}
+
+/// The header a rendered Squid names the destination rule or class it refused a request by.
+const POLICY_HEADER: &str = "x-egress-policy";
+
+/// The gateway's answer to a proxy refusing `target` by its destination policy (`policy`, when it said which).
+fn policy_denial(proxy: &str, target: &str, policy: Option<String>) -> GatewayError {
+    GatewayError::denied(format!(
+        "proxy {proxy} refuses {target}{}",
+        policy.map(|policy| format!(" ({policy})")).unwrap_or_default()
+    ))
 }
 
 /// The site of a `POST /report`: its `target=` query parameter, a host or `host:port` (percent-encoded or not).
@@ -679,13 +697,9 @@ async fn open_tunnel(upstream: &Upstream, authority: &str) -> Result<(TcpStream,
             let policy = parsed
                 .headers
                 .iter()
-                .find(|header| header.name.eq_ignore_ascii_case("x-egress-policy"))
+                .find(|header| header.name.eq_ignore_ascii_case(POLICY_HEADER))
                 .map(|header| String::from_utf8_lossy(header.value).into_owned());
-            Err(GatewayError::denied(format!(
-                "proxy {} refuses {authority}{}",
-                upstream.proxy,
-                policy.map(|policy| format!(" ({policy})")).unwrap_or_default()
-            )))
+            Err(policy_denial(&upstream.proxy, authority, policy))
         }
         407 => Err(GatewayError::upstream(
             "proxy_configuration_error",
