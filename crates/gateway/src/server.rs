@@ -71,6 +71,9 @@ pub struct GatewayLimits {
     /// How many times an idempotent plain request without a body is tried again on another proxy after the site
     /// blocked the one it went through ([`crate::Verdict::Blocked`]); the last answer is passed on.
     pub retries: u32,
+    /// Tunnels open and plain requests in flight (until their answer's body ends) one tenant may have at once; one
+    /// more is answered 429 with `Retry-After`, so no tenant can take every connection slot of a shared gateway.
+    pub max_tenant_connections: usize,
 }
 
 impl Default for GatewayLimits {
@@ -81,6 +84,7 @@ impl Default for GatewayLimits {
             max_connections: 16_384,
             tunnel_buffers: Buffers::default(),
             retries: 2,
+            max_tenant_connections: 4096,
         }
     }
 }
@@ -98,6 +102,26 @@ pub struct Gateway {
     slots: Arc<Semaphore>,
     /// True once the gateway stops: connections close after their request in flight.
     draining: watch::Sender<bool>,
+    /// Tunnels open and requests in flight, per tenant.
+    tenants: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// One of a tenant's tunnels or requests in flight, counted until dropped.
+struct TenantSlot {
+    tenants: Arc<Mutex<HashMap<String, usize>>>,
+    tenant: String,
+}
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = tenants.get_mut(&self.tenant) {
+            *count -= 1;
+            if *count == 0 {
+                tenants.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 impl Gateway {
@@ -115,7 +139,33 @@ impl Gateway {
     ) -> Arc<Self> {
         let slots = Arc::new(Semaphore::new(limits.max_connections));
         let (draining, _) = watch::channel(false);
-        Arc::new(Self { router, auth, limits, metrics, clients: Mutex::new(HashMap::new()), slots, draining })
+        Arc::new(Self {
+            router,
+            auth,
+            limits,
+            metrics,
+            clients: Mutex::new(HashMap::new()),
+            slots,
+            draining,
+            tenants: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// One more tunnel or request of `tenant`, unless it has as many as it may.
+    fn tenant_slot(&self, tenant: &str) -> Result<TenantSlot, GatewayError> {
+        let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = tenants.entry(tenant.to_owned()).or_default();
+        if *count >= self.limits.max_tenant_connections {
+            return Err(GatewayError::quota(
+                format!(
+                    "the tenant has {count} tunnels and requests open through the gateway, as many as one tenant may \
+                     (--max-tenant-connections)"
+                ),
+                Some(Duration::from_secs(1)),
+            ));
+        }
+        *count += 1;
+        Ok(TenantSlot { tenants: self.tenants.clone(), tenant: tenant.to_owned() })
     }
 
     /// Client connections and tunnels open now.
@@ -220,6 +270,13 @@ impl Gateway {
                 return error.response();
             }
         };
+        let slot = match self.tenant_slot(&tenant) {
+            Ok(slot) => slot,
+            Err(error) => {
+                self.metrics.request(&tenant, kind, error.kind);
+                return error.response();
+            }
+        };
         let who = Who { tenant: &tenant, token: &token, options: &options, report };
         // One span per request (exported with the operator's OTLP settings): who, what, through which proxy, and how
         // it ended. The host and the proxy are recorded once known.
@@ -233,12 +290,12 @@ impl Gateway {
         );
         let result = async {
             if connect {
-                self.tunnel(request, who).await
-            } else if own {
-                self.own(&request, who).await
-            } else {
-                self.forward(request, who).await
+                // The tunnel holds the tenant's slot for as long as it is open.
+                return self.tunnel(request, who, slot).await;
             }
+            let response = if own { self.own(&request, who).await } else { self.forward(request, who).await };
+            // A plain answer holds it until its body has been sent.
+            response.map(|response| response.map(|body| Holding { inner: body, _hold: Arc::new(slot) }.boxed()))
         }
         .instrument(span.clone())
         .await;
@@ -257,7 +314,12 @@ impl Gateway {
         }
     }
 
-    async fn tunnel(&self, request: Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
+    async fn tunnel(
+        &self,
+        request: Request<Incoming>,
+        who: Who<'_>,
+        tenant_slot: TenantSlot,
+    ) -> Result<Response<Body>, GatewayError> {
         let authority = request
             .uri()
             .authority()
@@ -308,6 +370,7 @@ impl Gateway {
         tokio::spawn(async move {
             let _hold = hold;
             let _slot = slot;
+            let _tenant_slot = tenant_slot;
             let upgraded = match upgrade.await {
                 Ok(upgraded) => upgraded,
                 Err(error) => {

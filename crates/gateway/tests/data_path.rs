@@ -87,8 +87,12 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
 
 /// Opens a tunnel to `target` through the gateway at `gateway`; returns the stream and the answer's head.
 async fn open_tunnel(gateway: SocketAddr, target: SocketAddr) -> (tokio::net::TcpStream, String) {
+    open_tunnel_as(gateway, target, TOKEN).await
+}
+
+async fn open_tunnel_as(gateway: SocketAddr, target: SocketAddr, token: &str) -> (tokio::net::TcpStream, String) {
     let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
-    let auth = base64_basic("", TOKEN);
+    let auth = base64_basic("", token);
     stream
         .write_all(
             format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
@@ -120,10 +124,47 @@ async fn gateway_in_front_of(squid: &Squid, limits: GatewayLimits) -> (TcpListen
     let address = listener.local_addr().expect("address");
     let gateway = Gateway::new(
         Arc::new(StaticRouter(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"))),
-        Arc::new(StaticTokens::new().with(TOKEN, "crawlers")),
+        Arc::new(StaticTokens::new().with(TOKEN, "crawlers").with(OTHER_TOKEN, "others")),
         limits,
     );
     (listener, address, gateway)
+}
+
+/// Another tenant's token.
+const OTHER_TOKEN: &str = "0ther-t0ken";
+
+/// One tenant cannot take every slot: past its cap its tunnels and requests are answered 429 (a quota, with
+/// Retry-After), another tenant's are not, and a tunnel closed gives its slot back.
+#[tokio::test]
+async fn each_tenant_has_a_cap_on_its_tunnels_and_requests() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let limits = GatewayLimits { max_tenant_connections: 2, ..GatewayLimits::default() };
+    let (listener, address, gateway) = gateway_in_front_of(&squid, limits).await;
+    tokio::spawn(gateway.serve(listener, std::future::pending()));
+    let (first, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (_second, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (_third, head) = open_tunnel(address, origin.address()).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    let lower = head.to_ascii_lowercase();
+    assert!(lower.contains("retry-after: 1") && lower.contains("error=http_request_denied"), "{head}");
+    assert!(head.contains("--max-tenant-connections"), "{head}");
+    let plain = through_proxy(address, "GET", &origin.ip_url(), Some(("", TOKEN))).await.expect("an answer");
+    assert_eq!(plain.status, 429, "a plain request counts too");
+    let requests = origin.requests();
+    // Another tenant is not held up by this one.
+    let (_theirs, head) = open_tunnel_as(address, origin.address(), OTHER_TOKEN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(origin.requests(), requests, "the refused requests reached nothing");
+    // A closed tunnel gives its slot back.
+    drop(first);
+    egress_testenv::eventually("a closed tunnel's slot to come back", std::time::Duration::from_secs(5), || async {
+        let (_tunnel, head) = open_tunnel(address, origin.address()).await;
+        head.starts_with("HTTP/1.1 200").then_some(())
+    })
+    .await;
 }
 
 /// Client connections and tunnels share the cap: a tunnel keeps its slot after its connection is upgraded.

@@ -80,6 +80,10 @@ pub struct GatewayCli {
     /// accepted and a new tunnel answered 503.
     #[arg(long, env = "EGRESS_GATEWAY_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub max_connections: usize,
+    /// Tunnels open and plain requests in flight one tenant may have at once (at most --max-connections); one more
+    /// is answered 429 with Retry-After: 1.
+    #[arg(long, env = "EGRESS_GATEWAY_MAX_TENANT_CONNECTIONS", default_value_t = 4096)]
+    pub max_tenant_connections: usize,
     /// After SIGTERM, how long the gateway keeps accepting while `/readyz` already says it is stopping (so the
     /// Service has stopped sending it connections before it stops taking them).
     #[arg(long, env = "EGRESS_GATEWAY_SHUTDOWN_DELAY", default_value = "5s")]
@@ -196,6 +200,12 @@ impl GatewayCli {
         if !(1..=1_000_000).contains(&self.max_connections) {
             problems.push("--max-connections must be from 1 to 1000000".into());
         }
+        if !(1..=self.max_connections.max(1)).contains(&self.max_tenant_connections) {
+            problems.push(format!(
+                "--max-tenant-connections must be from 1 to --max-connections ({})",
+                self.max_connections
+            ));
+        }
         let url = self.discovery_url.trim_end_matches('/');
         if url.contains('@') {
             // Not echoed: it may hold a password.
@@ -270,6 +280,7 @@ impl GatewayCli {
                 max_connections: self.max_connections,
                 tunnel_buffers: Buffers::default(),
                 retries: self.retries,
+                max_tenant_connections: self.max_tenant_connections,
             },
             shutdown_delay,
             drain_timeout,
@@ -414,6 +425,7 @@ mod tests {
         assert_eq!(settings.router.throttle_statuses, [429]);
         assert_eq!(settings.router.default_sticky, Duration::from_secs(600));
         assert_eq!(settings.limits.max_connections, 16_384);
+        assert_eq!(settings.limits.max_tenant_connections, 4096);
         assert_eq!(settings.limits.retries, 2);
         // Without the subcommand the operator's flags are still required.
         let error = Cli::try_parse_from(["egress-operator"]).expect_err("the operator needs its flags");
@@ -431,6 +443,7 @@ mod tests {
             "--ban-statuses=403,999",
             "--throttle-statuses=429,4xx",
             "--max-connections=0",
+            "--max-tenant-connections=0",
             "--retries=11",
             "--shutdown-delay=5m",
             "--otlp-endpoint=collector:4318",
@@ -445,6 +458,7 @@ mod tests {
             "--ban-statuses: \"999\" is not an HTTP status",
             "--throttle-statuses: \"4xx\" is not an HTTP status",
             "--max-connections must be from 1 to 1000000",
+            "--max-tenant-connections must be from 1 to --max-connections (0)",
             "--retries must be from 0 to 10",
             "--shutdown-delay must be at most 1m",
             "--discovery-tokens: ",
@@ -452,7 +466,7 @@ mod tests {
         ] {
             assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
         }
-        assert_eq!(problems.len(), 11, "{problems:#?}");
+        assert_eq!(problems.len(), 12, "{problems:#?}");
         let problems = gateway_cli(&[
             "--discovery-tokens=/x",
             "--discovery-url=http://user:secret@discovery:8090",
