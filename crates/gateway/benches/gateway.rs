@@ -285,7 +285,12 @@ fn rss() -> u64 {
 /// `upstream`, reporting its own RSS on request.
 fn idle_gateway(upstream: SocketAddr) {
     use std::io::BufRead;
-    let limits = GatewayLimits { max_connections: IDLE_TUNNELS * 2, ..GatewayLimits::default() };
+    // One tenant holds every tunnel here.
+    let limits = GatewayLimits {
+        max_connections: IDLE_TUNNELS * 2,
+        max_tenant_connections: IDLE_TUNNELS * 2,
+        ..GatewayLimits::default()
+    };
     println!("listening {}", gateway(upstream, 2, limits));
     for line in std::io::stdin().lock().lines() {
         if line.is_err() {

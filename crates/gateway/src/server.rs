@@ -72,7 +72,8 @@ pub struct GatewayLimits {
     /// blocked the one it went through ([`crate::Verdict::Blocked`]); the last answer is passed on.
     pub retries: u32,
     /// Tunnels open and plain requests in flight (until their answer's body ends) one tenant may have at once; one
-    /// more is answered 429 with `Retry-After`, so no tenant can take every connection slot of a shared gateway.
+    /// more is answered 429 with `Retry-After`, so no tenant can take every connection slot of a shared gateway (the
+    /// default is half of `max_connections`' default).
     pub max_tenant_connections: usize,
 }
 
@@ -84,7 +85,7 @@ impl Default for GatewayLimits {
             max_connections: 16_384,
             tunnel_buffers: Buffers::default(),
             retries: 2,
-            max_tenant_connections: 4096,
+            max_tenant_connections: 8192,
         }
     }
 }
@@ -154,7 +155,10 @@ impl Gateway {
     /// One more tunnel or request of `tenant`, unless it has as many as it may.
     fn tenant_slot(&self, tenant: &str) -> Result<TenantSlot, GatewayError> {
         let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let count = tenants.entry(tenant.to_owned()).or_default();
+        if !tenants.contains_key(tenant) {
+            tenants.insert(tenant.to_owned(), 0);
+        }
+        let count = tenants.get_mut(tenant).expect("inserted above");
         if *count >= self.limits.max_tenant_connections {
             return Err(GatewayError::quota(
                 format!(

@@ -81,8 +81,8 @@ pub struct GatewayCli {
     #[arg(long, env = "EGRESS_GATEWAY_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub max_connections: usize,
     /// Tunnels open and plain requests in flight one tenant may have at once (at most --max-connections); one more
-    /// is answered 429 with Retry-After: 1.
-    #[arg(long, env = "EGRESS_GATEWAY_MAX_TENANT_CONNECTIONS", default_value_t = 4096)]
+    /// is answered 429 with Retry-After: 1. Half the connection cap by default: no tenant can take all of it.
+    #[arg(long, env = "EGRESS_GATEWAY_MAX_TENANT_CONNECTIONS", default_value_t = 8192)]
     pub max_tenant_connections: usize,
     /// After SIGTERM, how long the gateway keeps accepting while `/readyz` already says it is stopping (so the
     /// Service has stopped sending it connections before it stops taking them).
@@ -425,7 +425,7 @@ mod tests {
         assert_eq!(settings.router.throttle_statuses, [429]);
         assert_eq!(settings.router.default_sticky, Duration::from_secs(600));
         assert_eq!(settings.limits.max_connections, 16_384);
-        assert_eq!(settings.limits.max_tenant_connections, 4096);
+        assert_eq!(settings.limits.max_tenant_connections, 8192);
         assert_eq!(settings.limits.retries, 2);
         // Without the subcommand the operator's flags are still required.
         let error = Cli::try_parse_from(["egress-operator"]).expect_err("the operator needs its flags");
