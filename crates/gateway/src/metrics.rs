@@ -1,5 +1,6 @@
 //! Gateway metrics, per tenant (a bounded set: the tenants the token file names; a refused credential counts under
-//! no tenant): requests by kind (`plain`, `connect`, `report`) and result (`2xx`…`5xx` for answers passed on, `refused` for
+//! no tenant) and per upstream proxy (bounded by the fleet; never per site, which is unbounded: the site is in each
+//! request's span): requests by kind (`plain`, `connect`, `report`) and result (`2xx`…`5xx` for answers passed on, `refused` for
 //! the gateway's own errors by their `Proxy-Status` error type), retries after a site blocked a proxy, bytes through
 //! tunnels each way, tunnels open and closed after a refusal, and connections and tunnels refused at the cap.
 
@@ -22,6 +23,18 @@ struct BytesLabels {
     direction: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProxyLabels {
+    proxy: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProxyBytesLabels {
+    proxy: String,
+    direction: &'static str,
+}
+
 /// The gateway's metrics. Cloning shares them.
 #[derive(Clone, Debug, Default)]
 pub struct GatewayMetrics {
@@ -31,6 +44,8 @@ pub struct GatewayMetrics {
     refused_connections: Counter,
     retries: Family<TenantLabels, Counter>,
     revoked_tunnels: Family<TenantLabels, Counter>,
+    proxy_requests: Family<ProxyLabels, Counter>,
+    proxy_tunnel_bytes: Family<ProxyBytesLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -55,6 +70,16 @@ impl GatewayMetrics {
         );
         registry.register("open_tunnels", "CONNECT tunnels open now", metrics.open_tunnels.clone());
         registry.register(
+            "proxy_requests",
+            "Plain requests sent and tunnels opened through each upstream proxy (namespace/name), by kind",
+            metrics.proxy_requests.clone(),
+        );
+        registry.register(
+            "proxy_tunnel_bytes",
+            "Bytes through CONNECT tunnels by upstream proxy (namespace/name) and direction",
+            metrics.proxy_tunnel_bytes.clone(),
+        );
+        registry.register(
             "retries",
             "Plain requests tried again on another proxy after the site blocked the one they went through",
             metrics.retries.clone(),
@@ -78,10 +103,16 @@ impl GatewayMetrics {
         self.requests.get_or_create(&RequestLabels { tenant: tenant.to_owned(), kind, result }).inc();
     }
 
-    /// A tunnel opened; the returned guard counts it closed when dropped, with the bytes it carried.
-    pub(crate) fn tunnel(&self, tenant: &str) -> TunnelGauge {
+    /// A tunnel opened through `proxy`; the returned guard counts it closed when dropped, with the bytes it carried.
+    pub(crate) fn tunnel(&self, tenant: &str, proxy: &str) -> TunnelGauge {
         self.open_tunnels.inc();
-        TunnelGauge { metrics: self.clone(), tenant: tenant.to_owned(), up: 0, down: 0 }
+        self.proxied(proxy, "connect");
+        TunnelGauge { metrics: self.clone(), tenant: tenant.to_owned(), proxy: proxy.to_owned(), up: 0, down: 0 }
+    }
+
+    /// A plain request sent (`plain`) or a tunnel opened (`connect`) through `proxy`.
+    pub(crate) fn proxied(&self, proxy: &str, kind: &'static str) {
+        self.proxy_requests.get_or_create(&ProxyLabels { proxy: proxy.to_owned(), kind }).inc();
     }
 
     pub(crate) fn retried(&self, tenant: &str) {
@@ -97,6 +128,7 @@ impl GatewayMetrics {
 pub(crate) struct TunnelGauge {
     metrics: GatewayMetrics,
     tenant: String,
+    proxy: String,
     up: u64,
     down: u64,
 }
@@ -120,6 +152,10 @@ impl Drop for TunnelGauge {
             self.metrics
                 .tunnel_bytes
                 .get_or_create(&BytesLabels { tenant: self.tenant.clone(), direction })
+                .inc_by(bytes);
+            self.metrics
+                .proxy_tunnel_bytes
+                .get_or_create(&ProxyBytesLabels { proxy: self.proxy.clone(), direction })
                 .inc_by(bytes);
         }
     }

@@ -370,7 +370,7 @@ impl Gateway {
         // Kept until the tunnel closes (a lease of the tunnel's own is released then).
         let hold = upstream.hold.clone();
         let revoked = upstream.clone();
-        let mut gauge = self.metrics.tunnel(who.tenant);
+        let mut gauge = self.metrics.tunnel(who.tenant, &upstream.proxy);
         tokio::spawn(async move {
             let _hold = hold;
             let _slot = slot;
@@ -512,6 +512,7 @@ impl Gateway {
         let route = *route;
         tracing::Span::current().record("proxy", upstream.proxy.as_str());
         let client = self.client(&upstream);
+        self.metrics.proxied(&upstream.proxy, "plain");
         let answer =
             tokio::time::timeout(self.limits.connect_timeout.max(Duration::from_secs(60)), client.request(request))
                 .await;

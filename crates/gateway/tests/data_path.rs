@@ -68,20 +68,24 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
         r#"egress_gateway_requests_total{tenant="crawlers",kind="plain",result="2xx"} 1"#,
         r#"egress_gateway_requests_total{tenant="crawlers",kind="connect",result="2xx"} 1"#,
         r#"egress_gateway_requests_total{tenant="",kind="plain",result="http_request_denied"} 1"#,
+        // And per upstream proxy.
+        r#"egress_gateway_proxy_requests_total{proxy="crawl/squid-1",kind="plain"} 1"#,
+        r#"egress_gateway_proxy_requests_total{proxy="crawl/squid-1",kind="connect"} 1"#,
     ] {
         assert!(text.contains(line), "{line} in\n{text}");
     }
     for direction in ["up", "down"] {
-        let bytes = text
-            .lines()
-            .find(|line| {
-                line.starts_with(&format!(
-                    r#"egress_gateway_tunnel_bytes_total{{tenant="crawlers",direction="{direction}"}}"#
-                ))
-            })
-            .and_then(|line| line.rsplit(' ').next())
-            .and_then(|value| value.parse::<u64>().ok());
-        assert!(bytes.is_some_and(|bytes| bytes > 0), "{direction} bytes in\n{text}");
+        for series in [
+            format!(r#"egress_gateway_tunnel_bytes_total{{tenant="crawlers",direction="{direction}"}}"#),
+            format!(r#"egress_gateway_proxy_tunnel_bytes_total{{proxy="crawl/squid-1",direction="{direction}"}}"#),
+        ] {
+            let bytes = text
+                .lines()
+                .find(|line| line.starts_with(&series))
+                .and_then(|line| line.rsplit(' ').next())
+                .and_then(|value| value.parse::<u64>().ok());
+            assert!(bytes.is_some_and(|bytes| bytes > 0), "{series} in\n{text}");
+        }
     }
 }
 
