@@ -39,11 +39,26 @@ def cooling_violations(log: list, banned: str) -> list:
     return late + inside
 
 
-def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_sessions_stick() -> None:
+def fleet_addresses() -> list:
+    """The egress addresses of the fleet's proxies, sorted: the site bans the first."""
     with DiscoveryClient(URL, TOKEN) as client:
         addresses = sorted(proxy.egress_ip for proxy in client.proxies())
     assert len(set(addresses)) >= 3 and None not in addresses, addresses
-    site = Site(banned=addresses[0])
+    return addresses
+
+
+def leases_come_back() -> None:
+    """Idle sessions let their leases go (the test gateway's stickiness is 3 s): the fleet is as the next test
+    expects."""
+    deadline = time.monotonic() + 30
+    with DiscoveryClient(URL, TOKEN) as client:
+        while any(proxy.active_leases for proxy in client.proxies()):
+            assert time.monotonic() < deadline, "the gateway released its sessions' leases once they idled"
+            time.sleep(0.25)
+
+
+def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_sessions_stick() -> None:
+    site = Site(banned=fleet_addresses()[0])
     proxy = f"http://session-{{session}}:{TOKEN}@{GATEWAY}"
     result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env={"CRAWL_PROXY": proxy})
     site.server.shutdown()
@@ -66,18 +81,11 @@ def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_session
     assert refusals >= 2, "the site refused some requests (a ban and throttles)"
     assert all(page["proxy"] for page in pages), "every answer names its proxy (X-Egress-Proxy)"
     assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
-    # Idle sessions let their leases go (the test gateway's stickiness is 3 s): the fleet is as the next test expects.
-    deadline = time.monotonic() + 30
-    with DiscoveryClient(URL, TOKEN) as client:
-        while any(proxy.active_leases for proxy in client.proxies()):
-            assert time.monotonic() < deadline, "the gateway released its sessions' leases once they idled"
-            time.sleep(0.25)
+    leases_come_back()
 
 
 def test_an_https_scrapy_crawl_through_the_gateway_middleware_reports_what_it_sees_in_tunnels() -> None:
-    with DiscoveryClient(URL, TOKEN) as client:
-        addresses = sorted(proxy.egress_ip for proxy in client.proxies())
-    site = Site(banned=addresses[0], tls=True)
+    site = Site(banned=fleet_addresses()[0], tls=True)
     result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env={"CRAWL_GATEWAY": GATEWAY})
     site.server.shutdown()
     pages = [page for page in result["pages"] if page["status"] == 200]
@@ -101,8 +109,4 @@ def test_an_https_scrapy_crawl_through_the_gateway_middleware_reports_what_it_se
     assert reported == refusals, f"every refusal in a tunnel was reported: {reported} of {refusals}; stats {stats}"
     assert all(page["proxy"] for page in pages), "the site named the address of every answer"
     assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
-    deadline = time.monotonic() + 30
-    with DiscoveryClient(URL, TOKEN) as client:
-        while any(proxy.active_leases for proxy in client.proxies()):
-            assert time.monotonic() < deadline, "the gateway released its sessions' leases once they idled"
-            time.sleep(0.25)
+    leases_come_back()
