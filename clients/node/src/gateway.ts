@@ -112,7 +112,7 @@ export async function reportToGateway(
     throw new TypeError('proxyUrl is the gateway proxy URL, http://<options>:<token>@host:port');
   }
   const user = decodeURIComponent(proxy.username);
-  if (!user.includes('session-')) {
+  if (!user.split(',').some((option) => option.startsWith('session-'))) {
     throw new TypeError("a report is on a session's proxy: the proxy URL's user name needs session-<id>");
   }
   let site: URL;

@@ -57,56 +57,49 @@ def leases_come_back() -> None:
             time.sleep(0.25)
 
 
-def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_sessions_stick() -> None:
-    site = Site(banned=fleet_addresses()[0])
-    proxy = f"http://session-{{session}}:{TOKEN}@{GATEWAY}"
-    result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env={"CRAWL_PROXY": proxy})
+def crawl_through_gateway(label: str, env: dict, tls: bool = False) -> tuple:
+    """Crawls the site (over TLS with `tls`) through the gateway with `env` for crawl.py, checks what every gateway
+    crawl must show, prints the figures, and returns the pages, Scrapy's stats and the site's refusals."""
+    site = Site(banned=fleet_addresses()[0], tls=tls)
+    result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env=env)
     site.server.shutdown()
     pages = [page for page in result["pages"] if page["status"] == 200]
     stats = result["stats"]
     log = site.log
     refusals = sum(1 for _, _, _, status in log if status in (403, 429))
-    # Every page (and the index) was fetched, each with a 200: Scrapy saw no refusal it had to retry.
+    # Every page (and the index) was fetched, each with a 200.
     assert len({page["url"] for page in pages}) == PAGES + 1, f"{len(pages)} pages; stats {stats}"
     violations = cooling_violations(log, site.banned)
     # A session moves only when a refusal moves it: each (session, proxy) pair beyond one per session is a move.
     pairs = {(page["session"], page["proxy"]) for page in pages if page["session"] != "index"}
     moves = len(pairs) - SESSIONS
     print(
-        f"scrapy through the gateway: {len(pages)} pages, {len(log)} requests at the site, {refusals} refusals "
-        f"(retried by the gateway), Scrapy retries {stats.get('retry/count', 0)}, {SESSIONS} sessions on "
+        f"{label}: {len(pages)} pages, {len(log)} requests at the site, {refusals} refusals, {SESSIONS} sessions on "
         f"{len(pairs)} (session, proxy) pairs, through a cooling proxy {len(violations)}"
     )
     assert not violations, f"{len(violations)} requests through a proxy cooling down for the site: {violations[:5]}"
     assert refusals >= 2, "the site refused some requests (a ban and throttles)"
-    assert all(page["proxy"] for page in pages), "every answer names its proxy (X-Egress-Proxy)"
+    assert all(page["proxy"] for page in pages), "every answer names its proxy (X-Egress-Proxy) or address"
     assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
     leases_come_back()
+    return pages, stats, refusals
+
+
+def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_sessions_stick() -> None:
+    proxy = f"http://session-{{session}}:{TOKEN}@{GATEWAY}"
+    _, stats, _ = crawl_through_gateway("scrapy through the gateway", {"CRAWL_PROXY": proxy})
+    # Scrapy saw no refusal it had to retry: the gateway retried them.
+    print(f"scrapy through the gateway: Scrapy retries {stats.get('retry/count', 0)}")
 
 
 def test_an_https_scrapy_crawl_through_the_gateway_middleware_reports_what_it_sees_in_tunnels() -> None:
-    site = Site(banned=fleet_addresses()[0], tls=True)
-    result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, sessions=SESSIONS, env={"CRAWL_GATEWAY": GATEWAY})
-    site.server.shutdown()
-    pages = [page for page in result["pages"] if page["status"] == 200]
-    stats = result["stats"]
-    log = site.log
-    refusals = sum(1 for _, _, _, status in log if status in (403, 429))
-    reported = stats.get("egress_gateway/reported/banned", 0) + stats.get("egress_gateway/reported/throttled", 0)
-    assert len({page["url"] for page in pages}) == PAGES + 1, f"{len(pages)} pages; stats {stats}"
-    assert all(page["url"].startswith("https://") for page in pages), "every page came through a tunnel"
-    violations = cooling_violations(log, site.banned)
-    pairs = {(page["session"], page["proxy"]) for page in pages if page["session"] != "index"}
-    moves = len(pairs) - SESSIONS
-    print(
-        f"scrapy through the gateway over CONNECT: {len(pages)} pages, {len(log)} requests at the site, {refusals} "
-        f"refusals, {reported} reported by the middleware, {stats.get('egress_gateway/report_failed', 0)} reports "
-        f"failed, {SESSIONS} sessions on {len(pairs)} (session, address) pairs, through a cooling proxy "
-        f"{len(violations)}"
+    pages, stats, refusals = crawl_through_gateway(
+        "scrapy through the gateway over CONNECT", {"CRAWL_GATEWAY": GATEWAY}, tls=True
     )
-    assert not violations, f"{len(violations)} requests through a proxy cooling down for the site: {violations[:5]}"
-    assert refusals >= 2, "the site refused some requests (a ban and throttles)"
+    reported = stats.get("egress_gateway/reported/banned", 0) + stats.get("egress_gateway/reported/throttled", 0)
+    print(
+        f"scrapy through the gateway over CONNECT: {reported} reported by the middleware, "
+        f"{stats.get('egress_gateway/report_failed', 0)} reports failed"
+    )
+    assert all(page["url"].startswith("https://") for page in pages), "every page came through a tunnel"
     assert reported == refusals, f"every refusal in a tunnel was reported: {reported} of {refusals}; stats {stats}"
-    assert all(page["proxy"] for page in pages), "the site named the address of every answer"
-    assert 0 <= moves <= refusals, f"{moves} session moves for {refusals} refusals: sessions do not stick"
-    leases_come_back()

@@ -279,19 +279,18 @@ impl LeaseRouter {
             Report::Banned => Reported::Banned,
             Report::Throttled(retry_after) => Reported::Throttled { retry_after },
         };
-        match lease.report(reported, None).await {
-            Ok(until) => info!(
-                proxy = %lease.proxy(),
-                host = request.host,
-                cooldown_until = until.as_deref().unwrap_or("-"),
-                "reported the refusal the crawler saw"
-            ),
-            Err(error) => {
-                self.let_go(request.tenant, &lease).await;
-                return Err(GatewayError::discovery(format!("reporting the refusal failed: {error}")));
-            }
-        }
+        let result = lease.report(reported, None).await;
+        // Reported or not, the crawler saw the site refuse it: no session of the tenant goes on through it.
         self.let_go(request.tenant, &lease).await;
+        let until =
+            result.map_err(|error| GatewayError::discovery(format!("reporting the refusal failed: {error}")))?;
+        info!(
+            proxy = %lease.proxy(),
+            host = request.host,
+            cooldown_until = until.as_deref().unwrap_or("-"),
+            "reported the refusal the crawler saw"
+        );
+        // A lease taken just to report on was never held: its proxy is the one the session left all the same.
         session.held.lock().await.left = Some((lease.proxy().to_string(), Instant::now()));
         Ok(lease.proxy().to_string())
     }

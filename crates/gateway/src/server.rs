@@ -155,10 +155,7 @@ impl Gateway {
     /// One more tunnel or request of `tenant`, unless it has as many as it may.
     fn tenant_slot(&self, tenant: &str) -> Result<TenantSlot, GatewayError> {
         let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !tenants.contains_key(tenant) {
-            tenants.insert(tenant.to_owned(), 0);
-        }
-        let count = tenants.get_mut(tenant).expect("inserted above");
+        let count = tenants.entry(tenant.to_owned()).or_default();
         if *count >= self.limits.max_tenant_connections {
             return Err(GatewayError::quota(
                 format!(

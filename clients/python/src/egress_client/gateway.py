@@ -88,7 +88,7 @@ def _report_request(
     if split.scheme != "http" or not split.hostname or split.password is None:
         raise ValueError("proxy_url is the gateway proxy URL, http://<options>:<token>@host:port")
     user = urllib.parse.unquote(split.username or "")
-    if "session-" not in user:
+    if not any(option.startswith("session-") for option in user.split(",")):
         raise ValueError("a report is on a session's proxy: the proxy URL's user name needs session-<id>")
     site = urllib.parse.urlsplit(target if "://" in target else f"//{target}")
     if not site.hostname:
