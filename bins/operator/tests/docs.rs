@@ -1,6 +1,7 @@
 //! Every YAML example in `README.md` and `docs/` is what it says it is: each Kubernetes object passes a server-side
 //! dry-run create on the test control plane (with this repository's CRDs), and each providers file passes the
 //! operator's own parser. An example the apiserver or the operator would reject fails here, naming its file and line.
+//! The code map and the line limit of production files (`docs/architecture.md`) are held here too.
 
 use std::path::{Path, PathBuf};
 
@@ -170,4 +171,41 @@ fn the_code_map_is_the_workspace() {
         .filter(|(path, _)| !path.starts_with("clients/") && !path.ends_with('/'))
         .collect();
     assert_eq!(sections, members, "the code map's sections (left) against the workspace's packages (right)");
+}
+
+/// The longest a production source file may be (`docs/architecture.md`, "Architecture invariants").
+const MAX_PRODUCTION_LINES: usize = 800;
+
+/// No production source file is longer than [`MAX_PRODUCTION_LINES`]: every `.rs` file under a `src/` of `crates/`
+/// and `bins/`, but for the test-support crate `egress-testenv` and unit-test modules in files of their own
+/// (`tests.rs`). A file that grows past it is split by concern, as the controllers and the gateway's server were.
+#[test]
+fn no_production_file_is_over_800_lines() {
+    let mut pending: Vec<PathBuf> = ["crates", "bins"]
+        .iter()
+        .flat_map(|top| std::fs::read_dir(root().join(top)).expect("a workspace directory"))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|package| package.file_name().is_some_and(|name| name != "testenv"))
+        .map(|package| package.join("src"))
+        .filter(|src| src.is_dir())
+        .collect();
+    let (mut counted, mut over) = (0, Vec::new());
+    while let Some(directory) = pending.pop() {
+        for entry in std::fs::read_dir(&directory).expect("read a source directory") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|extension| extension == "rs")
+                && path.file_name().is_some_and(|name| name != "tests.rs")
+            {
+                let lines = std::fs::read_to_string(&path).expect("a source file").lines().count();
+                counted += 1;
+                if lines > MAX_PRODUCTION_LINES {
+                    over.push(format!("{} ({lines} lines)", path.strip_prefix(root()).unwrap_or(&path).display()));
+                }
+            }
+        }
+    }
+    assert!(counted > 100, "only {counted} production files found: is the walk looking in the right place?");
+    assert!(over.is_empty(), "production files over {MAX_PRODUCTION_LINES} lines: {over:?}");
 }

@@ -16,6 +16,7 @@ pub mod route;
 pub mod server;
 pub mod status;
 pub mod tunnel;
+mod upstream;
 
 use http_body_util::combinators::BoxBody;
 use hyper::body::Bytes;
