@@ -14,8 +14,8 @@ use std::time::Duration;
 use egress_api::{Proxy, ProxyPhase};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::{
-    LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace, eventually,
-    eventually_every, http_get,
+    GatewayProcess, LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace,
+    eventually, eventually_every, http_get, through_proxy,
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
@@ -559,7 +559,7 @@ async fn a_destinations_allow_change_reaches_every_running_proxy_and_refuses_no_
     assert_no_forbidden(&restarted);
 }
 
-/// A real Prometheus (Debian's package) scraping one target every second, on loopback; killed when dropped.
+/// A real Prometheus (Debian's package) scraping its targets every second, on loopback; killed when dropped.
 struct Prometheus {
     child: std::process::Child,
     url: String,
@@ -567,14 +567,15 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    async fn start(target: &str) -> Self {
+    async fn start(targets: &[&str]) -> Self {
+        let targets = targets.iter().map(|target| format!("\"{target}\"")).collect::<Vec<_>>().join(", ");
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("prometheus.yml");
         std::fs::write(
             &config,
             format!(
                 "global: {{ scrape_interval: 1s, evaluation_interval: 1s }}\nscrape_configs:\n  - job_name: \
-                 egress-operator\n    static_configs: [{{ targets: [\"{target}\"] }}]\n"
+                 egress-operator\n    static_configs: [{{ targets: [{targets}] }}]\n"
             ),
         )
         .expect("write the config");
@@ -613,13 +614,20 @@ impl Drop for Prometheus {
     }
 }
 
-/// A real Prometheus scrapes the operator while a pool's proxies run, lease, serve, get banned and throttled, and
-/// a lease is refused: every query of the shipped dashboard returns at least one series.
+/// A real Prometheus scrapes the operator and a gateway while a pool's proxies run, lease, serve, get banned and
+/// throttled, a lease is refused and the gateway forwards a request and a tunnel: every query of the shipped
+/// dashboard returns at least one series.
 #[tokio::test]
 async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query() {
     let env = Env::new("e2e-prom").await;
     let operator = env.operator(false).await;
-    let prometheus = Prometheus::start(operator.metrics_url.trim_start_matches("http://")).await;
+    let gateway =
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("the gateway starts");
+    let prometheus = Prometheus::start(&[
+        operator.metrics_url.trim_start_matches("http://"),
+        gateway.process.metrics_url.trim_start_matches("http://"),
+    ])
+    .await;
     let pool = serde_json::json!({
         "apiVersion": "crawl.example.com/v1alpha1",
         "kind": "ProxyPool",
@@ -657,6 +665,21 @@ async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query()
         refused.as_ref().map(|lease| lease.proxy())
     );
 
+    // Through the gateway: a plain request, and a tunnel with a request inside it.
+    let origin = env.origin.ip_url();
+    let plain = through_proxy(gateway.address, "GET", &origin, Some(("session-dash", &env.token))).await;
+    assert_eq!(plain.as_ref().map(|answer| answer.status).ok(), Some(200), "a GET through the gateway: {plain:?}");
+    let mut tunnel = gateway_tunnel(gateway.address, env.origin.address(), &env.token).await;
+    let inside = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let request = format!("GET / HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", env.origin.address());
+        tunnel.write_all(request.as_bytes()).await.expect("a request inside the tunnel");
+        let mut answer = Vec::new();
+        tunnel.read_to_end(&mut answer).await.expect("its answer");
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    assert!(inside.starts_with("HTTP/1.1 200"), "a GET inside the tunnel: {inside}");
+
     let queries = common::dashboard_queries();
     let started = std::time::Instant::now();
     let mut answered = Vec::new();
@@ -677,8 +700,11 @@ async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query()
     // The alerts' own series exist too: one replica leads.
     let leaders = prometheus.query("sum(egress_leader)").await;
     assert_eq!(leaders[0]["value"][1], "1", "{leaders:?}");
-    // docs/observability.md lists every family the operator serves (counters by their `_total` name).
-    let (_, metrics) = http_get(&format!("{}/metrics", operator.metrics_url)).await.expect("metrics");
+    // docs/observability.md lists every family the operator and the gateway serve (counters by their `_total`
+    // name).
+    let (_, mut metrics) = http_get(&format!("{}/metrics", operator.metrics_url)).await.expect("metrics");
+    let (_, gateway_metrics) = http_get(&format!("{}/metrics", gateway.process.metrics_url)).await.expect("metrics");
+    metrics.push_str(&gateway_metrics);
     let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/observability.md"))
         .expect("docs/observability.md");
     let undocumented: Vec<String> = metrics
@@ -861,4 +887,29 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
     eprintln!(
         "e2e: namespaced RBAC: a Proxy Ready, leased and banned, another refused for its namespace; 0 calls forbidden"
     );
+}
+
+/// Opens a CONNECT tunnel to `target` through the gateway at `gateway` (no session); returns it once the gateway
+/// answered 200.
+async fn gateway_tunnel(
+    gateway: std::net::SocketAddr,
+    target: std::net::SocketAddr,
+    token: &str,
+) -> tokio::net::TcpStream {
+    use base64::Engine as _;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect to the gateway");
+    let credentials = base64::engine::general_purpose::STANDARD.encode(format!(":{token}"));
+    let head =
+        format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {credentials}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("CONNECT");
+    let mut answer = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !answer.ends_with(b"\r\n\r\n") {
+        assert_eq!(stream.read(&mut byte).await.expect("read"), 1, "the tunnel closed before its answer");
+        answer.push(byte[0]);
+    }
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 200"), "CONNECT {target} through the gateway: {answer}");
+    stream
 }
