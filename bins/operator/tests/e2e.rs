@@ -1805,25 +1805,12 @@ async fn through_gateway(gateway: std::net::SocketAddr, url: &str, user: &str) -
 
 /// Opens a CONNECT tunnel to `target` through the gateway Service; returns it and the gateway pod it reached.
 async fn gateway_tunnel(target: std::net::SocketAddr) -> (tokio::net::TcpStream, std::net::SocketAddr) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let service = &cluster().installation.gateway;
     let address: std::net::SocketAddr = service.url().trim_start_matches("http://").parse().expect("the Service");
-    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect to the gateway Service");
-    let auth = base64_basic("label-e2e=gateway", SHIPPED_LEASE_TOKEN);
-    stream
-        .write_all(
-            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n").as_bytes(),
-        )
-        .await
-        .expect("CONNECT");
-    let mut head = Vec::new();
-    let mut byte = [0_u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(stream.read(&mut byte).await.expect("read"), 1, "the tunnel closed before its answer");
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).into_owned();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (stream, _) =
+        egress_testenv::open_tunnel(address, &target.to_string(), Some(("label-e2e=gateway", SHIPPED_LEASE_TOKEN)))
+            .await
+            .expect("a tunnel through the gateway Service");
     // The Service's stand-in logs each connection's endpoint: the last one is this tunnel's.
     let pod = *service.connections().last().expect("a connection through the Service");
     (stream, pod)
@@ -1853,11 +1840,6 @@ async fn inside_tunnel(stream: &mut tokio::net::TcpStream, target: std::net::Soc
     let mut body = vec![0; length];
     reader.read_exact(&mut body).await.map_err(|error| format!("reading the tunnel's body: {error}"))?;
     status_line.split_whitespace().nth(1).and_then(|code| code.parse().ok()).ok_or(status_line)
-}
-
-fn base64_basic(user: &str, password: &str) -> String {
-    use base64::Engine;
-    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")))
 }
 
 /// The gateway in-cluster, as `deploy/default` ships it (two replicas behind `egress-gateway`): a crawl with sessions

@@ -15,7 +15,7 @@ use egress_api::{Proxy, ProxyPhase};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::{
     GatewayProcess, LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace,
-    eventually, eventually_every, http_get, through_proxy,
+    eventually, eventually_every, http_get, open_tunnel, through_proxy,
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
@@ -669,7 +669,9 @@ async fn a_real_prometheus_scraping_the_operator_answers_every_dashboard_query()
     let origin = env.origin.ip_url();
     let plain = through_proxy(gateway.address, "GET", &origin, Some(("session-dash", &env.token))).await;
     assert_eq!(plain.as_ref().map(|answer| answer.status).ok(), Some(200), "a GET through the gateway: {plain:?}");
-    let mut tunnel = gateway_tunnel(gateway.address, env.origin.address(), &env.token).await;
+    let (mut tunnel, _) = open_tunnel(gateway.address, &env.origin.address().to_string(), Some(("", &env.token)))
+        .await
+        .expect("a tunnel through the gateway");
     let inside = {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let request = format!("GET / HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", env.origin.address());
@@ -887,29 +889,4 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
     eprintln!(
         "e2e: namespaced RBAC: a Proxy Ready, leased and banned, another refused for its namespace; 0 calls forbidden"
     );
-}
-
-/// Opens a CONNECT tunnel to `target` through the gateway at `gateway` (no session); returns it once the gateway
-/// answered 200.
-async fn gateway_tunnel(
-    gateway: std::net::SocketAddr,
-    target: std::net::SocketAddr,
-    token: &str,
-) -> tokio::net::TcpStream {
-    use base64::Engine as _;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect to the gateway");
-    let credentials = base64::engine::general_purpose::STANDARD.encode(format!(":{token}"));
-    let head =
-        format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {credentials}\r\n\r\n");
-    stream.write_all(head.as_bytes()).await.expect("CONNECT");
-    let mut answer = Vec::new();
-    let mut byte = [0_u8; 1];
-    while !answer.ends_with(b"\r\n\r\n") {
-        assert_eq!(stream.read(&mut byte).await.expect("read"), 1, "the tunnel closed before its answer");
-        answer.push(byte[0]);
-    }
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    assert!(answer.starts_with("HTTP/1.1 200"), "CONNECT {target} through the gateway: {answer}");
-    stream
 }

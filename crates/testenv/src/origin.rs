@@ -268,3 +268,35 @@ pub async fn through_proxy(
     };
     tokio::time::timeout(Duration::from_secs(20), exchange).await.context("the request through the proxy timed out")?
 }
+
+/// Opens a `CONNECT` tunnel to `target` (`host:port`) through the forward proxy at `proxy`, with basic
+/// `credentials` when given, and reads the answer's head byte by byte, so nothing after it is taken from the tunnel.
+/// Returns the stream and the head when the proxy answered 200; an error with the head otherwise.
+pub async fn open_tunnel(
+    proxy: SocketAddr,
+    target: &str,
+    credentials: Option<(&str, &str)>,
+) -> Result<(TcpStream, String)> {
+    let exchange = async {
+        let mut stream = TcpStream::connect(proxy).await.with_context(|| format!("connecting to the proxy {proxy}"))?;
+        let mut request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n");
+        if let Some((user, password)) = credentials {
+            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            request.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
+        }
+        request.push_str("\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut head = Vec::new();
+        let mut byte = [0_u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if stream.read(&mut byte).await? == 0 {
+                bail!("the proxy closed the tunnel before its answer: {:?}", String::from_utf8_lossy(&head));
+            }
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "CONNECT {target} through {proxy}: {head}");
+        Ok((stream, head))
+    };
+    tokio::time::timeout(Duration::from_secs(20), exchange).await.context("the CONNECT through the proxy timed out")?
+}
