@@ -219,12 +219,10 @@ pub async fn through_proxy(
             Some((_, rest)) => rest.split('/').next().unwrap_or_default(),
             None => target,
         };
-        let mut request = format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
-        if let Some((user, password)) = credentials {
-            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-            request.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
-        }
-        request.push_str("\r\n");
+        let request = with_credentials(
+            format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"),
+            credentials,
+        );
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
         let mut chunk = [0u8; 4096];
@@ -279,12 +277,7 @@ pub async fn open_tunnel(
 ) -> Result<(TcpStream, String)> {
     let exchange = async {
         let mut stream = TcpStream::connect(proxy).await.with_context(|| format!("connecting to the proxy {proxy}"))?;
-        let mut request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n");
-        if let Some((user, password)) = credentials {
-            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-            request.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
-        }
-        request.push_str("\r\n");
+        let request = with_credentials(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"), credentials);
         stream.write_all(request.as_bytes()).await?;
         let mut head = Vec::new();
         let mut byte = [0_u8; 1];
@@ -299,4 +292,15 @@ pub async fn open_tunnel(
         Ok((stream, head))
     };
     tokio::time::timeout(Duration::from_secs(20), exchange).await.context("the CONNECT through the proxy timed out")?
+}
+
+/// A request head ended: `head` (its request line and headers) with `Proxy-Authorization: Basic` for `credentials`
+/// when given, and the blank line.
+fn with_credentials(mut head: String, credentials: Option<(&str, &str)>) -> String {
+    if let Some((user, password)) = credentials {
+        let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        head.push_str(&format!("Proxy-Authorization: Basic {token}\r\n"));
+    }
+    head.push_str("\r\n");
+    head
 }
