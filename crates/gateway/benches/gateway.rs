@@ -14,7 +14,8 @@
 //! printed (goal ≤ 16 KiB; 9,000 because this machine allows 20,000 open files per process and a tunnel takes two
 //! in the gateway). Needs Squid (`cargo xtask test` installs it). `BENCH_GATEWAY_WORKERS` (default 2)
 //! sets the gateway runtime's worker threads and `BENCH_TUNNEL_BUFFER` (default 65536) the buffer a streaming
-//! tunnel reads into per direction, to measure those choices.
+//! tunnel reads into per direction, to measure those choices; `BENCH_SQUID_CPUS` (say `0`) runs the Squids on those
+//! CPUs and everything else on the rest, as on a machine where Squid has a core of its own.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -346,6 +347,32 @@ async fn idle_tunnel_memory() {
     let _ = child.wait();
 }
 
+/// `BENCH_SQUID_CPUS` (a `taskset -c` list): Squid's CPUs, and this process's threads moved to the others, so Squid
+/// (single-threaded, the baseline's bottleneck) has a core of its own as it would on a machine with cores to spare.
+/// Returns (Squid's CPUs, this process's CPUs).
+fn pinning() -> Option<(String, String)> {
+    let squid = std::env::var("BENCH_SQUID_CPUS").ok().filter(|cpus| !cpus.is_empty())?;
+    let all = std::thread::available_parallelism().map_or(1, usize::from);
+    let taken: Vec<usize> = squid
+        .split(',')
+        .flat_map(|part| {
+            let (first, last) = part.split_once('-').unwrap_or((part, part));
+            let bound = |text: &str| text.trim().parse::<usize>().expect("BENCH_SQUID_CPUS is a CPU list, such as 0");
+            bound(first)..=bound(last)
+        })
+        .collect();
+    let rest: Vec<String> = (0..all).filter(|cpu| !taken.contains(cpu)).map(|cpu| cpu.to_string()).collect();
+    assert!(!rest.is_empty(), "BENCH_SQUID_CPUS={squid} leaves no CPU of the {all} for the clients and the gateway");
+    let rest = rest.join(",");
+    let status = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", &rest, &std::process::id().to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("taskset runs");
+    assert!(status.success(), "taskset could not move this process to CPUs {rest}");
+    Some((squid, rest))
+}
+
 fn main() {
     if let Some(upstream) = std::env::var(IDLE_GATEWAY).ok().and_then(|address| address.parse().ok()) {
         idle_gateway(upstream);
@@ -362,10 +389,17 @@ fn main() {
 /// The throughput and latency phases.
 async fn throughput() {
     let origin = origin();
-    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
-    let chained = Squid::start(SquidOptions { parent: Some(squid.address()), ..SquidOptions::default() })
+    let cpus = pinning();
+    let squid = Squid::start(SquidOptions { cpus: cpus.clone().map(|(squid, _)| squid), ..SquidOptions::default() })
         .await
-        .expect("the chained Squid");
+        .expect("Squid");
+    let chained = Squid::start(SquidOptions {
+        parent: Some(squid.address()),
+        cpus: cpus.clone().map(|(squid, _)| squid),
+        ..SquidOptions::default()
+    })
+    .await
+    .expect("the chained Squid");
     let setting =
         |name: &str, default: usize| std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default);
     let (workers, buffer) =
@@ -375,7 +409,9 @@ async fn throughput() {
     let gateway = gateway(squid.address(), workers, limits);
     println!(
         "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice; \
-         the gateway on {workers} worker thread(s), tunnel buffers up to {buffer} bytes"
+         the gateway on {workers} worker thread(s), tunnel buffers up to {buffer} bytes{}",
+        cpus.map(|(squid, rest)| format!("; Squid on CPU {squid}, clients, origin and gateway on CPU {rest}"))
+            .unwrap_or_default()
     );
     let paths =
         [("direct Squid", squid.address()), ("Squid -> Squid", chained.address()), ("gateway -> Squid", gateway)];

@@ -152,6 +152,8 @@ pub struct SquidOptions {
     /// hand-made gateway, for benchmarks). Each test Squid names itself after its address, so the parent does not
     /// take the chain for a forwarding loop.
     pub parent: Option<SocketAddr>,
+    /// Run Squid on these CPUs only (a `taskset -c` list such as `0`), for benchmarks that give it a core of its own.
+    pub cpus: Option<String>,
 }
 
 /// A standalone Squid on its own loopback address. Dropping it stops it and removes its files.
@@ -213,8 +215,19 @@ impl Squid {
         let log = dir.join("output.log");
         let service = service_name(&dir);
         let janitor = Janitor::spawn(&dir, &format!("{service}-"))?;
-        let process =
-            Wrapped::spawn(&format!("'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()), &log)?;
+        let pinned = match &options.cpus {
+            Some(cpus)
+                if !cpus.is_empty() && cpus.bytes().all(|byte| byte.is_ascii_digit() || b",-".contains(&byte)) =>
+            {
+                format!("taskset -c {cpus} ")
+            }
+            Some(cpus) => bail!("{cpus:?} is not a CPU list such as 0 or 0-1,3"),
+            None => String::new(),
+        };
+        let process = Wrapped::spawn(
+            &format!("{pinned}'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()),
+            &log,
+        )?;
         if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
             let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
             bail!("{why}; its output ends with:\n{output}");
