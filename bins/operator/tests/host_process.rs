@@ -512,7 +512,21 @@ async fn a_destinations_allow_change_reaches_every_running_proxy_and_refuses_no_
         if last_renew.elapsed() >= Duration::from_secs(1) {
             last_renew = std::time::Instant::now();
             for lease in &mut leases {
-                lease.renew(Some(Duration::from_secs(120))).await.expect("renew answers (200, not 404 or 410)");
+                if let Err(error) = lease.renew(Some(Duration::from_secs(120))).await {
+                    // What the lease store saw: each Proxy's status (endpoint, previous instance, health) and the
+                    // operator's log, for a refusal that a busy machine brings out.
+                    let statuses: Vec<String> = proxies
+                        .list(&Default::default())
+                        .await
+                        .map(|list| list.items.iter().map(|proxy| format!("{:?}", proxy.status)).collect())
+                        .unwrap_or_default();
+                    panic!(
+                        "renew answers (200, not 404 or 410): {error:?} {:.1?} after the restart\nstatuses: \
+                         {statuses:#?}\noperator log:\n{}",
+                        changed.elapsed(),
+                        restarted.log()
+                    );
+                }
             }
         }
         // Every Proxy's published endpoint serves the second origin.
