@@ -75,12 +75,18 @@ pub fn current_verdict(verdicts: &ProxyVerdicts, proxy: &Proxy, key: &ProbeKey) 
 pub fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
     let status = proxy.status.as_ref()?;
     let health = status.health.as_ref()?;
-    // The recorded verdict is about the published endpoint; during a replacement the new instance starts unknown.
+    // The recorded verdict is about the published endpoint: the old instance's until a replacement switches, the
+    // new one's from the switch's write on (it records the new instance's verdict). A new instance not yet published
+    // starts unknown: its endpoint is not the published one. Only when a replacement's two instances share an
+    // address can the status not say which of them it describes.
     let published = match proxy.spec.mode {
         ProxyMode::External => proxy.spec.endpoint.clone(),
         ProxyMode::Managed => status.endpoint.as_ref().map(Endpoint::from),
     };
-    if published.as_ref() != Some(&key.endpoint) || status.previous_instance.is_some() {
+    let ambiguous = status.previous_instance.as_ref().is_some_and(|previous| {
+        previous.ip.is_some() && previous.ip == status.instance.as_ref().and_then(|instance| instance.ip.clone())
+    });
+    if published.as_ref() != Some(&key.endpoint) || ambiguous {
         return None;
     }
     let since = health.last_transition_time.as_ref().map_or_else(SystemTime::now, system_time);

@@ -228,6 +228,48 @@ mod tests {
         }
     }
 
+    /// Regression: a replacement records its previous instance as it starts, before the new one runs. The status's
+    /// verdict then still describes the published (old) endpoint; it was ignored, so an operator that restarted
+    /// into a replacement had no verdict for the published endpoint until its engine took the target and probed
+    /// it, and the lease store revoked the leases held on the proxy meanwhile (a CI run's renew got 410).
+    #[test]
+    fn a_replacement_in_flight_keeps_the_published_endpoints_recorded_verdict() {
+        use egress_api::HealthStatus;
+        let key = |host: &str| ProbeKey::new("default", "p", Endpoint { host: host.into(), port: 3128 });
+        let health = Some(HealthStatus { healthy: true, last_transition_time: None, last_error: None });
+        let old = EndpointStatus::from(&Endpoint { host: "10.0.0.1".into(), port: 3128 });
+        let starting = managed(ProxyStatus {
+            endpoint: Some(old.clone()),
+            health: health.clone(),
+            instance: Some(InstanceStatus { ip: None, ..instance("10.0.0.2", InstanceState::Provisioning) }),
+            previous_instance: Some(instance("10.0.0.1", InstanceState::Running)),
+            ..ProxyStatus::default()
+        });
+        assert!(status_verdict(&starting, &key("10.0.0.1")).is_some_and(|verdict| verdict.healthy));
+        let running = managed(ProxyStatus {
+            instance: Some(instance("10.0.0.2", InstanceState::Running)),
+            ..starting.status.clone().expect("a status")
+        });
+        assert!(status_verdict(&running, &key("10.0.0.1")).is_some_and(|verdict| verdict.healthy));
+        assert!(status_verdict(&running, &key("10.0.0.2")).is_none(), "the new instance starts unknown");
+        // Switched: the status's verdict is the new instance's.
+        let switched = managed(ProxyStatus {
+            endpoint: Some(EndpointStatus::from(&Endpoint { host: "10.0.0.2".into(), port: 3128 })),
+            ..running.status.clone().expect("a status")
+        });
+        assert!(status_verdict(&switched, &key("10.0.0.2")).is_some_and(|verdict| verdict.healthy));
+        assert!(status_verdict(&switched, &key("10.0.0.1")).is_none());
+        // Two instances on one address: the status cannot say which one it describes.
+        let same_address = managed(ProxyStatus {
+            endpoint: Some(old),
+            health,
+            instance: Some(instance("10.0.0.1", InstanceState::Running)),
+            previous_instance: Some(instance("10.0.0.1", InstanceState::Running)),
+            ..ProxyStatus::default()
+        });
+        assert!(status_verdict(&same_address, &key("10.0.0.1")).is_none());
+    }
+
     #[test]
     fn endpoints_follow_the_status() {
         let published = |host: &str| Some(EndpointStatus::from(&Endpoint { host: host.into(), port: 3128 }));
