@@ -11,7 +11,6 @@ mod helm;
 mod image;
 mod leftovers;
 mod node;
-mod packages;
 mod podnet;
 mod process;
 mod python;
@@ -22,6 +21,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use xtask_bootstrap::packages;
 
 /// Project automation for egress-operator.
 #[derive(Parser)]

@@ -1,33 +1,11 @@
-//! Running external commands with their command line echoed and their failure turned into a clear error.
+//! Running external commands: `run` and `output` (shared with the bootstrap, which needs them before xtask
+//! compiles) and the cargo that runs xtask.
 
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
-
-/// Runs the command with inherited output and fails, naming the command, when it does not exit successfully.
-pub fn run(command: &mut Command) -> Result<()> {
-    let shown = describe(command);
-    eprintln!("$ {shown}");
-    let status = command.status().with_context(|| format!("starting `{shown}`"))?;
-    if !status.success() {
-        bail!("`{shown}` failed ({status})");
-    }
-    Ok(())
-}
-
-/// Runs the command and returns its standard output, or `None` when it cannot start or fails.
-pub fn output(command: &mut Command) -> Option<String> {
-    let output = command.output().ok()?;
-    output.status.success().then(|| String::from_utf8_lossy(&output.stdout).into_owned())
-}
+pub use xtask_bootstrap::process::{output, run};
 
 /// A cargo command, using the cargo that runs xtask.
 pub fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-}
-
-fn describe(command: &Command) -> String {
-    let mut parts = vec![command.get_program().to_string_lossy().into_owned()];
-    parts.extend(command.get_args().map(|arg| arg.to_string_lossy().into_owned()));
-    parts.join(" ")
 }

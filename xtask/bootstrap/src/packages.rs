@@ -1,4 +1,5 @@
-//! Debian packages the tests need, installed by `cargo xtask test` when missing.
+//! Debian packages the tests need, installed by `cargo xtask test` when missing (and the two that compiling xtask
+//! needs, installed before it compiles).
 //!
 //! Only what is absent is installed, so a warm machine spends one `dpkg-query` here. Without root (or without
 //! apt-get) nothing is installed and the error names the command that would.
@@ -8,6 +9,10 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 use crate::process::{output, run};
+
+/// The packages xtask's own build needs (the kvm provider's `virt-sys` finds libvirt with pkg-config), installed by
+/// `cargo xtask` before it compiles xtask.
+pub const TO_BUILD_XTASK: &[&str] = &["pkg-config", "libvirt-dev"];
 
 /// The packages, and why each is needed.
 pub const REQUIRED: &[(&str, &str)] = &[
@@ -42,13 +47,19 @@ fn installed(package: &str) -> bool {
         .is_some_and(|status| status.trim() == "install ok installed")
 }
 
+/// Whether this process runs as root (so it can install packages and run what needs root).
 pub fn is_root() -> bool {
     output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
 }
 
-/// Installs every missing package with apt-get when running as root.
+/// Installs every missing package of [`REQUIRED`] with apt-get when running as root.
 pub fn ensure_installed() -> Result<()> {
-    let missing: Vec<&str> = REQUIRED.iter().map(|(name, _)| *name).filter(|name| !installed(name)).collect();
+    ensure(&REQUIRED.iter().map(|(name, _)| *name).collect::<Vec<_>>())
+}
+
+/// Installs those of `packages` (names from [`REQUIRED`]) that are missing, with apt-get when running as root.
+pub fn ensure(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|name| !installed(name)).collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -68,4 +79,16 @@ pub fn ensure_installed() -> Result<()> {
         .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_building_xtask_needs_is_listed_with_its_reason() {
+        for name in TO_BUILD_XTASK {
+            assert!(REQUIRED.iter().any(|(listed, _)| listed == name), "{name} is not in REQUIRED");
+        }
+    }
 }
