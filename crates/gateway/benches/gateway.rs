@@ -4,6 +4,9 @@
 //! - through Squid directly (the baseline),
 //! - through a Squid chained to that Squid (the usual hand-made gateway),
 //! - through the gateway in front of that Squid,
+//! - through a bare TCP relay in front of that Squid (no parsing, no routing: `copy_bidirectional` on a runtime of
+//!   the gateway's size), the least any user-space hop can cost here, so the gateway's own share shows apart from
+//!   the hop's,
 //!
 //! as plain HTTP (absolute-form requests) and through CONNECT tunnels (one per client, requests inside it), then
 //! the bytes per second of one tunnel carrying a large body. It prints requests/s, p50 and p99 per path, the ratios
@@ -114,6 +117,31 @@ fn gateway(squid: SocketAddr, workers: usize, limits: GatewayLimits) -> SocketAd
             let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
             let gateway = Gateway::new(Arc::new(router), Arc::new(StaticTokens::new().with(TOKEN, "bench")), limits);
             gateway.serve(listener, std::future::pending()).await.expect("serve");
+        });
+    });
+    address
+}
+
+/// A bare TCP relay in front of `squid`, on a runtime of `workers` threads: each connection is copied both ways to a
+/// connection of its own to Squid, nothing read or decided.
+fn bare_relay(squid: SocketAddr, workers: usize) -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the relay");
+    let address = listener.local_addr().expect("address");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("runtime");
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(listener).expect("listener");
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else { continue };
+                tokio::spawn(async move {
+                    let _ = inbound.set_nodelay(true);
+                    let Ok(mut outbound) = TcpStream::connect(squid).await else { return };
+                    let _ = outbound.set_nodelay(true);
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+            }
         });
     });
     address
@@ -407,14 +435,19 @@ async fn throughput() {
     let limits =
         GatewayLimits { tunnel_buffers: Buffers { large: buffer, ..Buffers::default() }, ..GatewayLimits::default() };
     let gateway = gateway(squid.address(), workers, limits);
+    let relay = bare_relay(squid.address(), workers);
     println!(
         "gateway benchmark: {CLIENTS} keep-alive clients, a 1 KiB page from a local origin, {PHASE:?} per phase, twice; \
          the gateway on {workers} worker thread(s), tunnel buffers up to {buffer} bytes{}",
         cpus.map(|(squid, rest)| format!("; Squid on CPU {squid}, clients, origin and gateway on CPU {rest}"))
             .unwrap_or_default()
     );
-    let paths =
-        [("direct Squid", squid.address()), ("Squid -> Squid", chained.address()), ("gateway -> Squid", gateway)];
+    let paths = [
+        ("direct Squid", squid.address()),
+        ("Squid -> Squid", chained.address()),
+        ("gateway -> Squid", gateway),
+        ("bare relay -> Squid", relay),
+    ];
     for connect in [false, true] {
         println!("{}:", if connect { "CONNECT tunnels (requests inside)" } else { "plain HTTP (absolute-form)" });
         let mut best: Vec<Option<Figures>> = vec![None; paths.len()];
@@ -424,7 +457,8 @@ async fn throughput() {
                 best[index] = Some(best[index].map_or(figures, |known| better(known, figures)));
             }
         }
-        let [direct, chain, through] = [best[0], best[1], best[2]].map(|figures| figures.expect("measured"));
+        let [direct, chain, through, bare] =
+            [best[0], best[1], best[2], best[3]].map(|figures| figures.expect("measured"));
         println!(
             "  ratios: gateway / direct {:.2} (goal >= 0.9), gateway / chain {:.2} (goal >= 1), chain / direct {:.2}; \
              p50 added by the gateway {:.3} ms (goal <= 0.3)",
@@ -433,16 +467,24 @@ async fn throughput() {
             chain.rate / direct.rate,
             (through.p50.as_secs_f64() - direct.p50.as_secs_f64()) * 1e3
         );
+        println!(
+            "  the hop alone: bare relay / direct {:.2}, p50 added {:.3} ms; gateway / bare relay {:.2}",
+            bare.rate / direct.rate,
+            (bare.p50.as_secs_f64() - direct.p50.as_secs_f64()) * 1e3,
+            through.rate / bare.rate
+        );
     }
-    let mut direct: f64 = 0.0;
-    let mut through: f64 = 0.0;
+    let (mut direct, mut through, mut bare) = (0.0_f64, 0.0_f64, 0.0_f64);
     for _ in 0..2 {
         direct = direct.max(tunnel_throughput(squid.address(), origin).await);
         through = through.max(tunnel_throughput(gateway, origin).await);
+        bare = bare.max(tunnel_throughput(relay, origin).await);
     }
     println!(
-        "one tunnel, {} MiB: direct Squid {direct:.0} MB/s, gateway -> Squid {through:.0} MB/s, ratio {:.2} (goal >= 0.9)",
+        "one tunnel, {} MiB: direct Squid {direct:.0} MB/s, gateway -> Squid {through:.0} MB/s, ratio {:.2} (goal >= \
+         0.9); bare relay -> Squid {bare:.0} MB/s, ratio {:.2}",
         LARGE >> 20,
-        through / direct
+        through / direct,
+        bare / direct
     );
 }
