@@ -104,47 +104,47 @@ fn chunks(
     Chunks(chunk, count)
 }
 
-/// The gateway in front of `squid`, on its own runtime of `workers` threads.
-fn gateway(squid: SocketAddr, workers: usize, limits: GatewayLimits) -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gateway");
+/// Binds a loopback port and runs `serve` on it, on a runtime of `workers` threads and a thread of its own; returns
+/// the port's address.
+fn on_own_runtime<F, Fut>(workers: usize, serve: F) -> SocketAddr
+where
+    F: FnOnce(TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("address");
     listener.set_nonblocking(true).expect("nonblocking");
     std::thread::spawn(move || {
         let runtime =
             tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("runtime");
-        runtime.block_on(async move {
-            let listener = TcpListener::from_std(listener).expect("listener");
-            let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
-            let gateway = Gateway::new(Arc::new(router), Arc::new(StaticTokens::new().with(TOKEN, "bench")), limits);
-            gateway.serve(listener, std::future::pending()).await.expect("serve");
-        });
+        runtime.block_on(async move { serve(TcpListener::from_std(listener).expect("listener")).await });
     });
     address
+}
+
+/// The gateway in front of `squid`, on its own runtime of `workers` threads.
+fn gateway(squid: SocketAddr, workers: usize, limits: GatewayLimits) -> SocketAddr {
+    on_own_runtime(workers, move |listener| async move {
+        let router = StaticRouter(Upstream::new(squid.to_string(), None, "bench/squid"));
+        let gateway = Gateway::new(Arc::new(router), Arc::new(StaticTokens::new().with(TOKEN, "bench")), limits);
+        gateway.serve(listener, std::future::pending()).await.expect("serve");
+    })
 }
 
 /// A bare TCP relay in front of `squid`, on a runtime of `workers` threads: each connection is copied both ways to a
 /// connection of its own to Squid, nothing read or decided.
 fn bare_relay(squid: SocketAddr, workers: usize) -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the relay");
-    let address = listener.local_addr().expect("address");
-    listener.set_nonblocking(true).expect("nonblocking");
-    std::thread::spawn(move || {
-        let runtime =
-            tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("runtime");
-        runtime.block_on(async move {
-            let listener = TcpListener::from_std(listener).expect("listener");
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else { continue };
-                tokio::spawn(async move {
-                    let _ = inbound.set_nodelay(true);
-                    let Ok(mut outbound) = TcpStream::connect(squid).await else { return };
-                    let _ = outbound.set_nodelay(true);
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                });
-            }
-        });
-    });
-    address
+    on_own_runtime(workers, move |listener| async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else { continue };
+            tokio::spawn(async move {
+                let _ = inbound.set_nodelay(true);
+                let Ok(mut outbound) = TcpStream::connect(squid).await else { return };
+                let _ = outbound.set_nodelay(true);
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    })
 }
 
 fn authorization() -> String {
