@@ -28,7 +28,7 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
     envtest::ensure_built()?;
     run(suite(&[]).arg("--no-run"))?;
     let network = podnet::PodNetwork::create()?;
-    let mut inside = network.command(crate::test::cargo_program());
+    let mut inside = network.command(crate::process::cargo_program());
     inside
         .args(["test", "--locked", "--offline", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
         .args(cargo_test_args);

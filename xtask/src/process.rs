@@ -1,11 +1,4 @@
-//! Running external commands: `run` and `output` (shared with the bootstrap, which needs them before xtask
-//! compiles) and the cargo that runs xtask.
+//! Running external commands, and the cargo that runs xtask: the bootstrap's, which needs them before xtask
+//! compiles.
 
-use std::process::Command;
-
-pub use xtask_bootstrap::process::{output, run};
-
-/// A cargo command, using the cargo that runs xtask.
-pub fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-}
+pub use xtask_bootstrap::process::{cargo, cargo_program, output, run};

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Result, anyhow};
 
-use crate::process::{cargo, run};
+use crate::process::{cargo, cargo_program, run};
 use crate::{crdgen, envtest, guest, helm, image, leftovers, node, packages, podnet, python};
 
 pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
@@ -65,9 +65,4 @@ fn check_and_build() -> Result<()> {
     crdgen::run(true)?;
     // Built here, where the crate registry is reachable; run inside the tests' network namespace, which has none.
     run(cargo().args(["test", "--workspace", "--locked", "--no-run"]))
-}
-
-/// The cargo that runs xtask, for commands that start it through another program.
-pub fn cargo_program() -> std::ffi::OsString {
-    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
 }

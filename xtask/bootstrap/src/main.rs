@@ -2,14 +2,14 @@
 //! machine), then becomes `cargo run --quiet --package xtask -- ARGS`.
 
 use std::os::unix::process::CommandExt;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 fn main() -> ExitCode {
     if let Err(error) = xtask_bootstrap::packages::ensure(xtask_bootstrap::packages::TO_BUILD_XTASK) {
         eprintln!("error: {error:#}");
         return ExitCode::FAILURE;
     }
-    let mut xtask = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    let mut xtask = xtask_bootstrap::process::cargo();
     xtask.args(["run", "--quiet", "--package", "xtask", "--"]).args(std::env::args_os().skip(1));
     // Only returns when the exec failed.
     let error = xtask.exec();

@@ -21,6 +21,16 @@ pub fn output(command: &mut Command) -> Option<String> {
     output.status.success().then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
+/// The cargo that runs this program (`$CARGO`, which `cargo run` sets), for commands that start it.
+pub fn cargo_program() -> std::ffi::OsString {
+    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
+}
+
+/// A cargo command, using the cargo that runs this program.
+pub fn cargo() -> Command {
+    Command::new(cargo_program())
+}
+
 /// The command line, as shown before running it and in errors.
 pub fn describe(command: &Command) -> String {
     let mut parts = vec![command.get_program().to_string_lossy().into_owned()];
