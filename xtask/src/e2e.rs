@@ -29,7 +29,7 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
     run(suite(&[]).arg("--no-run"))?;
     let network = podnet::PodNetwork::create()?;
     let mut inside = network.command(crate::process::cargo_program());
-    inside
+    crate::process::forget_cargo_run(&mut inside)
         .args(["test", "--locked", "--offline", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
         .args(cargo_test_args);
     run(&mut inside)

@@ -41,8 +41,8 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     modules?;
     image?;
     let network = podnet::PodNetwork::create()?;
-    run(network
-        .command(cargo_program())
+    let mut tests = network.command(cargo_program());
+    run(crate::process::forget_cargo_run(&mut tests)
         .env("EGRESS_PYTHON", &python)
         .args(["test", "--workspace", "--locked", "--offline"])
         .args(cargo_test_args))?;
