@@ -7,7 +7,10 @@
 //! session the same proxy again after a gateway restart), later ones reuse it, and it is renewed while in use and
 //! released once the session has been idle for its stickiness (`sticky-<seconds>`, else the configured default).
 //! A ban or a throttle seen at the gateway is reported and ends the session's hold on that proxy: the next request
-//! leases again, and the store, which cools the proxy down for that site, picks another. A renewal that finds the
+//! leases again, and the store, which cools the proxy down for that site, picks another. Every other session of the
+//! tenant on that proxy (or its egress address) for the site lets go of it at once, not when the discovery API
+//! answers (which is after it has written the cooldown down); until it has answered, a lease that comes back on that
+//! proxy for the site is given back and taken again once the report is in. A renewal that finds the
 //! proxy replaced moves the session to the new instance. A request without a session takes a lease of its own,
 //! held until its answer (or its tunnel) ends, so consecutive requests rotate: the store hands out the least-loaded
 //! proxy, ties to the least recently leased.
@@ -18,7 +21,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported};
+use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported, ProxyId};
 use percent_encoding::percent_decode_str;
 use tokio::sync::watch;
 use tracing::{debug, info};
@@ -123,6 +126,46 @@ impl Held {
     }
 }
 
+/// A proxy the site refused, as the lease it was refused through shows it: the tenant, the normalised site, the
+/// proxy and the address it leaves through (proxies sharing it share cooldowns).
+struct Refused {
+    tenant: String,
+    target: String,
+    proxy: ProxyId,
+    egress_ip: Option<String>,
+}
+
+impl Refused {
+    fn of(tenant: &str, lease: &LeaseGuard) -> Self {
+        Self {
+            tenant: tenant.to_owned(),
+            target: lease.target().to_owned(),
+            proxy: lease.proxy(),
+            egress_ip: lease.egress_ip().map(str::to_owned),
+        }
+    }
+
+    /// `lease` (held by the tenant) is on this proxy, or one leaving through its address, for this site.
+    fn covers(&self, tenant: &str, lease: &LeaseGuard) -> bool {
+        self.tenant == tenant
+            && lease.target() == self.target
+            && (lease.proxy() == self.proxy
+                || self.egress_ip.as_deref().is_some_and(|egress| lease.egress_ip() == Some(egress)))
+    }
+}
+
+/// A refusal being reported to the discovery API: in [`LeaseRouter::reporting`] until it drops.
+struct Reporting<'a> {
+    reports: &'a watch::Sender<Vec<Arc<Refused>>>,
+    refused: Arc<Refused>,
+}
+
+impl Drop for Reporting<'_> {
+    fn drop(&mut self) {
+        self.reports.send_modify(|reports| reports.retain(|report| !Arc::ptr_eq(report, &self.refused)));
+    }
+}
+
 struct Session {
     held: tokio::sync::Mutex<Held>,
     last_used: Mutex<Instant>,
@@ -134,6 +177,9 @@ pub struct LeaseRouter {
     config: LeaseRouterConfig,
     clients: Mutex<HashMap<String, DiscoveryClient>>,
     sessions: Mutex<HashMap<SessionKey, Arc<Session>>>,
+    /// The refusals being reported now: the discovery API cools a proxy down when a report arrives, but answers
+    /// only once the cooldown is written down (the operator's apiserver), so until then a lease may still be on it.
+    reporting: watch::Sender<Vec<Arc<Refused>>>,
 }
 
 impl LeaseRouter {
@@ -144,8 +190,12 @@ impl LeaseRouter {
     /// The discovery URL is not `http://host:port`.
     pub fn start(config: LeaseRouterConfig) -> Result<Arc<Self>, ClientError> {
         DiscoveryClient::new(&config.discovery_url, None)?;
-        let router =
-            Arc::new(Self { config, clients: Mutex::new(HashMap::new()), sessions: Mutex::new(HashMap::new()) });
+        let router = Arc::new(Self {
+            config,
+            clients: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            reporting: watch::Sender::new(Vec::new()),
+        });
         let weak = Arc::downgrade(&router);
         tokio::spawn(sweep(weak));
         Ok(router)
@@ -182,7 +232,26 @@ impl LeaseRouter {
         let deadline = tokio::time::Instant::now() + self.config.max_wait;
         let lease = loop {
             match client.lease(options.clone()).await {
-                Ok(lease) => break lease,
+                Ok(lease) => {
+                    let Some(refused) = self.being_reported(request.tenant, &lease) else { break lease };
+                    // The store had not heard of the refusal yet: this lease goes back, and the next one is taken
+                    // once the report is in (the store then cools the proxy down and picks another).
+                    debug!(proxy = %lease.proxy(), host = request.host, "leased a proxy whose refusal for the site is being reported; leasing again once it is in");
+                    drop(lease);
+                    let mut reports = self.reporting.subscribe();
+                    let reported =
+                        reports.wait_for(|reports| !reports.iter().any(|report| Arc::ptr_eq(report, &refused)));
+                    if tokio::time::timeout_at(deadline, reported).await.is_err() {
+                        return Err(GatewayError::unavailable(
+                            format!(
+                                "the discovery API offered {} for {}, and the site's refusal of it was still being \
+                                 reported when the wait for a proxy ran out",
+                                refused.proxy, request.host
+                            ),
+                            Some(Duration::from_secs(1)),
+                        ));
+                    }
+                }
                 Err(
                     ClientError::Unavailable { retry_after: Some(wait), .. }
                     | ClientError::Conflict { retry_after: Some(wait), .. },
@@ -223,13 +292,36 @@ impl LeaseRouter {
             .clone()
     }
 
-    /// Ends every session's hold of `tenant` on the proxy of `blocked` (or one with its egress address) for its
+    /// The refusal being reported that `lease`, just taken by `tenant`, is on.
+    fn being_reported(&self, tenant: &str, lease: &LeaseGuard) -> Option<Arc<Refused>> {
+        self.reporting.borrow().iter().find(|report| report.covers(tenant, lease)).cloned()
+    }
+
+    /// Reports `reported` on `lease` (the tenant's, which the site refused): first every session of the tenant lets
+    /// go of that proxy (or one with its egress address) for the site, closing its tunnels there, so none goes on
+    /// sending through it while the discovery API writes the cooldown down; and until the API has answered, a lease
+    /// the tenant takes on it for the site is given back ([`LeaseRouter::lease`]). Returns the end of the cooldown.
+    async fn refuse(
+        &self,
+        tenant: &str,
+        lease: &LeaseGuard,
+        reported: Reported,
+        status: Option<u16>,
+    ) -> Result<Option<String>, ClientError> {
+        let refused = Arc::new(Refused::of(tenant, lease));
+        self.reporting.send_modify(|reports| reports.push(refused.clone()));
+        let _reporting = Reporting { reports: &self.reporting, refused: refused.clone() };
+        self.let_go(&refused).await;
+        lease.report(reported, status).await
+    }
+
+    /// Ends every session's hold of the tenant on the proxy `refused` names (or one with its egress address) for its
     /// site: the proxy now cools down for the site, so no session of the tenant may go on sending there; each leases
     /// again at its next request.
-    async fn let_go(&self, tenant: &str, blocked: &LeaseGuard) {
+    async fn let_go(&self, refused: &Refused) {
         let sessions: Vec<Arc<Session>> = lock(&self.sessions)
             .iter()
-            .filter(|(key, _)| key.tenant == tenant)
+            .filter(|(key, _)| key.tenant == refused.tenant)
             .map(|(_, session)| session.clone())
             .collect();
         let mut moved = 0;
@@ -239,18 +331,14 @@ impl LeaseRouter {
             let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
                 continue;
             };
-            let same = held.lease.as_ref().is_some_and(|lease| {
-                lease.target() == blocked.target()
-                    && (lease.proxy() == blocked.proxy()
-                        || blocked.egress_ip().is_some_and(|egress| lease.egress_ip() == Some(egress)))
-            });
+            let same = held.lease.as_ref().is_some_and(|lease| refused.covers(&refused.tenant, lease));
             if same {
                 held.leave();
                 moved += 1;
             }
         }
         if moved > 0 {
-            debug!(proxy = %blocked.proxy(), target = blocked.target(), moved, "sessions let go of a proxy cooling down");
+            debug!(proxy = %refused.proxy, target = refused.target, moved, "sessions let go of a proxy cooling down");
         }
     }
 
@@ -279,9 +367,8 @@ impl LeaseRouter {
             Report::Banned => Reported::Banned,
             Report::Throttled(retry_after) => Reported::Throttled { retry_after },
         };
-        let result = lease.report(reported, None).await;
         // Reported or not, the crawler saw the site refuse it: no session of the tenant goes on through it.
-        self.let_go(request.tenant, &lease).await;
+        let result = self.refuse(request.tenant, &lease, reported, None).await;
         let until =
             result.map_err(|error| GatewayError::discovery(format!("reporting the refusal failed: {error}")))?;
         info!(
@@ -406,13 +493,12 @@ impl Router for LeaseRouter {
             (None, None) => None,
         };
         if let Some(lease) = lease {
-            match lease.report(reported, Some(code)).await {
+            match self.refuse(request.tenant, &lease, reported, Some(code)).await {
                 Ok(until) => {
                     info!(proxy = %upstream.proxy, host = request.host, status = code, cooldown_until = until.as_deref().unwrap_or("-"), "reported the site's refusal")
                 }
                 Err(error) => debug!(%error, "reporting a refusal failed"),
             }
-            self.let_go(request.tenant, &lease).await;
         }
         Verdict::Blocked
     }

@@ -34,16 +34,87 @@ fn record(name: &str, squid: &Squid) -> ProxyRecord {
 
 /// A discovery server over a fresh store with the two Squids as its proxies.
 async fn discovery(squids: &[(&str, &Squid)]) -> (SocketAddr, Arc<InMemoryLeaseStore>) {
+    let (state, store) = discovery_state(squids);
+    (serve_discovery(router(state)).await, store)
+}
+
+fn discovery_state(squids: &[(&str, &Squid)]) -> (Arc<Discovery>, Arc<InMemoryLeaseStore>) {
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let state = Arc::new(Discovery::new(store.clone(), Auth::Disabled, DiscoveryMetrics::default()));
     for (name, squid) in squids {
         state.upsert(record(name, squid));
     }
     state.mark_synced();
+    (state, store)
+}
+
+async fn serve_discovery(router: axum::Router) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
-    tokio::spawn(serve(listener, router(state), std::future::pending()));
-    (address, store)
+    tokio::spawn(serve(listener, router, std::future::pending()));
+    address
+}
+
+/// Where a discovery server holds the reports it gets until the test opens the gate.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HoldReports {
+    /// On their way: the store has not heard of the refusal yet.
+    Arriving,
+    /// After the store took them, before they are answered, as while the operator writes the cooldown down.
+    Answering,
+}
+
+/// The gate a [`discovery_holding_reports`] server's reports wait for, and the leases it has answered.
+struct ReportGate {
+    hold: HoldReports,
+    open: tokio::sync::watch::Sender<bool>,
+    leases: std::sync::atomic::AtomicUsize,
+}
+
+impl ReportGate {
+    fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    fn leases(&self) -> usize {
+        self.leases.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    async fn wait(&self) {
+        let _ = self.open.subscribe().wait_for(|open| *open).await;
+    }
+}
+
+async fn hold_reports(
+    axum::extract::State(gate): axum::extract::State<Arc<ReportGate>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let report = request.uri().path().ends_with("/report");
+    let lease = request.method() == axum::http::Method::POST && request.uri().path() == "/v1/leases";
+    if report && gate.hold == HoldReports::Arriving {
+        gate.wait().await;
+    }
+    let response = next.run(request).await;
+    if report && gate.hold == HoldReports::Answering {
+        gate.wait().await;
+    }
+    if lease {
+        gate.leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    response
+}
+
+/// A discovery server like [`discovery`] whose reports wait for the returned gate where `hold` says.
+async fn discovery_holding_reports(squids: &[(&str, &Squid)], hold: HoldReports) -> (SocketAddr, Arc<ReportGate>) {
+    let (state, _store) = discovery_state(squids);
+    let gate = Arc::new(ReportGate {
+        hold,
+        open: tokio::sync::watch::Sender::new(false),
+        leases: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let router = router(state).layer(axum::middleware::from_fn_with_state(gate.clone(), hold_reports));
+    (serve_discovery(router).await, gate)
 }
 
 async fn gateway(discovery: SocketAddr, ban_statuses: Vec<u16>, retries: u32) -> (SocketAddr, Arc<LeaseRouter>) {
@@ -403,4 +474,100 @@ async fn echoes_of_a_refusal_do_not_cool_down_the_proxy_the_session_moved_to() {
     let (status, through) = in_flight.await.expect("the request in flight");
     assert_eq!((status, through.as_str()), (503, moved_from.as_str()), "it went through the proxy the session left");
     assert!(!cooling(&now_on), "the refusal through {moved_from} cooled down {now_on}, the session's new proxy");
+}
+
+/// Sessions `session-<prefix><n>` open tunnels to `target` until two of them are on one proxy; returns that proxy and
+/// the two sessions.
+async fn two_sessions_on_one_proxy(gateway: SocketAddr, target: SocketAddr, prefix: &str) -> (String, String, String) {
+    let mut sessions_on: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for index in 0..12 {
+        let user = format!("session-{prefix}{index}");
+        let head = connect(gateway, target, &user, "").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let proxy = header(&head, "x-egress-proxy").expect("the proxy").to_owned();
+        let sessions = sessions_on.entry(proxy.clone()).or_default();
+        sessions.push(user);
+        if let [first, second] = &sessions[..] {
+            return (proxy, first.clone(), second.clone());
+        }
+    }
+    panic!("no two of 12 sessions on one proxy: {sessions_on:?}")
+}
+
+/// A refusal reported for one session moves every other session of the tenant off that proxy for the site at once,
+/// closing their tunnels there, not once the discovery API answers, which it does only after it has written the
+/// cooldown down (the operator's apiserver). Regression: the other sessions let go after the answer, so on a busy
+/// machine, where that write took a second or two, crawlee sent requests through a throttled proxy inside its
+/// Retry-After (CI's https crawl through the gateway).
+#[tokio::test]
+async fn a_refusal_moves_the_other_sessions_before_the_cooldown_is_written_down() {
+    use tokio::io::AsyncReadExt;
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, gate) =
+        discovery_holding_reports(&[("squid-a", &a), ("squid-b", &b)], HoldReports::Answering).await;
+    let (gateway, _router) = gateway(discovery, vec![403], 0).await;
+    let target = origin.address();
+    let (shared, reporter, other) = two_sessions_on_one_proxy(gateway, target, "w").await;
+    let (head, mut tunnel) = exchange(gateway, &format!("CONNECT {target}"), &other, "").await;
+    assert_eq!(header(&head, "x-egress-proxy"), Some(shared.as_str()), "{head}");
+
+    let report = format!("POST /report?target={target}");
+    let reported =
+        tokio::spawn(async move { exchange(gateway, &report, &reporter, "X-Egress-Report: throttled\r\n").await.0 });
+    // The other session's tunnel through the refused proxy closes while the report's answer is held.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), tunnel.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the tunnel through {shared} stayed open until the discovery API answered the report");
+    assert!(!reported.is_finished(), "the report was answered before the gate opened");
+    // And its next tunnel goes elsewhere (the store has the cooldown), still before the answer.
+    let moved = connect(gateway, target, &other, "").await;
+    assert!(moved.starts_with("HTTP/1.1 200"), "{moved}");
+    assert_ne!(header(&moved, "x-egress-proxy"), Some(shared.as_str()), "{other} went on through {shared}");
+
+    gate.open();
+    let answer = reported.await.expect("the report");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(header(&answer, "x-egress-proxy"), Some(shared.as_str()), "{answer}");
+}
+
+/// A session let go of a refused proxy before the store heard of the refusal may be offered that proxy again: the
+/// gateway gives such a lease back and leases again once the report is in, so nothing goes through the proxy.
+#[tokio::test]
+async fn a_lease_on_a_proxy_whose_refusal_is_on_its_way_is_taken_again_after_it() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = (
+        Squid::start(SquidOptions::default()).await.expect("Squid a"),
+        Squid::start(SquidOptions::default()).await.expect("Squid b"),
+    );
+    let (discovery, gate) = discovery_holding_reports(&[("squid-a", &a), ("squid-b", &b)], HoldReports::Arriving).await;
+    let (gateway, _router) = gateway(discovery, vec![403], 0).await;
+    let target = origin.address();
+    let (shared, reporter, other) = two_sessions_on_one_proxy(gateway, target, "v").await;
+
+    let report = format!("POST /report?target={target}");
+    let reported =
+        tokio::spawn(async move { exchange(gateway, &report, &reporter, "X-Egress-Report: banned\r\n").await.0 });
+    // The other session leases again while the report has not reached the store: the store, which still holds
+    // that session's lease there (or has the fewest leases there), offers the refused proxy.
+    let before = gate.leases();
+    let moving = tokio::spawn(async move { connect(gateway, target, &other, "").await });
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while gate.leases() == before && !moving.is_finished() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(gate.leases() > before, "the session did not lease again");
+    gate.open();
+    let moved = moving.await.expect("the tunnel");
+    assert!(moved.starts_with("HTTP/1.1 200"), "{moved}");
+    assert_ne!(
+        header(&moved, "x-egress-proxy"),
+        Some(shared.as_str()),
+        "a tunnel went through {shared}, being reported"
+    );
+    let answer = reported.await.expect("the report");
+    assert_eq!(header(&answer, "x-egress-proxy"), Some(shared.as_str()), "{answer}");
 }
