@@ -125,7 +125,7 @@ fn python() -> PathBuf {
 
 /// Runs pytest in `clients/python` with `args` against `live`, and returns what it printed; fails on a failure or
 /// a skipped test.
-async fn pytest(live: &Live, args: &[&str], env: &[(&str, &str)]) -> String {
+async fn pytest(live: Live, args: &[&str], env: &[(&str, &str)]) -> String {
     let python = python();
     let root = clients_dir("python");
     let mut command = Command::new(&python);
@@ -142,8 +142,9 @@ async fn pytest(live: &Live, args: &[&str], env: &[(&str, &str)]) -> String {
         .envs(env.iter().copied());
     live.env(&mut command);
     let (output, text) = run(command, "pytest").await;
-    assert!(output.status.success(), "pytest failed:\n{text}");
-    assert!(!text.contains("skipped"), "every live test ran:\n{text}");
+    if !output.status.success() || text.contains("skipped") {
+        fail_after(live, "pytest failed, or skipped a test", &text);
+    }
     text
 }
 
@@ -151,7 +152,7 @@ async fn pytest(live: &Live, args: &[&str], env: &[(&str, &str)]) -> String {
 async fn the_python_client_passes_its_tests_against_a_live_operator() {
     let live = Live::start("py").await;
     // The refusals crawl needs a fleet of its own (below).
-    pytest(&live, &["tests", "--ignore=tests/test_scrapy_refusals.py"], &[]).await;
+    pytest(live, &["tests", "--ignore=tests/test_scrapy_refusals.py"], &[]).await;
 }
 
 /// The Python client's sources pass `mypy --strict` (the settings are in its `pyproject.toml`), Scrapy adapter too.
@@ -172,7 +173,7 @@ async fn the_python_client_type_checks_under_mypy_strict() {
 async fn a_scrapy_crawl_of_a_site_refusing_8_percent_reports_every_refusal() {
     let cooldown = egress_api::CooldownSpec { base_seconds: Some(10), ..egress_api::CooldownSpec::default() };
     let live = Live::start_with("scrapyref", Some(cooldown)).await;
-    pytest(&live, &["tests/test_scrapy_refusals.py"], &[("EGRESS_REFUSALS_FLEET", "1")]).await;
+    pytest(live, &["tests/test_scrapy_refusals.py"], &[("EGRESS_REFUSALS_FLEET", "1")]).await;
 }
 
 #[tokio::test]
@@ -198,8 +199,75 @@ async fn the_node_client_passes_its_tests_against_a_live_operator() {
     command.args(["--test", "--test-concurrency=1", "--test-reporter=tap", "test/"]).current_dir(&root);
     live.env(&mut command);
     let (output, text) = run(command, "node --test").await;
-    assert!(output.status.success(), "the Node tests failed:\n{text}");
-    assert!(text.contains("# fail 0") && text.contains("# skipped 0"), "every Node test ran and passed:\n{text}");
+    if !(output.status.success() && text.contains("# fail 0") && text.contains("# skipped 0")) {
+        fail_after(live, "the Node tests failed, or skipped one", &text);
+    }
+}
+
+/// Fails with what `text` (a client's test output, printed whole above) says of its failures, after stopping `live`
+/// (a namespace dropped while its test panics prints the control plane's logs, which would then end the output, and
+/// CI shows the output's ends).
+fn fail_after(live: Live, what: &str, text: &str) -> ! {
+    drop(live);
+    panic!("{what} (the whole output is above); the failures:\n{}", failures(text));
+}
+
+/// The failure reports in a client's test output: each TAP `not ok` line with what the test printed before it (up
+/// to 20 lines since the test before it ended) and its diagnostics, and pytest's short summary and what it skipped;
+/// the last 40 lines when there are none.
+fn failures(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut picked = Vec::new();
+    let mut index = 0;
+    // Where the lines of the test now running start: after the last test's end.
+    let mut since = 0;
+    while index < lines.len() {
+        let line = lines[index];
+        if line.trim() == "..." || line.trim_start().starts_with("ok ") {
+            since = index + 1;
+        }
+        if line.trim_start().starts_with("not ok") {
+            picked.extend(&lines[since.max(index.saturating_sub(20))..index]);
+            // The diagnostics follow, indented, up to their `...`.
+            let indent = line.len() - line.trim_start().len();
+            picked.push(line);
+            index += 1;
+            while index < lines.len() {
+                let next = lines[index];
+                picked.push(next);
+                index += 1;
+                if next.trim() == "..." && next.len() - next.trim_start().len() <= indent + 2 {
+                    break;
+                }
+            }
+            since = index;
+            continue;
+        }
+        if line.contains("short test summary info") || line.starts_with("SKIPPED") {
+            picked.extend(&lines[index..]);
+            break;
+        }
+        index += 1;
+    }
+    if picked.is_empty() {
+        picked = lines[lines.len().saturating_sub(40)..].to_vec();
+    }
+    picked.join("\n")
+}
+
+#[test]
+fn failures_pick_tap_diagnostics_and_pytest_summaries() {
+    let tap = "# Subtest: fine\nok 1 - fine\n  ---\n  duration_ms: 3\n  ...\n# crawl: 201 pages\n\
+               not ok 2 - a crawl\n  ---\n  error: |-\n    3 requests inside a Retry-After\n  ...\n# tests 2\n";
+    assert_eq!(
+        failures(tap),
+        "# crawl: 201 pages\nnot ok 2 - a crawl\n  ---\n  error: |-\n    3 requests inside a Retry-After\n  ..."
+    );
+    let pytest =
+        "..F.\n== FAILURES ==\nlong traceback\n== short test summary info ==\nFAILED tests/x.py::y - boom\n1 failed";
+    assert_eq!(failures(pytest), "== short test summary info ==\nFAILED tests/x.py::y - boom\n1 failed");
+    let other: String = (0..50).map(|line| format!("{line}\n")).collect();
+    assert_eq!(failures(&other).lines().count(), 40);
 }
 
 /// A site of `PAGES` pages that answers 403 to each address on every `every`-th request from it: it bans every proxy
