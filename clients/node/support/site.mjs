@@ -33,6 +33,8 @@ export class Site {
     this.url = '';
     const served = new Map();
     const start = performance.now();
+    /** When it started (`performance.now()`): the log's times count from it. */
+    this.startedAt = start;
     this.tls = tls;
     const handler = (request, response) => {
       const client = request.socket.remoteAddress;
