@@ -75,7 +75,7 @@ enum HoldReports {
 struct ReportGate {
     hold: HoldReports,
     open: tokio::sync::watch::Sender<bool>,
-    leases: std::sync::atomic::AtomicUsize,
+    leases: tokio::sync::watch::Sender<usize>,
 }
 
 impl ReportGate {
@@ -84,7 +84,14 @@ impl ReportGate {
     }
 
     fn leases(&self) -> usize {
-        self.leases.load(std::sync::atomic::Ordering::SeqCst)
+        *self.leases.borrow()
+    }
+
+    /// Waits up to 10 s for the server to have answered more than `count` leases; whether it has.
+    async fn leased_past(&self, count: usize) -> bool {
+        let mut leases = self.leases.subscribe();
+        let past = leases.wait_for(|leases| *leases > count);
+        tokio::time::timeout(std::time::Duration::from_secs(10), past).await.is_ok_and(|past| past.is_ok())
     }
 
     async fn wait(&self) {
@@ -107,7 +114,7 @@ async fn hold_reports(
         gate.wait().await;
     }
     if lease {
-        gate.leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        gate.leases.send_modify(|leases| *leases += 1);
     }
     response
 }
@@ -118,7 +125,7 @@ async fn discovery_holding_reports(squids: &[(&str, &Squid)], hold: HoldReports)
     let gate = Arc::new(ReportGate {
         hold,
         open: tokio::sync::watch::Sender::new(false),
-        leases: std::sync::atomic::AtomicUsize::new(0),
+        leases: tokio::sync::watch::Sender::new(0),
     });
     let router = router(state).layer(axum::middleware::from_fn_with_state(gate.clone(), hold_reports));
     (serve_discovery(router).await, gate)
@@ -545,11 +552,7 @@ async fn a_lease_on_a_proxy_whose_refusal_is_on_its_way_is_taken_again_after_it(
     // that session's lease there (or has the fewest leases there), offers the refused proxy.
     let before = gate.leases();
     let moving = tokio::spawn(async move { connect(gateway, target, &other, "").await });
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    while gate.leases() == before && !moving.is_finished() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert!(gate.leases() > before, "the session did not lease again");
+    assert!(gate.leased_past(before).await, "the session did not lease again");
     gate.open();
     let moved = moving.await.expect("the tunnel");
     assert!(moved.starts_with("HTTP/1.1 200"), "{moved}");
