@@ -32,6 +32,9 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
 pub use egress_fleet::ProxyId;
+pub use refusals::{REFUSAL_STREAM_SILENCE, RefusalEvent, RefusalStream};
+
+mod refusals;
 use serde_json::{Value, json};
 
 /// What went wrong with a call.
@@ -353,6 +356,37 @@ fn transport(error: &(dyn std::error::Error + 'static)) -> ClientError {
     ClientError::Transport(text)
 }
 
+/// The `Retry-After` of an answer, in seconds.
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    headers
+        .get(header::RETRY_AFTER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok())
+        .map(Duration::from_secs)
+}
+
+/// The error an unsuccessful answer stands for, and whether it came from a replica that does not serve (so the call
+/// may be tried again at once).
+fn error_of(status: StatusCode, bytes: &[u8], retry_after: Option<Duration>) -> (ClientError, bool) {
+    let problem: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
+    let detail = problem["detail"].as_str().map_or_else(|| String::from_utf8_lossy(bytes).into_owned(), str::to_owned);
+    let reason = problem["reason"].as_str().unwrap_or_default().to_owned();
+    // A follower, or a leader handing over: the Service sends the next connection to the leader.
+    let retry = status == StatusCode::SERVICE_UNAVAILABLE && reason == "not-serving";
+    let error = match status {
+        StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
+        StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },
+        StatusCode::TOO_MANY_REQUESTS => ClientError::QuotaExceeded { reason, detail, retry_after },
+        StatusCode::NOT_FOUND => ClientError::NotFound(detail),
+        StatusCode::GONE => ClientError::Gone(detail),
+        StatusCode::UNAUTHORIZED => ClientError::Unauthorized(detail),
+        StatusCode::FORBIDDEN => ClientError::Forbidden(detail),
+        StatusCode::BAD_REQUEST => ClientError::BadRequest(detail),
+        other => ClientError::Status { status: other.as_u16(), detail },
+    };
+    (error, retry)
+}
+
 impl DiscoveryClient {
     /// A client for the API at `base_url` (`http://host:port`), sending `token` as the bearer token.
     pub fn new(base_url: &str, token: Option<String>) -> Result<Self, ClientError> {
@@ -394,13 +428,13 @@ impl DiscoveryClient {
         }
     }
 
-    /// One attempt, and whether it met no serving replica (so it may be retried).
-    async fn call_once(
+    /// Sends one request; the answer's head, or the error and whether it met no serving replica.
+    async fn send(
         &self,
         method: Method,
         path: &str,
         body: Option<Bytes>,
-    ) -> (Result<(StatusCode, Bytes), ClientError>, bool) {
+    ) -> Result<http::Response<hyper::body::Incoming>, (ClientError, bool)> {
         let mut request = Request::builder().method(method).uri(format!("{}{path}", self.0.base));
         if let Some(token) = &self.0.token {
             request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
@@ -412,21 +446,23 @@ impl DiscoveryClient {
             }
             None => Full::new(Bytes::new()),
         };
-        let request = match request.body(body) {
-            Ok(request) => request,
-            Err(error) => return (Err(transport(&error)), false),
-        };
-        let response = match self.0.http.request(request).await {
+        let request = request.body(body).map_err(|error| (transport(&error), false))?;
+        self.0.http.request(request).await.map_err(|error| (transport(&error), no_replica(&error)))
+    }
+
+    /// One attempt, and whether it met no serving replica (so it may be retried).
+    async fn call_once(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> (Result<(StatusCode, Bytes), ClientError>, bool) {
+        let response = match self.send(method, path, body).await {
             Ok(response) => response,
-            Err(error) => return (Err(transport(&error)), no_replica(&error)),
+            Err((error, retry)) => return (Err(error), retry),
         };
         let status = response.status();
-        let retry_after = response
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.parse::<u64>().ok())
-            .map(Duration::from_secs);
+        let retry_after = retry_after(response.headers());
         let bytes = match response.into_body().collect().await {
             Ok(body) => body.to_bytes(),
             Err(error) => return (Err(transport(&error)), false),
@@ -434,24 +470,23 @@ impl DiscoveryClient {
         if status.is_success() {
             return (Ok((status, bytes)), false);
         }
-        let problem: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        let detail =
-            problem["detail"].as_str().map_or_else(|| String::from_utf8_lossy(&bytes).into_owned(), str::to_owned);
-        let reason = problem["reason"].as_str().unwrap_or_default().to_owned();
-        // A follower, or a leader handing over: the Service sends the next connection to the leader.
-        let retry = status == StatusCode::SERVICE_UNAVAILABLE && reason == "not-serving";
-        let error = match status {
-            StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
-            StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },
-            StatusCode::TOO_MANY_REQUESTS => ClientError::QuotaExceeded { reason, detail, retry_after },
-            StatusCode::NOT_FOUND => ClientError::NotFound(detail),
-            StatusCode::GONE => ClientError::Gone(detail),
-            StatusCode::UNAUTHORIZED => ClientError::Unauthorized(detail),
-            StatusCode::FORBIDDEN => ClientError::Forbidden(detail),
-            StatusCode::BAD_REQUEST => ClientError::BadRequest(detail),
-            other => ClientError::Status { status: other.as_u16(), detail },
-        };
+        let (error, retry) = error_of(status, &bytes, retry_after);
         (Err(error), retry)
+    }
+
+    /// Follows the refusals (bans, throttles) the token's tenant reports, from any client: first the tenant's live
+    /// cooldowns, then [`RefusalEvent::Synced`], then each refusal as the discovery API takes it. The stream ends
+    /// (`Ok(None)` or an error) when the replica stops serving, after a change of leader for example: follow it
+    /// again, which sends the live cooldowns again, so nothing falls between.
+    pub async fn refusals(&self) -> Result<RefusalStream, ClientError> {
+        let response = self.send(Method::GET, "/v1/refusals", None).await.map_err(|(error, _)| error)?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = retry_after(response.headers());
+            let bytes = response.into_body().collect().await.map_err(|error| transport(&error))?.to_bytes();
+            return Err(error_of(status, &bytes, retry_after).0);
+        }
+        Ok(RefusalStream::new(response.into_body()))
     }
 
     /// Healthy proxies, optionally filtered by a label selector, with their cooldown for `target`.

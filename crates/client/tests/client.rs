@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome};
+use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, RefusalEvent};
 use egress_discovery::{
     Auth, Discovery, DiscoveryMetrics, PoolId, ProxyCredentials, ProxyId, ProxyRecord, TokenFile, router, serve,
 };
@@ -239,4 +239,76 @@ async fn an_admin_clears_a_cooldown_and_a_quota_is_its_own_error() {
         }
         other => panic!("the second lease is over the quota: {:?}", other.map(|lease| lease.proxy())),
     }
+}
+
+/// Refuses while its flag is set, as a replica that lost the lead or is shutting down.
+struct Switch(std::sync::atomic::AtomicBool);
+
+impl egress_discovery::Gate for Switch {
+    fn refusal(&self) -> Option<String> {
+        self.0.load(std::sync::atomic::Ordering::SeqCst).then(|| "not the leader".to_owned())
+    }
+}
+
+/// `GET /v1/refusals` follows the tenant's own refusals from any of its clients: first its live cooldowns, then
+/// `synced`, then each ban or throttle as it is taken; another tenant's refusals never appear, and the stream ends
+/// when the replica stops serving (heartbeats keep it open meanwhile, unseen by the caller).
+#[tokio::test]
+async fn refusals_follow_the_tenants_own_reports_and_end_when_the_replica_stops_serving() {
+    let tokens = tempfile::NamedTempFile::new().expect("token file");
+    std::fs::write(tokens.path(), "lease team-a-token-0123456789 tenant=a\nlease team-b-token-0123456789 tenant=b\n")
+        .expect("tokens");
+    let gate = Arc::new(Switch(std::sync::atomic::AtomicBool::new(false)));
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
+    let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()).with_gate(gate.clone()));
+    for name in ["a", "b", "c"] {
+        state.upsert(record(name, 5));
+    }
+    state.mark_synced();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(serve(listener, router(state.clone()), std::future::pending()));
+    let team_a = DiscoveryClient::new(&url, Some("team-a-token-0123456789".into())).expect("client");
+    let team_b = DiscoveryClient::new(&url, Some("team-b-token-0123456789".into())).expect("client");
+
+    // A cooldown the tenant made before it follows comes first, then synced.
+    let earlier = team_a.lease(LeaseOptions::for_target("shop.example.com")).await.expect("lease");
+    earlier.report(Outcome::Banned, Some(403)).await.expect("report");
+    let mut stream = team_a.refusals().await.expect("follow");
+    let first = stream.next().await.expect("an event");
+    assert!(
+        matches!(&first, Some(RefusalEvent::Refused { target, proxies, .. }) if target == "example.com" && proxies == &[earlier.proxy()]),
+        "{first:?}"
+    );
+    assert_eq!(stream.next().await.expect("an event"), Some(RefusalEvent::Synced));
+
+    // Another tenant's refusal is not this one's; its own throttle, through another client, is.
+    let theirs = team_b.lease(LeaseOptions::for_target("other.example.org")).await.expect("lease");
+    theirs.report(Outcome::Banned, Some(403)).await.expect("report");
+    let ours = team_a.lease(LeaseOptions::for_target("news.example.net")).await.expect("lease");
+    ours.report(Outcome::Throttled { retry_after: Some(Duration::from_secs(30)) }, Some(429)).await.expect("report");
+    let next = tokio::time::timeout(Duration::from_secs(10), stream.next()).await.expect("in time").expect("event");
+    assert!(
+        matches!(&next, Some(RefusalEvent::Refused { target, proxies, .. }) if target == "example.net" && proxies == &[ours.proxy()]),
+        "{next:?}"
+    );
+    // Counts alone refuse nothing.
+    ours.report_counts(3, 0).await.expect("counts");
+
+    // The replica stops serving: the stream ends, and a new one is refused until it serves again.
+    gate.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    let ended = tokio::time::timeout(Duration::from_secs(5), stream.next()).await.expect("ends in time");
+    assert_eq!(ended, Ok(None));
+    assert!(matches!(team_a.refusals().await, Err(ClientError::Unavailable { reason, .. }) if reason == "not-serving"));
+    gate.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    let mut again = team_a.refusals().await.expect("follow again");
+    let mut snapshot = Vec::new();
+    while let Some(event) = again.next().await.expect("an event") {
+        if event == RefusalEvent::Synced {
+            break;
+        }
+        snapshot.push(event);
+    }
+    assert_eq!(snapshot.len(), 2, "both of the tenant's live cooldowns, none of the other's: {snapshot:?}");
 }

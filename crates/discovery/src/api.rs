@@ -24,12 +24,15 @@ use crate::{Discovery, PoolId, PoolRecord, ProxyId, ProxyRecord};
 mod cooldowns;
 mod leases;
 mod proxies;
+mod refusals;
 
 use cooldowns::*;
 use leases::*;
 use proxies::*;
 
 pub mod openapi;
+
+pub use refusals::HEARTBEAT;
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -49,6 +52,7 @@ pub fn routes(state: Arc<Discovery>) -> Router {
         .route("/v1/leases/{id}/renew", post(renew_lease))
         .route("/v1/leases/{id}/report", post(report_lease))
         .route("/v1/cooldowns", get(list_cooldowns).delete(clear_cooldowns))
+        .route("/v1/refusals", get(refusals::watch_refusals))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))

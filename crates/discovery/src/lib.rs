@@ -28,13 +28,14 @@ use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
 
 pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
-pub use api::{MAX_BODY_BYTES, openapi};
+pub use api::{HEARTBEAT as REFUSAL_HEARTBEAT, MAX_BODY_BYTES, openapi};
 pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
 pub use server::{
-    Authenticated, DEFAULT_MAX_HEADER_BYTES, LISTEN_BACKLOG, ServerLimits, ServerMetrics, bind, serve, serve_with,
+    Authenticated, DEFAULT_MAX_HEADER_BYTES, LISTEN_BACKLOG, ServerLimits, ServerMetrics, Streamed, bind, serve,
+    serve_with,
 };
 
 /// One proxy as the discovery API shows it.
@@ -85,6 +86,25 @@ pub struct PoolRecord {
     pub provisioning: Duration,
 }
 
+/// A refusal a tenant reported (a ban or a throttle): `proxies` cool down for `target` until `until`. Every
+/// [`Discovery::refusals`] subscriber hears it as soon as the lease store has it, before the cooldown is written
+/// down, so a gateway replica that did not see the refusal moves its sessions off those proxies at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Whose report it was (its sessions are the ones that move).
+    pub tenant: Arc<str>,
+    /// The normalised site.
+    pub target: String,
+    /// The reported proxy, and those leaving through the same egress address that the report cooled too.
+    pub proxies: Vec<ProxyId>,
+    /// When the cooldown ends.
+    pub until: SystemTime,
+}
+
+/// How many refusals a slow subscriber may fall behind before its stream ends (and its client reconnects and takes
+/// a snapshot of the live cooldowns instead).
+const REFUSAL_BACKLOG: usize = 4096;
+
 /// Who hears that a pool's demand changed (the operator's pool controller, which then looks at the pool at once).
 pub trait PoolWaker: Send + Sync {
     /// Leases for `pool` were refused for lack of members or capacity.
@@ -131,6 +151,8 @@ pub struct Discovery {
     waker: Option<Arc<dyn PoolWaker>>,
     /// Reports per tenant in the current minute (for `reportsPerMinute`): when the minute started, how many.
     report_windows: std::sync::Mutex<std::collections::HashMap<Arc<str>, (std::time::Instant, u32)>>,
+    /// Every refusal reported here, for the `GET /v1/refusals` streams.
+    refusals: tokio::sync::broadcast::Sender<Arc<Refusal>>,
 }
 
 impl Discovery {
@@ -148,6 +170,7 @@ impl Discovery {
             demand: std::sync::Mutex::default(),
             waker: None,
             report_windows: std::sync::Mutex::default(),
+            refusals: tokio::sync::broadcast::Sender::new(REFUSAL_BACKLOG),
         }
     }
 
@@ -314,6 +337,17 @@ impl Discovery {
         }
         window.1 += 1;
         Ok(())
+    }
+
+    /// Every refusal reported from now on, as the lease store takes it.
+    pub fn refusals(&self) -> tokio::sync::broadcast::Receiver<Arc<Refusal>> {
+        self.refusals.subscribe()
+    }
+
+    /// Tells the refusal streams of a refusal the lease store has just taken.
+    fn refused(&self, refusal: Refusal) {
+        // No subscriber is no error: nobody needs telling.
+        let _ = self.refusals.send(Arc::new(refusal));
     }
 
     /// Whether every proxy has been given at least once.

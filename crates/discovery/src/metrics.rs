@@ -23,8 +23,9 @@ struct RouteLabels {
 }
 
 /// The routes by their path templates, so labels are static strings (no allocation per request).
-const ROUTES: [&str; 9] = [
+const ROUTES: [&str; 10] = [
     "/v1/proxies",
+    "/v1/refusals",
     "/v1/leases",
     "/v1/leases/{id}",
     "/v1/leases/{id}/renew",
@@ -80,6 +81,8 @@ pub struct DiscoveryMetrics {
     tenant_granted: Family<TenantLabels, Counter>,
     tenant_refused: Family<TenantReasonLabels, Counter>,
     tenant_reports: Family<TenantLabels, Counter>,
+    refusal_streams: Gauge,
+    refusals_sent: Counter,
 }
 
 impl Default for DiscoveryMetrics {
@@ -101,6 +104,8 @@ impl Default for DiscoveryMetrics {
             tenant_granted: Family::default(),
             tenant_refused: Family::default(),
             tenant_reports: Family::default(),
+            refusal_streams: Gauge::default(),
+            refusals_sent: Counter::default(),
         }
     }
 }
@@ -159,7 +164,27 @@ impl DiscoveryMetrics {
             metrics.tenant_refused.clone(),
         );
         registry.register("tenant_reports", "Reports accepted, by tenant", metrics.tenant_reports.clone());
+        registry.register(
+            "refusal_streams",
+            "Open GET /v1/refusals streams (each gateway replica keeps one per tenant it has served)",
+            metrics.refusal_streams.clone(),
+        );
+        registry.register(
+            "refusals_sent",
+            "Refusals sent on GET /v1/refusals streams (one per stream that heard it, snapshots included)",
+            metrics.refusals_sent.clone(),
+        );
         metrics
+    }
+
+    /// A refusal stream opened; it counts as open until the guard drops.
+    pub(crate) fn refusal_stream(&self) -> StreamGuard {
+        self.refusal_streams.inc();
+        StreamGuard(self.refusal_streams.clone())
+    }
+
+    pub(crate) fn refusal_sent(&self) {
+        self.refusals_sent.inc();
     }
 
     pub(crate) fn tenant_granted(&self, tenant: &str) {
@@ -255,6 +280,15 @@ impl DiscoveryMetrics {
         if total > counted {
             self.adopted.inc_by(total - counted);
         }
+    }
+}
+
+/// Counts one open refusal stream until dropped.
+pub(crate) struct StreamGuard(Gauge);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -28,6 +28,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -77,6 +78,11 @@ pub struct ServerLimits {
 /// [`ServerLimits::max_unauthenticated_per_source`].
 #[derive(Clone, Copy, Debug)]
 pub struct Authenticated;
+
+/// Marks a response whose body is a stream that may stay open for long: its request counts as in flight until the
+/// body ends, so neither the idle timeout nor the header timeout closes its connection meanwhile.
+#[derive(Clone, Copy, Debug)]
+pub struct Streamed;
 
 impl Default for ServerLimits {
     fn default() -> Self {
@@ -341,8 +347,20 @@ pub async fn serve_with(
                 {
                     held.release();
                 }
-                drop(guard);
-                response
+                // A streamed answer (`GET /v1/refusals`) stays in flight until its body ends, not only its head:
+                // it is no idle connection for the idle timeout to close.
+                match response {
+                    Ok(response) if response.extensions().get::<Streamed>().is_some() => Ok(response.map(|body| {
+                        Body::new(body.map_frame(move |frame| {
+                            let _in_flight = &guard;
+                            frame
+                        }))
+                    })),
+                    response => {
+                        drop(guard);
+                        response
+                    }
+                }
             }
         });
         let connection = graceful.watch(

@@ -16,12 +16,14 @@
 //! proxy, ties to the least recently leased.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported, ProxyId};
+use egress_client::{
+    ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported, ProxyId, RefusalEvent,
+};
 use percent_encoding::percent_decode_str;
 use tokio::sync::watch;
 use tracing::{debug, info};
@@ -180,6 +182,11 @@ pub struct LeaseRouter {
     /// The refusals being reported now: the discovery API cools a proxy down when a report arrives, but answers
     /// only once the cooldown is written down (the operator's apiserver), so until then a lease may still be on it.
     reporting: watch::Sender<Vec<Arc<Refused>>>,
+    /// How many tenants' refusal streams are following now (synced with the discovery API).
+    following: watch::Sender<usize>,
+    /// Dropped with the router: the refusal followers see it go and stop.
+    alive: watch::Sender<()>,
+    me: Weak<LeaseRouter>,
 }
 
 impl LeaseRouter {
@@ -190,11 +197,14 @@ impl LeaseRouter {
     /// The discovery URL is not `http://host:port`.
     pub fn start(config: LeaseRouterConfig) -> Result<Arc<Self>, ClientError> {
         DiscoveryClient::new(&config.discovery_url, None)?;
-        let router = Arc::new(Self {
+        let router = Arc::new_cyclic(|me| Self {
             config,
             clients: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             reporting: watch::Sender::new(Vec::new()),
+            following: watch::Sender::new(0),
+            alive: watch::Sender::new(()),
+            me: me.clone(),
         });
         let weak = Arc::downgrade(&router);
         tokio::spawn(sweep(weak));
@@ -206,7 +216,14 @@ impl LeaseRouter {
         lock(&self.sessions).len()
     }
 
-    fn client(&self, token: &str) -> Result<DiscoveryClient, GatewayError> {
+    /// How many tenants' refusal streams follow the discovery API now: each token that has leased here follows the
+    /// refusals its tenant reports through any gateway replica or client ([`DiscoveryClient::refusals`]).
+    pub fn refusal_streams(&self) -> watch::Receiver<usize> {
+        self.following.subscribe()
+    }
+
+    /// The discovery client of `token` (the tenant's); the first use also starts following the tenant's refusals.
+    fn client(&self, token: &str, tenant: &str) -> Result<DiscoveryClient, GatewayError> {
         let mut clients = lock(&self.clients);
         if let Some(client) = clients.get(token) {
             return Ok(client.clone());
@@ -214,6 +231,13 @@ impl LeaseRouter {
         let client = DiscoveryClient::new(&self.config.discovery_url, Some(token.to_owned()))
             .map_err(|error| GatewayError::internal(error.to_string()))?;
         clients.insert(token.to_owned(), client.clone());
+        tokio::spawn(follow_refusals(
+            self.me.clone(),
+            self.alive.subscribe(),
+            client.clone(),
+            token.to_owned(),
+            tenant.to_owned(),
+        ));
         Ok(client)
     }
 
@@ -228,7 +252,7 @@ impl LeaseRouter {
         if let Some(selector) = request.options.selector() {
             options = options.selector(selector);
         }
-        let client = self.client(request.token)?;
+        let client = self.client(request.token, request.tenant)?;
         let deadline = tokio::time::Instant::now() + self.config.max_wait;
         let lease = loop {
             match client.lease(options.clone()).await {
@@ -342,6 +366,28 @@ impl LeaseRouter {
         }
     }
 
+    /// Ends every session's hold of `tenant` on a (site, proxy) pair of `cooling`: what a refusal stream that
+    /// (re)connected says is cooling down for the sites the tenant's reports refused.
+    async fn let_go_cooling(&self, tenant: &str, cooling: &HashSet<(String, ProxyId)>) {
+        if cooling.is_empty() {
+            return;
+        }
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions)
+            .iter()
+            .filter(|(key, _)| key.tenant == tenant)
+            .map(|(_, session)| session.clone())
+            .collect();
+        for session in sessions {
+            let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
+                continue;
+            };
+            let on = held.lease.as_ref().map(|lease| (lease.target().to_owned(), lease.proxy()));
+            if on.is_some_and(|pair| cooling.contains(&pair)) {
+                held.leave();
+            }
+        }
+    }
+
     /// Reports `report` on the proxy `session` holds for the request's site, and lets every session of the tenant go
     /// of it. A session this replica holds no lease for (its requests went through another replica, or it idled
     /// past its stickiness here) leases one first: the store gives a session the proxy it holds, whichever replica
@@ -420,6 +466,87 @@ impl LeaseRouter {
                 }
             }
         }
+    }
+}
+
+/// The first pause before following a tenant's refusals again after its stream ended; it doubles up to
+/// [`MAX_FOLLOW_PAUSE`] while the discovery API does not answer (a change of leader takes a few seconds at most).
+const FIRST_FOLLOW_PAUSE: Duration = Duration::from_millis(50);
+const MAX_FOLLOW_PAUSE: Duration = Duration::from_secs(2);
+
+/// Follows the refusals the tenant of `token` reports (through any gateway replica or any client) for as long as the
+/// router lives, and makes every session of the tenant here let go of each refused proxy for its site: a refusal
+/// seen at another replica reaches this one's sessions as soon as the discovery API has it. A stream that ends is
+/// followed again (it starts with the tenant's live cooldowns, so nothing reported meanwhile is missed); a token
+/// the API no longer knows stops being followed, and is followed again when it leases here next.
+async fn follow_refusals(
+    router: Weak<LeaseRouter>,
+    mut alive: watch::Receiver<()>,
+    client: DiscoveryClient,
+    token: String,
+    tenant: String,
+) {
+    let mut pause = FIRST_FOLLOW_PAUSE;
+    loop {
+        let stream = tokio::select! {
+            stream = client.refusals() => stream,
+            _ = alive.changed() => return,
+        };
+        match stream {
+            Ok(mut stream) => {
+                let mut synced = false;
+                // The live cooldowns the stream starts with are let go of in one pass over the sessions.
+                let mut snapshot: HashSet<(String, ProxyId)> = HashSet::new();
+                loop {
+                    let event = tokio::select! {
+                        event = stream.next() => event,
+                        _ = alive.changed() => return,
+                    };
+                    let Some(router) = router.upgrade() else { return };
+                    match event {
+                        Ok(Some(RefusalEvent::Refused { target, proxies, .. })) if !synced => {
+                            snapshot.extend(proxies.into_iter().map(|proxy| (target.clone(), proxy)));
+                        }
+                        Ok(Some(RefusalEvent::Refused { target, proxies, .. })) => {
+                            for proxy in proxies {
+                                let refused =
+                                    Refused { tenant: tenant.clone(), target: target.clone(), proxy, egress_ip: None };
+                                router.let_go(&refused).await;
+                            }
+                        }
+                        Ok(Some(RefusalEvent::Synced)) => {
+                            router.let_go_cooling(&tenant, &std::mem::take(&mut snapshot)).await;
+                            debug!(%tenant, "following the tenant's refusals");
+                            synced = true;
+                            pause = FIRST_FOLLOW_PAUSE;
+                            router.following.send_modify(|count| *count += 1);
+                        }
+                        Ok(None) | Err(_) => {
+                            if let Err(error) = &event {
+                                debug!(%tenant, %error, "the tenant's refusal stream broke; following it again");
+                            }
+                            if synced {
+                                router.following.send_modify(|count| *count = count.saturating_sub(1));
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(ClientError::Unauthorized(_) | ClientError::Forbidden(_)) => {
+                debug!(%tenant, "the token may no longer follow refusals; stopping until it leases here again");
+                if let Some(router) = router.upgrade() {
+                    lock(&router.clients).remove(&token);
+                }
+                return;
+            }
+            Err(error) => debug!(%tenant, %error, "following the tenant's refusals failed; trying again"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            _ = alive.changed() => return,
+        }
+        pause = (pause * 2).min(MAX_FOLLOW_PAUSE);
     }
 }
 

@@ -564,3 +564,53 @@ async fn a_lease_on_a_proxy_whose_refusal_is_on_its_way_is_taken_again_after_it(
     let answer = reported.await.expect("the report");
     assert_eq!(header(&answer, "x-egress-proxy"), Some(shared.as_str()), "{answer}");
 }
+
+/// Two gateway replicas on one discovery API, as `deploy/default` ships them: a refusal reported at one replica moves
+/// the tenant's sessions at the other off that proxy for the site too, closing their tunnels there, as soon as the
+/// discovery API has the report (before it answers it), and a session's next request leaves through the one proxy
+/// the store gives it, whichever replica takes it. Regression: each replica let go only of its own sessions, so a
+/// session whose requests alternated between the replicas sent half of them through the banned proxy.
+#[tokio::test]
+async fn a_refusal_at_one_gateway_replica_moves_the_sessions_of_the_other() {
+    use tokio::io::AsyncReadExt;
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = two_squids().await;
+    let (discovery, gate) =
+        discovery_holding_reports(&[("squid-a", &a), ("squid-b", &b)], HoldReports::Answering).await;
+    let (first, _first_router) = gateway(discovery, vec![403], 0).await;
+    let (second, second_router) = gateway(discovery, vec![403], 0).await;
+    let target = origin.address();
+    let session = "session-x1";
+    let on_first = connect(first, target, session, "").await;
+    let shared = header(&on_first, "x-egress-proxy").expect("the proxy").to_owned();
+    // The other replica's tunnel for the same session goes through the same proxy, and stays open.
+    let (head, mut tunnel) = exchange(second, &format!("CONNECT {target}"), session, "").await;
+    assert_eq!(header(&head, "x-egress-proxy"), Some(shared.as_str()), "one session, one proxy: {head}");
+    let mut following = second_router.refusal_streams();
+    let followed = tokio::time::timeout(std::time::Duration::from_secs(10), following.wait_for(|count| *count >= 1));
+    assert!(followed.await.is_ok_and(|followed| followed.is_ok()), "the second replica follows the tenant's refusals");
+
+    let report = format!("POST /report?target={target}");
+    let started = std::time::Instant::now();
+    let reported =
+        tokio::spawn(async move { exchange(first, &report, session, "X-Egress-Report: banned\r\n").await.0 });
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), tunnel.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the second replica's tunnel through {shared} stayed open after the first reported it");
+    eprintln!(
+        "the second replica closed its tunnel through the refused proxy {:?} after the report",
+        started.elapsed()
+    );
+    assert!(!reported.is_finished(), "the report was answered before the gate opened");
+    let moved = connect(second, target, session, "").await;
+    let now_on = header(&moved, "x-egress-proxy").expect("the proxy").to_owned();
+    assert_ne!(now_on, shared, "the session went on through {shared} at the second replica");
+    gate.open();
+    let answer = reported.await.expect("the report");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // Either replica sends the session's next requests through its one new proxy.
+    for gateway in [first, second, first, second] {
+        let head = connect(gateway, target, session, "").await;
+        assert_eq!(header(&head, "x-egress-proxy"), Some(now_on.as_str()), "{head}");
+    }
+}

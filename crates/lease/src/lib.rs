@@ -148,7 +148,10 @@ pub struct Renewed {
 pub struct Reported {
     /// The proxy the lease is on.
     pub proxy: ProxyId,
-    /// The end of the cooldown a ban or a throttle started.
+    /// The lease's normalised target: the site the report is about.
+    pub target: String,
+    /// The end of the cooldown a ban or a throttle started (or, for one its owner had reported already, the end of
+    /// the one running).
     pub cooldown_until: Option<SystemTime>,
     /// Every proxy whose cooldowns the report changed: the lease's, and those leaving through the same egress IP.
     pub cooled: Vec<ProxyId>,

@@ -516,7 +516,7 @@ impl LeaseStore for InMemoryLeaseStore {
         if report.release && !inner.release_live(serial) {
             inner.mark_released(serial);
         }
-        Ok(Reported { proxy, cooldown_until, cooled })
+        Ok(Reported { proxy, target, cooldown_until, cooled })
     }
 
     fn proxy_cooldowns(&self, proxy: &ProxyId, now: SystemTime) -> Vec<Cooldown> {

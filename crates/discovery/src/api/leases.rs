@@ -435,6 +435,16 @@ pub(super) async fn report_lease(
     state.metrics.reported(&report);
     state.metrics.tenant_reported(caller.owner());
     let until = reported.cooldown_until;
+    if let (Some(until), Some(Outcome::Banned | Outcome::Throttled { .. })) = (until, report.outcome) {
+        // Told before the cooldown is written down: the other gateway replicas move their sessions now.
+        let proxies = if reported.cooled.is_empty() { vec![reported.proxy.clone()] } else { reported.cooled.clone() };
+        state.refused(crate::Refusal {
+            tenant: caller.tenant.clone(),
+            target: reported.target.clone(),
+            proxies,
+            until,
+        });
+    }
     // A report that changed no cooldown (its owner had counted in the running one already) needs no write.
     if !reported.cooled.is_empty() {
         if report.outcome == Some(Outcome::Banned) {

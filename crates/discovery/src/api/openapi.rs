@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use super::cooldowns::{ClearedCooldowns, CooldownList};
 use super::leases::{LeaseBody, LeaseResponse, RenewBody, ReportBody, ReportResult};
 use super::proxies::ProxyList;
+use super::refusals::RefusalLine;
 use crate::problem::Problem;
 
 /// The schemas of the bodies: requests as they are parsed, answers as they are written (a field skipped when
@@ -26,6 +27,7 @@ fn schemas() -> serde_json::Map<String, Value> {
     answers.subschema_for::<ReportResult>();
     answers.subschema_for::<CooldownList>();
     answers.subschema_for::<ClearedCooldowns>();
+    answers.subschema_for::<RefusalLine>();
     let mut schemas = requests.take_definitions(true);
     let mut answers = answers.take_definitions(true);
     answers.values_mut().for_each(optional_never_null);
@@ -166,6 +168,14 @@ pub fn document() -> Value {
                     ("200".to_owned(), json_response("the cooldowns that were running and ended", "ClearedCooldowns")),
                     ("400".to_owned(), problem_response("invalid or missing target, or an invalid query parameter")),
                     ("404".to_owned(), problem_response("no such proxy")),
+                ]))
+            }},
+            "/v1/refusals": { "get": {
+                "summary": "Follow the refusals (bans, throttles) your tenant reports, from any client, as they are taken",
+                "description": "Newline-delimited JSON, one RefusalEvent a line: first your tenant's live cooldowns, then {\"type\":\"synced\"}, then each refusal as it is reported, and a heartbeat every 10 s while nothing happens. The stream ends when this replica stops serving; connect again. Gateway replicas follow it to move every session of the tenant off a refused proxy.",
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json!({ "description": "the stream", "content": { "application/x-ndjson": { "schema": { "$ref": "#/components/schemas/RefusalEvent" } } } })),
+                    ("400".to_owned(), problem_response("a query parameter (this route takes none)")),
                 ]))
             }},
             "/healthz": { "get": { "summary": "Liveness", "security": [], "responses": { "200": { "description": "alive" } } } },

@@ -385,7 +385,10 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
     let third = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.org") }, t(0)).expect("lease");
     let reported =
         new.report(&third.id, owner, &Report::of(Outcome::Banned).and_release(), t(20)).expect("adopted report");
-    assert_eq!(reported, Reported { proxy: p("a"), cooldown_until: Some(t(620)), cooled: vec![p("a")] });
+    assert_eq!(
+        reported,
+        Reported { proxy: p("a"), target: "example.org".into(), cooldown_until: Some(t(620)), cooled: vec![p("a")] }
+    );
     let fourth = old.lease(&LeaseRequest { owner: owner.into(), ..request("example.net") }, t(0)).expect("lease");
     new.release(&fourth.id, owner, t(20)).expect("release of an unseen lease");
     assert_eq!(new.active_leases(), 1);
