@@ -1990,3 +1990,81 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
 fn url_of() -> String {
     cluster()._origin.ip_url()
 }
+
+/// A ban reported at one gateway replica reaches the other, as `deploy/default` ships them (two replicas, the
+/// in-memory lease store on the leader): a session's 4 requests go through one proxy P on both replicas, one request
+/// reports `X-Egress-Report: banned` at the first replica, then 80 requests on new connections, alternating between
+/// the replicas over 60 s, send none through P and all through the session's one new proxy. Regression: a ban
+/// reached only the replica that saw it, and about half of the 80 left through P.
+#[tokio::test]
+async fn a_ban_reported_at_one_gateway_replica_moves_the_session_at_both() {
+    let _suite = SUITE.read().await;
+    let cluster = cluster();
+    let client = client().await;
+    let ns = NAMESPACES[8];
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    let names = ["coherent-1", "coherent-2"];
+    for name in names {
+        let mut proxy = Proxy::new(name, common::managed(&format!("pods-{ns}"), None));
+        proxy.metadata.labels = Some([("e2e".to_owned(), "coherent".to_owned())].into());
+        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    }
+    wait_phase(&client, ns, &names, ProxyPhase::Ready).await;
+    let pods = cluster.installation.gateway_pods().await.expect("gateway pods");
+    assert_eq!(pods.len(), 2, "deploy/default runs two gateway replicas");
+    let replicas: Vec<std::net::SocketAddr> =
+        pods.iter().map(|pod| format!("{}:8088", pod_ip(pod)).parse().expect("a pod address")).collect();
+    let url = cluster._origin.ip_url();
+    let user = "session-coherent,label-e2e=coherent";
+
+    let mut before = Vec::new();
+    for request in 0..4 {
+        let replica = replicas[request % 2];
+        let (_, proxy) = eventually_every("a GET through a gateway replica", WAIT, Duration::from_millis(500), || {
+            let url = url.clone();
+            async move { through_gateway(replica, &url, user).await }
+        })
+        .await;
+        before.push(proxy);
+    }
+    let banned = before[0].clone();
+    assert!(before.iter().all(|proxy| *proxy == banned), "one session, one proxy on both replicas: {before:?}");
+
+    let reported = egress_testenv::through_proxy_with(
+        replicas[0],
+        "GET",
+        &url,
+        Some((user, SHIPPED_LEASE_TOKEN)),
+        &[("X-Egress-Report", "banned")],
+    )
+    .await
+    .expect("the reporting request");
+    let moved_to = reported.header("x-egress-proxy").unwrap_or_default().to_owned();
+    assert_eq!(reported.status, 200, "{:?}", reported.header("proxy-status"));
+    assert_ne!(moved_to, banned, "the reporting request went elsewhere");
+
+    let started = Instant::now();
+    let mut pace = tokio::time::interval(Duration::from_millis(750));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut through: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    let mut failed = Vec::new();
+    for request in 0..80 {
+        pace.tick().await;
+        match through_gateway(replicas[request % 2], &url, user).await {
+            Ok((_, proxy)) => *through.entry(proxy).or_default() += 1,
+            Err(error) => failed.push(error),
+        }
+    }
+    eprintln!(
+        "e2e: after a ban of {banned} reported at one gateway replica, 80 requests over {:.1?} alternating between \
+         both: {through:?}, {} failed",
+        started.elapsed(),
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(through.get(&banned), None, "requests left through the banned proxy {banned}");
+    assert_eq!(through.keys().collect::<Vec<_>>(), vec![&moved_to], "the session's requests leave through one proxy");
+    for name in names {
+        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+}

@@ -38,7 +38,7 @@ use tokio::sync::OnceCell;
 pub use control_plane::ControlPlane;
 pub use node_agent::NodeAgent;
 pub use operator::{GatewayProcess, OperatorOptions, OperatorProcess, http_get};
-pub use origin::{LocalOrigin, ProxyAnswer, get_through_proxy, open_tunnel, through_proxy};
+pub use origin::{LocalOrigin, ProxyAnswer, get_through_proxy, open_tunnel, through_proxy, through_proxy_with};
 pub use squid::{POD_NETWORK_ENV, Squid, SquidOptions, client_address, pod_network};
 
 static SHARED: OnceCell<ControlPlane> = OnceCell::const_new();

@@ -213,16 +213,28 @@ pub async fn through_proxy(
     target: &str,
     credentials: Option<(&str, &str)>,
 ) -> Result<ProxyAnswer> {
+    through_proxy_with(proxy, method, target, credentials, &[]).await
+}
+
+/// [`through_proxy`] with `headers` added to the request (for example a gateway's `X-Egress-Report`).
+pub async fn through_proxy_with(
+    proxy: SocketAddr,
+    method: &str,
+    target: &str,
+    credentials: Option<(&str, &str)>,
+    headers: &[(&str, &str)],
+) -> Result<ProxyAnswer> {
     let exchange = async {
         let mut stream = TcpStream::connect(proxy).await.with_context(|| format!("connecting to the proxy {proxy}"))?;
         let host = match target.split_once("://") {
             Some((_, rest)) => rest.split('/').next().unwrap_or_default(),
             None => target,
         };
-        let request = with_credentials(
-            format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"),
-            credentials,
-        );
+        let mut head = format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        let request = with_credentials(head, credentials);
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
         let mut chunk = [0u8; 4096];
