@@ -343,9 +343,25 @@ impl LeaseRouter {
     /// site: the proxy now cools down for the site, so no session of the tenant may go on sending there; each leases
     /// again at its next request.
     async fn let_go(&self, refused: &Refused) {
+        let moved = self.leave_where(&refused.tenant, |lease| refused.covers(&refused.tenant, lease)).await;
+        if moved > 0 {
+            debug!(proxy = %refused.proxy, target = refused.target, moved, "sessions let go of a proxy cooling down");
+        }
+    }
+
+    /// Ends every session's hold of `tenant` on a (site, proxy) pair of `cooling`: what a refusal stream that
+    /// (re)connected says is cooling down for the sites the tenant's reports refused.
+    async fn let_go_cooling(&self, tenant: &str, cooling: &HashSet<(String, ProxyId)>) {
+        if !cooling.is_empty() {
+            self.leave_where(tenant, |lease| cooling.contains(&(lease.target().to_owned(), lease.proxy()))).await;
+        }
+    }
+
+    /// Ends the hold of every session of `tenant` whose lease `leaves` picks; returns how many.
+    async fn leave_where(&self, tenant: &str, leaves: impl Fn(&LeaseGuard) -> bool) -> usize {
         let sessions: Vec<Arc<Session>> = lock(&self.sessions)
             .iter()
-            .filter(|(key, _)| key.tenant == refused.tenant)
+            .filter(|(key, _)| key.tenant == tenant)
             .map(|(_, session)| session.clone())
             .collect();
         let mut moved = 0;
@@ -355,37 +371,12 @@ impl LeaseRouter {
             let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
                 continue;
             };
-            let same = held.lease.as_ref().is_some_and(|lease| refused.covers(&refused.tenant, lease));
-            if same {
+            if held.lease.as_ref().is_some_and(&leaves) {
                 held.leave();
                 moved += 1;
             }
         }
-        if moved > 0 {
-            debug!(proxy = %refused.proxy, target = refused.target, moved, "sessions let go of a proxy cooling down");
-        }
-    }
-
-    /// Ends every session's hold of `tenant` on a (site, proxy) pair of `cooling`: what a refusal stream that
-    /// (re)connected says is cooling down for the sites the tenant's reports refused.
-    async fn let_go_cooling(&self, tenant: &str, cooling: &HashSet<(String, ProxyId)>) {
-        if cooling.is_empty() {
-            return;
-        }
-        let sessions: Vec<Arc<Session>> = lock(&self.sessions)
-            .iter()
-            .filter(|(key, _)| key.tenant == tenant)
-            .map(|(_, session)| session.clone())
-            .collect();
-        for session in sessions {
-            let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
-                continue;
-            };
-            let on = held.lease.as_ref().map(|lease| (lease.target().to_owned(), lease.proxy()));
-            if on.is_some_and(|pair| cooling.contains(&pair)) {
-                held.leave();
-            }
-        }
+        moved
     }
 
     /// Reports `report` on the proxy `session` holds for the request's site, and lets every session of the tenant go
