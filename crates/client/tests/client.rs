@@ -47,7 +47,7 @@ async fn start(records: Vec<ProxyRecord>) -> Fixture {
     let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
     let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()));
     for record in &records {
-        state.upsert(record.clone());
+        state.upsert(record.clone()).await;
     }
     state.mark_synced();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -162,7 +162,7 @@ async fn errors_are_typed() {
     // Revocation: the proxy turns unhealthy.
     let mut unhealthy = fixture.records[0].clone();
     unhealthy.healthy = false;
-    fixture.state.upsert(unhealthy);
+    fixture.state.upsert(unhealthy).await;
     let mut held = held;
     assert!(matches!(held.renew(None).await, Err(ClientError::Gone(_))));
 
@@ -263,7 +263,7 @@ async fn refusals_follow_the_tenants_own_reports_and_end_when_the_replica_stops_
     let auth = Auth::Tokens(TokenFile::load(tokens.path()).expect("load tokens"));
     let state = Arc::new(Discovery::new(store, auth, DiscoveryMetrics::default()).with_gate(gate.clone()));
     for name in ["a", "b", "c"] {
-        state.upsert(record(name, 5));
+        state.upsert(record(name, 5)).await;
     }
     state.mark_synced();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -41,7 +41,7 @@ async fn discovery_server() -> SocketAddr {
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let state = Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()));
     for record in records {
-        state.upsert(record);
+        state.upsert(record).await;
     }
     state.mark_synced();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

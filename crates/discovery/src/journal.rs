@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use egress_lease::{Cooldown, LeaseStore, ProxyId};
+use egress_lease::{Cooldown, LeaseState, ProxyId};
 use tracing::warn;
 
 use crate::DiscoveryMetrics;
@@ -57,7 +57,7 @@ impl Persister {
 
     /// Writes the cooldowns of `proxy` after a change the store already holds; returns once a write that covers
     /// it finished. `false` when it failed (the ban holds in memory and the write is retried).
-    pub(crate) async fn persist(&self, store: &dyn LeaseStore, proxy: &ProxyId, metrics: &DiscoveryMetrics) -> bool {
+    pub(crate) async fn persist(&self, store: &dyn LeaseState, proxy: &ProxyId, metrics: &DiscoveryMetrics) -> bool {
         if self.journal.is_none() {
             return true;
         }
@@ -72,7 +72,7 @@ impl Persister {
 
     async fn write_covering(
         &self,
-        store: &dyn LeaseStore,
+        store: &dyn LeaseState,
         proxy: &ProxyId,
         mine: u64,
         writing: &tokio::sync::Mutex<()>,
@@ -86,11 +86,15 @@ impl Persister {
             Some(entry) => entry.wanted,
             None => return true,
         };
-        let mut cooldowns = store.proxy_cooldowns(proxy, SystemTime::now());
-        cooldowns.truncate(MAX_PERSISTED_COOLDOWNS);
-        let result = match tokio::time::timeout(WRITE_TIMEOUT, journal.write(proxy, &cooldowns)).await {
-            Ok(result) => result,
-            Err(_) => Err(format!("no answer within {WRITE_TIMEOUT:?}")),
+        let result = match store.proxy_cooldowns(proxy, SystemTime::now()).await {
+            Ok(mut cooldowns) => {
+                cooldowns.truncate(MAX_PERSISTED_COOLDOWNS);
+                match tokio::time::timeout(WRITE_TIMEOUT, journal.write(proxy, &cooldowns)).await {
+                    Ok(result) => result,
+                    Err(_) => Err(format!("no answer within {WRITE_TIMEOUT:?}")),
+                }
+            }
+            Err(error) => Err(format!("reading them: {error}")),
         };
         metrics.cooldown_write(result.is_ok());
         match result {
@@ -108,7 +112,7 @@ impl Persister {
     }
 
     /// Writes again every proxy whose last write failed.
-    pub(crate) async fn retry(&self, store: &dyn LeaseStore, metrics: &DiscoveryMetrics) {
+    pub(crate) async fn retry(&self, store: &dyn LeaseState, metrics: &DiscoveryMetrics) {
         let behind: Vec<(ProxyId, u64, Arc<tokio::sync::Mutex<()>>)> = self
             .progress()
             .iter()

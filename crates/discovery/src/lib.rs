@@ -3,7 +3,7 @@
 //!
 //! No Kubernetes here: the operator tells the [`Discovery`] state of each proxy that changes
 //! ([`Discovery::upsert`], [`Discovery::remove`]), one at a time, and leases live in an
-//! [`egress_lease::LeaseStore`]. [`router`] builds the whole API (so tests drive it in-process or over a real
+//! [`egress_lease::LeaseState`]. [`router`] builds the whole API (so tests drive it in-process or over a real
 //! socket); [`run_expiry`] releases expired leases in the background.
 //!
 //! Cooldowns outlive the process through a [`CooldownJournal`] the operator provides: a ban is written there
@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
-use egress_lease::{Cooldown, LeaseStore, ProxyInfo};
+use egress_lease::{Cooldown, LeaseState, ProxyInfo};
+use tracing::warn;
 
 pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
@@ -139,7 +140,7 @@ impl Gate for AlwaysServe {
 
 /// The API's state.
 pub struct Discovery {
-    store: Arc<dyn LeaseStore>,
+    store: Arc<dyn LeaseState>,
     auth: Auth,
     gate: Arc<dyn Gate>,
     metrics: DiscoveryMetrics,
@@ -157,7 +158,7 @@ pub struct Discovery {
 
 impl Discovery {
     /// State over a lease store, with no proxies yet.
-    pub fn new(store: Arc<dyn LeaseStore>, auth: Auth, metrics: DiscoveryMetrics) -> Self {
+    pub fn new(store: Arc<dyn LeaseState>, auth: Auth, metrics: DiscoveryMetrics) -> Self {
         Self {
             store,
             auth,
@@ -201,10 +202,11 @@ impl Discovery {
         self.demand.lock().expect("demand lock").get(id).copied().unwrap_or_default()
     }
 
-    /// The active leases on proxy `id`.
-    pub fn active_leases(&self, id: &ProxyId) -> u32 {
+    /// The active leases on proxy `id` (0 when the lease state does not answer).
+    pub async fn active_leases(&self, id: &ProxyId) -> u32 {
         self.store
             .loads_of(&[id], None, SystemTime::now())
+            .await
             .ok()
             .and_then(|loads| loads.into_iter().next().flatten())
             .map_or(0, |load| load.active_leases)
@@ -232,13 +234,37 @@ impl Discovery {
 
     /// Adds or changes one proxy. The lease store hears of it only when what it keeps changed (health, cap,
     /// labels); an unhealthy proxy has its leases revoked there. Costs O(log n), whatever the fleet's size.
-    pub fn upsert(&self, record: ProxyRecord) {
+    /// Calls for one proxy must not overlap (the feed makes them one at a time).
+    pub async fn upsert(&self, record: ProxyRecord) {
         let id = record.id.clone();
-        let mut records = self.records.write().expect("record lock");
-        let previous = records.get(&id);
-        if previous.is_some_and(|previous| **previous == record) {
-            return;
+        let (info, cooldowns) = {
+            let mut records = self.records.write().expect("record lock");
+            let previous = records.get(&id);
+            if previous.is_some_and(|previous| **previous == record) {
+                return;
+            }
+            let (info, cooldowns) = Self::changes(previous.map(Arc::as_ref), &record);
+            records.insert(id.clone(), Arc::new(record));
+            (info, cooldowns)
+        };
+        // A lease state that does not answer misses only a revocation (the leases on an unhealthy proxy end when
+        // their holders next renew) or cooldowns it already had (they stay in the Proxy's status).
+        if let Some(info) = info
+            && let Err(error) = self.store.upsert_proxy(info).await
+        {
+            warn!(proxy = %id, %error, "the lease state did not take a proxy's change");
         }
+        if let Some(cooldowns) = cooldowns
+            && let Err(error) = self.store.restore_cooldowns(&cooldowns, SystemTime::now()).await
+        {
+            warn!(proxy = %id, %error, "the lease state did not take a proxy's recorded cooldowns");
+        }
+    }
+
+    /// What the lease state must hear of a proxy's change from `previous` to `record`: its new info when what the
+    /// state keeps changed, and its recorded cooldowns when they changed.
+    fn changes(previous: Option<&ProxyRecord>, record: &ProxyRecord) -> (Option<ProxyInfo>, Option<Vec<Cooldown>>) {
+        let id = record.id.clone();
         let endpoint = record.endpoint();
         let store_changed = previous.is_none_or(|previous| {
             previous.healthy != record.healthy
@@ -250,36 +276,42 @@ impl Discovery {
                 || previous.cooldown != record.cooldown
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
-        if store_changed {
-            self.store.upsert_proxy(ProxyInfo {
-                id: id.clone(),
-                healthy: record.healthy,
-                max_leases: record.max_leases,
-                labels: record.labels.clone(),
-                endpoint,
-                egress_ip: record.egress_ip.clone(),
-                pool: record.pool.clone(),
-                cooldown: record.cooldown,
-            });
-        }
-        if cooldowns_changed && !record.cooldowns.is_empty() {
-            // Our own writes come back here too; the store keeps whichever ends later, so they change nothing.
-            self.store.restore_cooldowns(&record.cooldowns, SystemTime::now());
-        }
-        records.insert(id, Arc::new(record));
+        let info = store_changed.then(|| ProxyInfo {
+            id,
+            healthy: record.healthy,
+            max_leases: record.max_leases,
+            labels: record.labels.clone(),
+            endpoint,
+            egress_ip: record.egress_ip.clone(),
+            pool: record.pool.clone(),
+            cooldown: record.cooldown,
+        });
+        // Our own writes come back here too; the store keeps whichever ends later, so they change nothing.
+        let cooldowns = (cooldowns_changed && !record.cooldowns.is_empty()).then(|| record.cooldowns.clone());
+        (info, cooldowns)
     }
 
     /// How many live leases on proxy `id` were last told `endpoint` (`host:port`): while this is above zero, a
     /// replaced instance at that endpoint still has holders who have not renewed since.
-    pub fn leases_on(&self, id: &ProxyId, endpoint: &str) -> usize {
-        self.store.leases_on(id, endpoint, SystemTime::now())
+    /// When the lease state does not answer, as many as the proxy's cap: the instance is kept.
+    pub async fn leases_on(&self, id: &ProxyId, endpoint: &str) -> usize {
+        match self.store.leases_on(id, endpoint, SystemTime::now()).await {
+            Ok(count) => count,
+            Err(error) => {
+                warn!(proxy = %id, %error, "the lease state did not say who holds leases on a replaced instance");
+                usize::MAX
+            }
+        }
     }
 
     /// Removes one proxy and revokes its leases.
-    pub fn remove(&self, id: &ProxyId) {
-        if self.records.write().expect("record lock").remove(id).is_some() {
-            self.store.remove_proxy(id);
+    pub async fn remove(&self, id: &ProxyId) {
+        let removed = self.records.write().expect("record lock").remove(id).is_some();
+        if removed {
             self.journal.forget(id);
+            if let Err(error) = self.store.remove_proxy(id).await {
+                warn!(proxy = %id, %error, "the lease state did not take a proxy's removal; its leases expire");
+            }
         }
     }
 
@@ -305,16 +337,17 @@ impl Discovery {
 
     /// Releases expired leases and refreshes the active-lease gauge; cheap whatever the fleet's size (it costs
     /// what expired).
-    pub fn expire(&self) {
-        let expired = self.store.expire(SystemTime::now());
+    pub async fn expire(&self) -> Result<(), egress_lease::LeaseError> {
+        let expired = self.store.expire(SystemTime::now()).await?;
         self.metrics.expired(expired);
-        self.metrics.set_active(u64::try_from(self.store.active_leases()).unwrap_or(u64::MAX));
+        self.metrics.set_active(u64::try_from(self.store.active_leases().await?).unwrap_or(u64::MAX));
         self.metrics.set_adopted(self.store.adopted());
         let tenants = match &self.auth {
             Auth::Tokens(tokens) => tokens.tenants().into_keys().collect(),
             Auth::Disabled => vec!["anonymous".to_owned()],
         };
-        self.metrics.set_tenant_active(tenants.iter().map(String::as_str), &self.store.leases_by_owner());
+        self.metrics.set_tenant_active(tenants.iter().map(String::as_str), &self.store.leases_by_owner().await?);
+        Ok(())
     }
 
     /// Writes again the cooldowns of proxies whose last journal write failed.
@@ -367,7 +400,9 @@ pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: imp
         let mut tick = tokio::time::interval(interval);
         loop {
             tick.tick().await;
-            state.expire();
+            if let Err(error) = state.expire().await {
+                warn!(%error, "expiring leases failed; tried again at the next tick");
+            }
             state.retry_journal().await;
         }
     };

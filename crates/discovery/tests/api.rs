@@ -90,7 +90,7 @@ impl Server {
         }
         let state = Arc::new(state);
         for record in &records {
-            state.upsert(record.clone());
+            state.upsert(record.clone()).await;
         }
         state.mark_synced();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -308,7 +308,7 @@ async fn every_error_status_is_a_problem_document() {
     let (_, other) = server.lease(json!({ "target": "y.com" })).await;
     let mut unhealthy = server.records[0].clone();
     unhealthy.healthy = false;
-    server.state.upsert(unhealthy);
+    server.state.upsert(unhealthy).await;
     let (status, headers, gone) =
         server.call("POST", &format!("/v1/leases/{}/renew", other["id"].as_str().unwrap()), Some(LEASE), None).await;
     assert_eq!(status, 410, "{gone}");
@@ -538,7 +538,7 @@ async fn readyz_waits_for_the_first_sync() {
     let (status, headers, body) = server.call("GET", "/readyz", None, None).await;
     assert_eq!(status, 503);
     assert_problem(&headers, &body, 503);
-    state.upsert(record("a", 1));
+    state.upsert(record("a", 1)).await;
     assert_eq!(server.call("GET", "/readyz", None, None).await.0, 503, "a proxy given is not the whole set");
     state.mark_synced();
     assert_eq!(server.call("GET", "/readyz", None, None).await.0, 200);
@@ -753,7 +753,7 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
         streak: 2,
         reporters: Vec::new(),
     }];
-    server.state.upsert(kept);
+    server.state.upsert(kept).await;
     for _ in 0..4 {
         let (status, lease) = server.lease(json!({ "target": "www.example.com" })).await;
         assert_eq!((status, lease["proxy"]["name"].as_str()), (201, Some("b")), "a is cooling down: {lease}");
@@ -761,15 +761,19 @@ async fn kept_cooldowns_return_with_their_record_and_a_replacement_moves_leases_
 
     let (_, lease) = server.lease(json!({ "target": "example.org", "proxy": "crawl/a" })).await;
     let id = lease["id"].as_str().expect("id").to_owned();
-    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 1);
+    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128").await, 1);
     // The instance is replaced: a new address. The old one keeps its holder until it renews.
-    server.state.upsert(ProxyRecord { host: "10.0.0.2".into(), ..record("a", 5) });
-    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 1);
+    server.state.upsert(ProxyRecord { host: "10.0.0.2".into(), ..record("a", 5) }).await;
+    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128").await, 1);
     let (status, _, renewed) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
     assert_eq!(status, 200, "{renewed}");
     assert_eq!(renewed["replaced"], true);
     assert_eq!(renewed["proxy"]["url"], "http://crawler:p%40ss@10.0.0.2:3128");
-    assert_eq!(server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128"), 0, "the old instance is drained");
+    assert_eq!(
+        server.state.leases_on(&ProxyId::new("crawl", "a"), "10.0.0.1:3128").await,
+        0,
+        "the old instance is drained"
+    );
     let (_, _, again) = server.call("POST", &format!("/v1/leases/{id}/renew"), Some(LEASE), None).await;
     assert_eq!(again["replaced"], false);
 }
@@ -863,7 +867,7 @@ async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
     let state =
         Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()).with_pool_waker(wakes.clone()));
     for record in &records {
-        state.upsert(record.clone());
+        state.upsert(record.clone()).await;
     }
     state.upsert_pool(pool("crawl", "eu", 1, 1, true));
     state.upsert_pool(pool("crawl", "us", 1, 1, false));
@@ -894,7 +898,7 @@ async fn leases_by_pool_wake_an_empty_pool_and_record_its_demand() {
     let (status, body) = server.lease(json!({ "target": "example.com", "pool": "crawl/eu" })).await;
     assert_eq!((status, body["reason"].as_str()), (503, Some("all-at-capacity")), "{body}");
     assert!(state.pool_demand(&PoolId::new("crawl", "eu")).at_capacity.is_some());
-    assert_eq!(state.active_leases(&ProxyId::new("crawl", "eu-0")), 1);
+    assert_eq!(state.active_leases(&ProxyId::new("crawl", "eu-0")).await, 1);
 
     // At zero, a pool that autoscales answers scaling-up with how long a member takes, and is woken.
     let (status, headers, body) = server

@@ -41,15 +41,15 @@ async fn two_squids() -> (Squid, Squid) {
 
 /// A discovery server over a fresh store with the two Squids as its proxies.
 async fn discovery(squids: &[(&str, &Squid)]) -> (SocketAddr, Arc<InMemoryLeaseStore>) {
-    let (state, store) = discovery_state(squids);
+    let (state, store) = discovery_state(squids).await;
     (serve_discovery(router(state)).await, store)
 }
 
-fn discovery_state(squids: &[(&str, &Squid)]) -> (Arc<Discovery>, Arc<InMemoryLeaseStore>) {
+async fn discovery_state(squids: &[(&str, &Squid)]) -> (Arc<Discovery>, Arc<InMemoryLeaseStore>) {
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
     let state = Arc::new(Discovery::new(store.clone(), Auth::Disabled, DiscoveryMetrics::default()));
     for (name, squid) in squids {
-        state.upsert(record(name, squid));
+        state.upsert(record(name, squid)).await;
     }
     state.mark_synced();
     (state, store)
@@ -121,7 +121,7 @@ async fn hold_reports(
 
 /// A discovery server like [`discovery`] whose reports wait for the returned gate where `hold` says.
 async fn discovery_holding_reports(squids: &[(&str, &Squid)], hold: HoldReports) -> (SocketAddr, Arc<ReportGate>) {
-    let (state, _store) = discovery_state(squids);
+    let (state, _store) = discovery_state(squids).await;
     let gate = Arc::new(ReportGate {
         hold,
         open: tokio::sync::watch::Sender::new(false),

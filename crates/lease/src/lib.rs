@@ -13,6 +13,7 @@
 //! [`LeaseStore::restore_cooldowns`]), so a caller can keep them somewhere durable.
 
 mod id;
+mod port;
 mod selector;
 mod store;
 mod target;
@@ -22,9 +23,10 @@ use std::time::{Duration, SystemTime};
 
 pub use egress_fleet::{PoolId, ProxyId};
 
-pub use id::{LeaseKey, MIN_KEY_BYTES, ShortKey};
+pub use id::{Claims, LeaseKey, MIN_KEY_BYTES, ShortKey};
+pub use port::LeaseState;
 pub use selector::{InvalidSelector, Selector};
-pub use store::{InMemoryLeaseStore, InvariantViolation};
+pub use store::{InMemoryLeaseStore, InvariantViolation, session_weight};
 pub use target::{InvalidTarget, TargetMode, normalize};
 
 /// A proxy as the store knows it.
@@ -310,6 +312,9 @@ pub enum LeaseError {
         /// When the first of the owner's leases expires, as a hint for retrying.
         retry_at: Option<SystemTime>,
     },
+    /// The shared state cannot be reached or answered wrongly; nothing was changed by this request.
+    #[error("the lease state is unavailable: {0}")]
+    StateUnavailable(String),
 }
 
 /// Settings of a store.

@@ -14,6 +14,7 @@ use egress_fleet::ProxyId;
 
 mod state;
 
+pub use state::session_weight;
 use state::*;
 
 use crate::id::{Claims, LeaseKey};

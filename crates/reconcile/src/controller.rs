@@ -84,9 +84,10 @@ impl ControllerConfig {
 
 /// Who holds leases on which endpoint: the discovery API, so a replaced instance is kept until its holders were
 /// told the new one.
+#[async_trait::async_trait]
 pub trait LeaseDrain: Send + Sync {
     /// How many live leases on `proxy` were last told `endpoint` (`host:port`).
-    fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize;
+    async fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize;
 }
 
 /// Everything a reconcile needs, shared by all of them.

@@ -36,8 +36,9 @@ struct TestSignals {
     demand: Mutex<PoolDemand>,
 }
 
+#[async_trait::async_trait]
 impl PoolSignals for TestSignals {
-    fn leases_of(&self, proxy: &ProxyId) -> u32 {
+    async fn leases_of(&self, proxy: &ProxyId) -> u32 {
         self.leases.lock().unwrap().get(proxy).copied().unwrap_or(0)
     }
     fn demand(&self, _pool: &PoolId) -> PoolDemand {

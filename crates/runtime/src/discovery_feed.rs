@@ -112,9 +112,10 @@ pub fn pool_record(pool: &ProxyPool) -> Option<PoolRecord> {
 /// The discovery API as the pool controller's [`PoolSignals`]: lease counts and refused leases.
 pub struct DiscoverySignals(pub Arc<Discovery>);
 
+#[async_trait::async_trait]
 impl PoolSignals for DiscoverySignals {
-    fn leases_of(&self, proxy: &ProxyId) -> u32 {
-        self.0.active_leases(proxy)
+    async fn leases_of(&self, proxy: &ProxyId) -> u32 {
+        self.0.active_leases(proxy).await
     }
 
     fn demand(&self, pool: &PoolId) -> PoolDemand {
@@ -166,9 +167,10 @@ fn resync_pools(pools: &PoolFeed, discovery: &Discovery, metrics: &PoolMetrics) 
 /// The discovery API as the controller's [`LeaseDrain`]: a replaced instance is kept while leases are on it.
 pub struct DiscoveryDrain(pub Arc<Discovery>);
 
+#[async_trait::async_trait]
 impl LeaseDrain for DiscoveryDrain {
-    fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize {
-        self.0.leases_on(proxy, endpoint)
+    async fn leases_on(&self, proxy: &ProxyId, endpoint: &str) -> usize {
+        self.0.leases_on(proxy, endpoint).await
     }
 }
 
@@ -182,19 +184,19 @@ struct Records {
 }
 
 impl Records {
-    fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
+    async fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
         let stored = self.feed.proxy(reference);
         let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
         match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.cooldowns)) {
-            Some(record) => self.discovery.upsert(record),
-            None => self.discovery.remove(&proxy_id_of(reference)),
+            Some(record) => self.discovery.upsert(record).await,
+            None => self.discovery.remove(&proxy_id_of(reference)).await,
         }
     }
 
     async fn resync(&mut self) {
         let stored = self.feed.store().state();
         for (index, object) in stored.iter().enumerate() {
-            self.update(&reference_of(object.as_ref()));
+            self.update(&reference_of(object.as_ref())).await;
             if index % YIELD_EVERY == YIELD_EVERY - 1 {
                 tokio::task::yield_now().await;
             }
@@ -203,14 +205,14 @@ impl Records {
         for id in self.discovery.ids() {
             let reference = proxy_ref(&id);
             if store.get(&reference).is_none() {
-                self.update(&reference);
+                self.update(&reference).await;
             }
         }
     }
 
     async fn update_all(&mut self, references: Vec<ObjectRef<GuardedProxy>>) {
         for (index, reference) in references.iter().enumerate() {
-            self.update(reference);
+            self.update(reference).await;
             if index % YIELD_EVERY == YIELD_EVERY - 1 {
                 tokio::task::yield_now().await;
             }
@@ -246,7 +248,7 @@ pub async fn run_discovery_feed(
         loop {
             tokio::select! {
                 change = changes.next() => match change {
-                    Some(Change::Object(reference)) => records.update(&reference),
+                    Some(Change::Object(reference)) => records.update(&reference).await,
                     Some(Change::Resync) => {
                         records.resync().await;
                         records.discovery.mark_synced();
@@ -262,7 +264,7 @@ pub async fn run_discovery_feed(
                     records.update_all(affected).await;
                 }
                 verdict = verdict_changes.recv() => match verdict {
-                    Ok(key) => records.update(&key.proxy),
+                    Ok(key) => records.update(&key.proxy).await,
                     Err(RecvError::Lagged(missed)) => {
                         debug!(missed, "the discovery feed fell behind the verdicts; resynchronising");
                         records.resync().await;

@@ -25,6 +25,7 @@ pub mod operator;
 pub mod origin;
 pub mod pki;
 mod process;
+pub mod redis;
 pub mod squid;
 
 use std::future::Future;

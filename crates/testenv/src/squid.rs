@@ -113,8 +113,13 @@ impl Wrapped {
     }
 }
 
-/// Waits until `address` accepts TCP connections; fails early if the process `wrapped` exits.
-pub(crate) async fn wait_accepting(address: SocketAddr, wrapped: &Wrapped, timeout: Duration) -> Result<(), String> {
+/// Waits until `address` accepts TCP connections; fails early if the process `wrapped` (`what`) exits.
+pub(crate) async fn wait_accepting(
+    what: &str,
+    address: SocketAddr,
+    wrapped: &Wrapped,
+    timeout: Duration,
+) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
     loop {
@@ -123,10 +128,10 @@ pub(crate) async fn wait_accepting(address: SocketAddr, wrapped: &Wrapped, timeo
             return Ok(());
         }
         if !wrapped.alive() {
-            return Err("Squid exited".into());
+            return Err(format!("{what} exited"));
         }
         if tokio::time::Instant::now() > deadline {
-            return Err("Squid did not accept connections in time".into());
+            return Err(format!("{what} did not accept connections in time"));
         }
     }
 }
@@ -228,7 +233,7 @@ impl Squid {
             &format!("{pinned}'{}' -N -n '{service}' -f '{}'", binary.display(), conf_path.display()),
             &log,
         )?;
-        if let Err(why) = wait_accepting(address, &process, START_TIMEOUT).await {
+        if let Err(why) = wait_accepting("Squid", address, &process, START_TIMEOUT).await {
             let output = read_tail(&log) + &read_tail(&dir.join("cache.log"));
             bail!("{why}; its output ends with:\n{output}");
         }

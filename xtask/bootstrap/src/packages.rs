@@ -39,6 +39,10 @@ pub const REQUIRED: &[(&str, &str)] = &[
     ("e2fsprogs", "mkfs.ext4 -d, which makes the guest image's root filesystem from a directory"),
     ("dnsmasq-base", "DHCP for the guests on the boot test's own bridge"),
     ("util-linux", "unshare, nsenter and setpriv, with which the node agent gives pods mounts and users"),
+    (
+        "redis-server",
+        "a real Redis for the shared lease state's tests (Valkey speaks the same protocol; Debian 12 has no Valkey)",
+    ),
     ("prometheus", "promtool for the alert rules' unit tests, and a real Prometheus that scrapes the operator"),
 ];
 

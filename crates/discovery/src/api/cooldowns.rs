@@ -20,7 +20,8 @@ pub(super) async fn clear_cooldowns(
     {
         return Err(Problem::not_found(format!("no proxy {proxy:?}")));
     }
-    let cleared = state.store.clear_cooldowns(target, proxy.as_ref(), SystemTime::now()).map_err(lease_problem)?;
+    let cleared =
+        state.store.clear_cooldowns(target, proxy.as_ref(), SystemTime::now()).await.map_err(lease_problem)?;
     let mut proxies: Vec<&ProxyId> = cleared.iter().map(|cooldown| &cooldown.proxy).collect();
     proxies.dedup();
     let writes = proxies.iter().map(|proxy| state.journal.persist(state.store.as_ref(), proxy, &state.metrics));
@@ -74,8 +75,11 @@ pub(super) async fn list_cooldowns(
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Read)?;
     let query = parse_query(query, &["target"])?;
-    let cooldowns =
-        state.store.cooldowns(query.get("target").map(String::as_str), SystemTime::now()).map_err(lease_problem)?;
+    let cooldowns = state
+        .store
+        .cooldowns(query.get("target").map(String::as_str), SystemTime::now())
+        .await
+        .map_err(lease_problem)?;
     // A tenant sees the cooldowns its own reports made; an admin sees every one.
     let entries: Vec<CooldownEntry> = cooldowns
         .into_iter()

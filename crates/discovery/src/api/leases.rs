@@ -201,7 +201,7 @@ pub(super) async fn create_lease(
         owner_quota: caller.quota.max_leases,
         pool: pool.as_ref().map(|pool| pool.id.clone()),
     };
-    match state.store.lease(&request, now) {
+    match state.store.lease(&request, now).await {
         Ok(lease) => {
             state.metrics.granted();
             state.metrics.tenant_granted(caller.owner());
@@ -242,7 +242,14 @@ pub(super) fn until(time: SystemTime) -> Duration {
 }
 
 /// Maps a store error to its problem document.
+/// How long a client waits before asking again when the lease state does not answer.
+const STATE_RETRY_AFTER: Duration = Duration::from_secs(2);
+
 pub(super) fn lease_problem(error: LeaseError) -> Problem {
+    if let LeaseError::StateUnavailable(why) = &error {
+        // The store's own words stay in the log: they name its address, which is not the client's business.
+        tracing::warn!(error = %why, "the lease state did not answer");
+    }
     let detail = error.to_string();
     let unavailable = |reason: &str, detail: String| {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "no-eligible-proxy", "No proxy can be leased now", detail)
@@ -272,6 +279,14 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
         }
         LeaseError::UnknownProxy(_) | LeaseError::UnknownLease(_) => Problem::not_found(detail),
         LeaseError::Revoked(_) => Problem::new(StatusCode::GONE, "revoked", "The lease was revoked", detail),
+        LeaseError::StateUnavailable(_) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "state-unavailable",
+            "The lease state is unavailable",
+            "the store every replica keeps leases in does not answer; nothing was changed, try again shortly",
+        )
+        .with_reason("state-unavailable")
+        .with_retry_after(STATE_RETRY_AFTER),
         LeaseError::QuotaExceeded { retry_at, .. } => over_quota(
             "maxLeases",
             format!("{detail}: release one first"),
@@ -302,6 +317,7 @@ pub(super) async fn renew_lease(
     let renewed = state
         .store
         .renew(&id, caller.owner(), ttl(body.ttl_seconds, &caller)?, SystemTime::now())
+        .await
         .map_err(lease_problem)?;
     let body = lease_json(&state, &renewed.lease, Some(renewed.moved_from.is_some()))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
@@ -314,7 +330,7 @@ pub(super) async fn release_lease(
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
-    state.store.release(&id, caller.owner(), SystemTime::now()).map_err(lease_problem)?;
+    state.store.release(&id, caller.owner(), SystemTime::now()).await.map_err(lease_problem)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -431,7 +447,7 @@ pub(super) async fn report_lease(
             wait,
         ));
     }
-    let reported = state.store.report(&id, caller.owner(), &report, SystemTime::now()).map_err(lease_problem)?;
+    let reported = state.store.report(&id, caller.owner(), &report, SystemTime::now()).await.map_err(lease_problem)?;
     state.metrics.reported(&report);
     state.metrics.tenant_reported(caller.owner());
     let until = reported.cooldown_until;

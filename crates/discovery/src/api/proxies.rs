@@ -110,10 +110,15 @@ pub(super) async fn list_proxies(
         .cloned()
         .collect();
     let ids: Vec<&ProxyId> = matching.iter().map(|record| &record.id).collect();
-    let loads = state.store.loads_of(&ids, query.get("target").map(String::as_str), now).map_err(lease_problem)?;
+    let loads =
+        state.store.loads_of(&ids, query.get("target").map(String::as_str), now).await.map_err(lease_problem)?;
     // Credentials only on the caller's own leases (an admin sees them all): a lease token never learns the password
     // of a proxy it was not leased.
-    let held = if caller.scope == Scope::Lease { state.store.held_by(caller.owner(), now) } else { Default::default() };
+    let held = if caller.scope == Scope::Lease {
+        state.store.held_by(caller.owner(), now).await.map_err(lease_problem)?
+    } else {
+        Default::default()
+    };
     let credentials = |record: &ProxyRecord| caller.scope == Scope::Admin || held.contains(&record.id);
     let entries: Vec<ProxyEntry> = matching
         .iter()

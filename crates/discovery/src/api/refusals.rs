@@ -127,7 +127,8 @@ pub(super) async fn watch_refusals(
     // Subscribed before the snapshot is read, so a refusal between the two is sent (twice at worst), never lost.
     let receiver = state.refusals();
     let now = SystemTime::now();
-    let live = state.store.cooldowns(None, now).unwrap_or_default();
+    // Without the snapshot the stream would claim a sync it does not have: refused, and the gateway asks again.
+    let live = state.store.cooldowns(None, now).await.map_err(super::leases::lease_problem)?;
     let mut pending: VecDeque<Bytes> = live
         .into_iter()
         .filter(|cooldown| cooldown.reporters.iter().any(|reporter| reporter == caller.owner()))

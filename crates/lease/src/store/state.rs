@@ -126,6 +126,13 @@ pub(super) fn rendezvous(session: &str, target: &str, proxy: &ProxyId) -> u64 {
     hasher.finish()
 }
 
+/// A session's weight for `proxy` (`owner`'s `session` for the normalised `target`): a session's first proxy is the
+/// eligible one of highest weight, the same in every store of one build, so an adapter that shares the state picks it
+/// the same way.
+pub fn session_weight(owner: &str, session: &str, target: &str, proxy: &ProxyId) -> u64 {
+    rendezvous(&session_key(owner, session), target, proxy)
+}
+
 /// How long a (proxy, target) pair's reported outcomes are kept after its last report.
 pub(super) const OUTCOMES_KEPT: Duration = Duration::from_secs(3600);
 

@@ -101,7 +101,7 @@ pub(super) async fn observe(
             };
             if let (Some(drain), Some(ip)) = (&context.drain, &previous.ip) {
                 let endpoint = egress_api::Endpoint { host: ip.clone(), port: facts.port };
-                facts.previous_leases = drain.leases_on(&proxy_id(proxy), &endpoint.address());
+                facts.previous_leases = drain.leases_on(&proxy_id(proxy), &endpoint.address()).await;
             }
         }
         if let Observed::Found { ip: Some(ip), .. } = &facts.desired {

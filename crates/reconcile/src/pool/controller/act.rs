@@ -105,9 +105,14 @@ pub(super) async fn apply(
     let slots = slot_specs(pool);
     let spread = pool.spec.slots();
 
+    let mut leases = Vec::with_capacity(owned.len());
+    for proxy in &owned {
+        leases.push(context.signals.leases_of(&proxy_id(proxy.as_ref())).await);
+    }
     let member_facts: Vec<Member> = owned
         .iter()
-        .map(|proxy| {
+        .zip(leases)
+        .map(|(proxy, leases)| {
             let slot = slots.iter().position(|slot| slot.holds(&proxy.spec));
             let current = slot.is_some_and(|slot| {
                 egress_api::spec_hash(&proxy.spec, None) == egress_api::spec_hash(&slots[slot].spec, None)
@@ -125,7 +130,7 @@ pub(super) async fn apply(
                 current,
                 ready: is_ready(proxy),
                 replacing: is_replacing(proxy),
-                leases: context.signals.leases_of(&proxy_id(proxy.as_ref())),
+                leases,
                 born,
                 max_age: jittered_max_age(pool, proxy),
                 deleting: proxy.metadata.deletion_timestamp.is_some(),

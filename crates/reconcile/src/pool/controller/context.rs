@@ -21,9 +21,10 @@ pub(super) const CONCURRENCY: u16 = 4;
 
 /// What the discovery API knows about a pool's leases: the pool controller reads it on the leader, where discovery
 /// serves.
+#[async_trait::async_trait]
 pub trait PoolSignals: Send + Sync {
     /// Active leases on `proxy`.
-    fn leases_of(&self, proxy: &ProxyId) -> u32;
+    async fn leases_of(&self, proxy: &ProxyId) -> u32;
     /// When leases for `pool` were last refused, by reason.
     fn demand(&self, pool: &PoolId) -> PoolDemand;
 }
@@ -31,8 +32,9 @@ pub trait PoolSignals: Send + Sync {
 /// Signals of a process without a discovery API: no leases, no demand. Pools then follow `spec.replicas` only.
 pub struct NoSignals;
 
+#[async_trait::async_trait]
 impl PoolSignals for NoSignals {
-    fn leases_of(&self, _proxy: &ProxyId) -> u32 {
+    async fn leases_of(&self, _proxy: &ProxyId) -> u32 {
         0
     }
     fn demand(&self, _pool: &PoolId) -> PoolDemand {

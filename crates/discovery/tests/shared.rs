@@ -1,0 +1,126 @@
+//! Two discovery replicas over one shared lease state (a real `redis-server`), as `--state-store` runs them: both
+//! serve, a ban reported at one is refused at the other, caps hold across both, and a state that does not answer
+//! is a `503 state-unavailable` with `Retry-After` that ends once it answers again.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use egress_discovery::{Auth, Discovery, DiscoveryMetrics, ProxyId, ProxyRecord, router, serve};
+use egress_lease::{LeaseConfig, LeaseKey};
+use egress_lease_redis::{RedisLeaseState, RedisOptions};
+use egress_testenv::redis::RedisServer;
+use serde_json::{Value, json};
+
+fn record(name: &str, max_leases: u32) -> ProxyRecord {
+    ProxyRecord {
+        id: ProxyId::new("crawl", name),
+        host: format!("10.0.0.{}", name.len()),
+        port: 3128,
+        egress_ip: Some(format!("203.0.113.{}", name.bytes().map(u32::from).sum::<u32>() % 250)),
+        labels: BTreeMap::new(),
+        zone: None,
+        provider: None,
+        max_leases,
+        healthy: true,
+        credentials: None,
+        cooldowns: Vec::new(),
+        pool: None,
+        cooldown: None,
+    }
+}
+
+/// A discovery replica over the shared state at `server`.
+async fn replica(server: &RedisServer, key: &LeaseKey, records: &[ProxyRecord]) -> SocketAddr {
+    let options = RedisOptions::new(server.url());
+    let store = RedisLeaseState::connect(&options, LeaseConfig::default(), key.clone()).await.expect("connect");
+    let state = Arc::new(Discovery::new(Arc::new(store), Auth::Disabled, DiscoveryMetrics::default()));
+    for record in records {
+        state.upsert(record.clone()).await;
+    }
+    state.mark_synced();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(serve(listener, router(state), std::future::pending()));
+    address
+}
+
+/// One request: status, `Retry-After`, and the JSON body (`Null` when there is none).
+async fn call(address: SocketAddr, method: &str, path: &str, body: Option<Value>) -> (u16, Option<String>, Value) {
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let body = body.map(|body| body.to_string()).unwrap_or_default();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: discovery\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut answer).await.expect("read");
+    let answer = String::from_utf8(answer).expect("utf-8");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+    let status = head[9..12].parse().expect("status");
+    let retry_after =
+        head.lines().find_map(|line| line.to_ascii_lowercase().strip_prefix("retry-after: ").map(str::to_owned));
+    (status, retry_after, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_until_it_returns() {
+    let mut server = RedisServer::start(None).await.expect("redis");
+    let key = LeaseKey::from_bytes(&[3; 32]).expect("key");
+    let records = vec![record("a", 2), record("bb", 2)];
+    let one = replica(&server, &key, &records).await;
+    let two = replica(&server, &key, &records).await;
+
+    // A lease at one replica, banned there: the other replica never hands that proxy out for the site.
+    let (status, _, lease) = call(one, "POST", "/v1/leases", Some(json!({"target": "shop.example.com"}))).await;
+    assert_eq!(status, 201, "{lease}");
+    let (id, banned) = (lease["id"].as_str().expect("id"), lease["proxy"]["name"].as_str().expect("proxy"));
+    let (status, _, reported) =
+        call(one, "POST", &format!("/v1/leases/{id}/report"), Some(json!({"outcome": "banned"}))).await;
+    assert_eq!(status, 200, "{reported}");
+    let (status, _, other) = call(two, "POST", "/v1/leases", Some(json!({"target": "www.example.com"}))).await;
+    assert_eq!(status, 201, "{other}");
+    assert_ne!(other["proxy"]["name"], banned, "the cooled proxy is not handed out at the other replica");
+    // The other replica renews and releases the first replica's lease.
+    let (status, _, renewed) = call(two, "POST", &format!("/v1/leases/{id}/renew"), Some(json!({}))).await;
+    assert_eq!(status, 200, "{renewed}");
+    // Caps hold across both: two proxies of cap 2 take four leases, whichever replica grants them.
+    let mut granted = 2;
+    for n in 0..6 {
+        let (status, _, body) =
+            call([one, two][n % 2], "POST", "/v1/leases", Some(json!({"target": "other.org"}))).await;
+        match status {
+            201 => granted += 1,
+            503 => assert_eq!(body["reason"], "all-at-capacity", "{body}"),
+            _ => panic!("{status}: {body}"),
+        }
+    }
+    assert_eq!(granted, 4);
+
+    // The state stops answering: new leases are 503 state-unavailable with Retry-After, nothing else fails.
+    server.kill();
+    let (status, retry_after, body) = call(two, "POST", "/v1/leases", Some(json!({"target": "example.net"}))).await;
+    assert_eq!((status, body["reason"].as_str()), (503, Some("state-unavailable")), "{body}");
+    assert_eq!(retry_after.as_deref(), Some("2"));
+    assert!(!body.to_string().contains("127.1."), "the store's address stays in the log: {body}");
+    let (status, _, body) = call(one, "GET", "/v1/proxies", None).await;
+    assert_eq!(status, 503, "{body}");
+    // Back (empty): served again within 5 s, without a restart of either replica.
+    server.restart().await.expect("restart");
+    let back = std::time::Instant::now();
+    loop {
+        let (status, _, body) = call(one, "POST", "/v1/leases", Some(json!({"target": "example.net"}))).await;
+        if status == 201 {
+            break;
+        }
+        assert!(back.elapsed() < Duration::from_secs(5), "not back within 5 s: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("served again {:?} after the state returned", back.elapsed());
+    // The renewed lease, shown to the emptied state, is adopted rather than lost.
+    let renewed_id = renewed["id"].as_str().expect("id");
+    let (status, _, body) = call(two, "POST", &format!("/v1/leases/{renewed_id}/renew"), Some(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+}

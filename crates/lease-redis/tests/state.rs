@@ -1,0 +1,344 @@
+//! The shared lease state against a real `redis-server`: several replicas (stores on one server) agree on caps,
+//! sessions, cooldowns and leases, a lost server answers `StateUnavailable` and is used again once back, and a
+//! server that lost its data adopts the leases its clients show and takes cooldowns back from their records.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use egress_lease::{
+    Cooldown, InMemoryLeaseStore, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState, LeaseStore, Outcome,
+    ProxyId, ProxyInfo, Report,
+};
+use egress_lease_redis::{ConnectError, RedisLeaseState, RedisOptions, redact};
+use egress_testenv::redis::RedisServer;
+
+fn proxy(name: &str, cap: u32, egress_ip: Option<&str>) -> ProxyInfo {
+    ProxyInfo {
+        id: ProxyId::new("crawl", name),
+        healthy: true,
+        max_leases: cap,
+        labels: BTreeMap::new(),
+        endpoint: format!("{name}.crawl:3128"),
+        egress_ip: egress_ip.map(str::to_owned),
+        pool: None,
+        cooldown: None,
+    }
+}
+
+fn request(target: &str, owner: &str) -> LeaseRequest {
+    LeaseRequest { target: target.into(), owner: owner.into(), ..LeaseRequest::default() }
+}
+
+/// `count` replicas' stores on `server`, sharing one lease key, each knowing `proxies`.
+async fn replicas(server: &RedisServer, count: usize, proxies: &[ProxyInfo]) -> Vec<Arc<RedisLeaseState>> {
+    let key = LeaseKey::from_bytes(&[9; 32]).expect("key");
+    let mut stores = Vec::new();
+    for _ in 0..count {
+        let store = RedisLeaseState::connect(&RedisOptions::new(server.url()), LeaseConfig::default(), key.clone())
+            .await
+            .expect("connect");
+        for info in proxies {
+            store.upsert_proxy(info.clone()).await.expect("upsert");
+        }
+        stores.push(Arc::new(store));
+    }
+    stores
+}
+
+/// `time` as the state keeps it, to the millisecond.
+fn to_millis(time: SystemTime) -> SystemTime {
+    let since = time.duration_since(SystemTime::UNIX_EPOCH).expect("after the epoch");
+    SystemTime::UNIX_EPOCH + Duration::from_millis(since.as_millis() as u64)
+}
+
+async fn active(store: &RedisLeaseState, proxies: &[ProxyInfo]) -> Vec<u32> {
+    let ids: Vec<&ProxyId> = proxies.iter().map(|info| &info.id).collect();
+    store
+        .loads_of(&ids, None, SystemTime::now())
+        .await
+        .expect("loads")
+        .into_iter()
+        .map(|load| load.expect("known").active_leases)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_leasing_at_once_never_take_a_proxy_above_its_cap() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies: Vec<ProxyInfo> = (0..5).map(|n| proxy(&format!("px-{n}"), 3, None)).collect();
+    let stores = replicas(&server, 3, &proxies).await;
+    let mut random = fastrand::Rng::with_seed(44);
+    let mut held: Vec<(usize, String)> = Vec::new();
+    for round in 0..12 {
+        // Every replica asks at once, more than there is room for.
+        let asks = (0..30).map(|n| {
+            let store = stores[n % 3].clone();
+            async move {
+                (n % 3, store.lease(&request("example.com", &format!("tenant-{}", n % 4)), SystemTime::now()).await)
+            }
+        });
+        for (replica, outcome) in futures::future::join_all(asks).await {
+            match outcome {
+                Ok(lease) => held.push((replica, lease.id)),
+                Err(LeaseError::AllAtCapacity { retry_at }) => assert!(retry_at.is_some(), "a retry hint"),
+                Err(error) => panic!("round {round}: {error}"),
+            }
+        }
+        let counts = active(&stores[round % 3], &proxies).await;
+        assert!(counts.iter().all(|count| *count <= 3), "round {round}: {counts:?}");
+        assert_eq!(counts.iter().sum::<u32>() as usize, held.len(), "round {round}: every grant counted once");
+        assert_eq!(held.len(), 15, "round {round}: the fleet fills up exactly");
+        assert_eq!(stores[0].active_leases().await.expect("active"), 15);
+        // Some leases end, at any replica (the one that granted them or another).
+        random.shuffle(&mut held);
+        let ending = random.usize(1..8);
+        for (_, id) in held.drain(..ending) {
+            let owner_of = |id: &str| {
+                (0..4)
+                    .map(|n| format!("tenant-{n}"))
+                    .find(|owner| LeaseKey::from_bytes(&[9; 32]).expect("key").verify(id, owner).is_some())
+            };
+            let owner = owner_of(&id).expect("an owner");
+            stores[random.usize(0..3)].release(&id, &owner, SystemTime::now()).await.expect("release");
+        }
+    }
+    let by_owner = stores[1].leases_by_owner().await.expect("by owner");
+    assert_eq!(by_owner.values().sum::<usize>(), held.len());
+}
+
+#[tokio::test]
+async fn a_ban_at_one_replica_cools_the_proxy_for_that_site_at_every_replica() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies = vec![
+        proxy("a", 5, Some("203.0.113.1")),
+        proxy("b", 5, Some("203.0.113.1")),
+        proxy("c", 5, Some("203.0.113.9")),
+    ];
+    let stores = replicas(&server, 2, &proxies).await;
+    let now = SystemTime::now();
+    let lease = stores[0].lease(&request("shop.example.com", "t1"), now).await.expect("lease");
+    let reported = stores[0].report(&lease.id, "t1", &Report::of(Outcome::Banned), now).await.expect("report a ban");
+    let until = reported.cooldown_until.expect("a cooldown");
+    let cooldown = until.duration_since(now).expect("later");
+    assert!(cooldown > Duration::from_secs(590) && cooldown <= Duration::from_secs(601), "{cooldown:?}");
+    // The proxy leaving through the same address cools down too; the site sees one address.
+    let mut cooled = reported.cooled.clone();
+    cooled.sort();
+    let sibling = if lease.proxy.name() == "a" {
+        "b"
+    } else if lease.proxy.name() == "b" {
+        "a"
+    } else {
+        ""
+    };
+    if sibling.is_empty() {
+        assert_eq!(cooled, vec![lease.proxy.clone()]);
+    } else {
+        assert_eq!(cooled.len(), 2, "{cooled:?}");
+    }
+    // The other replica never hands out a cooled proxy for that site, but does for another.
+    for _ in 0..6 {
+        let other = stores[1].lease(&request("www.example.com", "t2"), SystemTime::now()).await;
+        let other = match other {
+            Ok(other) => other,
+            Err(LeaseError::AllCoolingDown { .. }) => break,
+            Err(error) => panic!("{error}"),
+        };
+        assert!(!cooled.contains(&other.proxy), "{} is cooling down", other.proxy);
+    }
+    let elsewhere = stores[1]
+        .lease(&LeaseRequest { proxy: Some(lease.proxy.clone()), ..request("other.org", "t2") }, SystemTime::now())
+        .await
+        .expect("the same proxy for another site");
+    assert_eq!(elsewhere.proxy, lease.proxy);
+    let named = stores[1]
+        .lease(&LeaseRequest { proxy: Some(lease.proxy.clone()), ..request("example.com", "t2") }, SystemTime::now())
+        .await;
+    assert!(matches!(named, Err(LeaseError::ProxyCoolingDown { .. })), "{named:?}");
+    // Both replicas list it, with who reported it; reporting again changes nothing.
+    let listed = stores[1].cooldowns(Some("example.com"), SystemTime::now()).await.expect("cooldowns");
+    assert_eq!(listed.len(), cooled.len());
+    assert!(listed.iter().all(|cooldown| cooldown.reporters == ["t1"] && cooldown.streak == 1), "{listed:?}");
+    let again =
+        stores[1].report(&lease.id, "t1", &Report::of(Outcome::Banned), SystemTime::now()).await.expect("again");
+    assert_eq!(again.cooldown_until, Some(until));
+    assert!(again.cooled.is_empty());
+    assert_eq!(stores[0].proxy_cooldowns(&lease.proxy, SystemTime::now()).await.expect("of the proxy")[0].until, until);
+    // Clearing at one replica ends it at both.
+    let cleared = stores[0].clear_cooldowns("example.com", Some(&lease.proxy), SystemTime::now()).await.expect("clear");
+    assert_eq!(cleared.len(), cooled.len());
+    assert!(stores[1].cooldowns(None, SystemTime::now()).await.expect("cooldowns").is_empty());
+    let back = stores[1]
+        .lease(&LeaseRequest { proxy: Some(lease.proxy.clone()), ..request("example.com", "t2") }, SystemTime::now())
+        .await
+        .expect("no longer cooling");
+    assert_eq!(back.proxy, lease.proxy);
+    // The outcomes counted are the same everywhere.
+    let loads = stores[1].loads_of(&[&lease.proxy], Some("example.com"), SystemTime::now()).await.expect("loads");
+    let outcomes = loads[0].as_ref().and_then(|load| load.outcomes).expect("outcomes");
+    assert_eq!(outcomes.banned, 2);
+}
+
+#[tokio::test]
+async fn a_session_gets_the_same_proxy_at_every_replica_and_as_in_memory() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies: Vec<ProxyInfo> = (0..6).map(|n| proxy(&format!("px-{n}"), 100, None)).collect();
+    let stores = replicas(&server, 2, &proxies).await;
+    let memory = InMemoryLeaseStore::new(LeaseConfig::default());
+    for info in &proxies {
+        LeaseStore::upsert_proxy(&memory, info.clone());
+    }
+    for session in ["s1", "s2", "s3", "s4"] {
+        let ask = LeaseRequest { session: Some(session.into()), ..request("example.com", "t1") };
+        let first = stores[0].lease(&ask, SystemTime::now()).await.expect("lease");
+        let expected = LeaseStore::lease(&memory, &ask, SystemTime::now()).expect("in memory");
+        assert_eq!(first.proxy, expected.proxy, "{session}: the same first proxy as the in-memory store");
+        for n in 0..4 {
+            let again = stores[n % 2].lease(&ask, SystemTime::now()).await.expect("lease");
+            assert_eq!(again.proxy, first.proxy, "{session} at replica {}", n % 2);
+        }
+    }
+    // Another owner's session of the same name is its own.
+    let theirs = LeaseRequest { session: Some("s1".into()), ..request("example.com", "t2") };
+    let expected = LeaseStore::lease(&memory, &theirs, SystemTime::now()).expect("in memory").proxy;
+    assert_eq!(stores[1].lease(&theirs, SystemTime::now()).await.expect("lease").proxy, expected);
+}
+
+#[tokio::test]
+async fn leases_renew_release_and_report_at_any_replica_and_survive_a_server_that_lost_its_data() {
+    let mut server = RedisServer::start(None).await.expect("redis");
+    let proxies = vec![proxy("a", 2, None)];
+    let stores = replicas(&server, 2, &proxies).await;
+    let now = SystemTime::now();
+    let lease = stores[0].lease(&request("example.com", "t1"), now).await.expect("lease");
+    assert!(
+        matches!(stores[1].renew(&lease.id, "t2", None, now).await, Err(LeaseError::UnknownLease(_))),
+        "another owner"
+    );
+    let renewed = stores[1].renew(&lease.id, "t1", Some(Duration::from_secs(600)), now).await.expect("renew");
+    assert!(renewed.lease.expires_at > lease.expires_at && renewed.moved_from.is_none());
+    // The server restarts empty: the lease is adopted when shown, the cooldown comes back from its record.
+    server.restart().await.expect("restart");
+    let record = Cooldown {
+        proxy: lease.proxy.clone(),
+        target: "example.com".into(),
+        until: SystemTime::now() + Duration::from_secs(300),
+        streak: 1,
+        reporters: vec!["t1".into()],
+    };
+    let mut restored = None;
+    for _ in 0..50 {
+        match stores[0].restore_cooldowns(std::slice::from_ref(&record), SystemTime::now()).await {
+            Ok(count) => {
+                restored = Some(count);
+                break;
+            }
+            Err(LeaseError::StateUnavailable(_)) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(error) => panic!("{error}"),
+        }
+    }
+    assert_eq!(restored, Some(1), "taken back once the server answers");
+    assert_eq!(stores[0].restore_cooldowns(std::slice::from_ref(&record), SystemTime::now()).await.expect("again"), 0);
+    let adopted = stores[1].renew(&renewed.lease.id, "t1", None, SystemTime::now()).await.expect("adopted");
+    assert_eq!(adopted.lease.proxy, lease.proxy);
+    assert_eq!(stores[1].adopted(), 1);
+    assert_eq!(active(&stores[0], &proxies).await, vec![1]);
+    // Its ban changes nothing: its owner's report made the restored cooldown.
+    let reported = stores[0].report(&adopted.lease.id, "t1", &Report::of(Outcome::Banned), SystemTime::now()).await;
+    assert_eq!(reported.expect("report").cooldown_until, Some(to_millis(record.until)));
+    // Released at one replica, refused at the other from then on, and never adopted again.
+    stores[0].release(&adopted.lease.id, "t1", SystemTime::now()).await.expect("release");
+    stores[0].release(&adopted.lease.id, "t1", SystemTime::now()).await.expect("a second release is accepted");
+    for id in [&lease.id, &renewed.lease.id, &adopted.lease.id] {
+        let refused = stores[1].renew(id, "t1", None, SystemTime::now()).await;
+        assert!(matches!(refused, Err(LeaseError::UnknownLease(_))), "{refused:?}");
+    }
+    assert_eq!(active(&stores[1], &proxies).await, vec![0]);
+    // A late report on the released lease still counts against its proxy.
+    let late = stores[1].report(&lease.id, "t1", &Report { ok: 3, ..Report::default() }, SystemTime::now()).await;
+    assert_eq!(late.expect("a late report").proxy, lease.proxy);
+}
+
+#[tokio::test]
+async fn quotas_drains_unhealthy_proxies_and_expiry_hold_across_replicas() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies = vec![proxy("a", 3, None), proxy("b", 3, None)];
+    let stores = replicas(&server, 2, &proxies).await;
+    let quota = |ttl| LeaseRequest {
+        owner_quota: Some(2),
+        ttl: Some(Duration::from_secs(ttl)),
+        ..request("example.com", "t1")
+    };
+    let first = stores[0].lease(&quota(1), SystemTime::now()).await.expect("lease");
+    stores[1].lease(&quota(600), SystemTime::now()).await.expect("lease");
+    let over = stores[1].lease(&quota(600), SystemTime::now()).await;
+    assert!(matches!(over, Err(LeaseError::QuotaExceeded { limit: 2, retry_at: Some(_) })), "{over:?}");
+    // The one-second lease expires and frees its slot and the quota, at both replicas.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(stores[1].expire(SystemTime::now()).await.expect("expire"), 1);
+    assert!(matches!(
+        stores[0].renew(&first.id, "t1", None, SystemTime::now()).await,
+        Err(LeaseError::UnknownLease(_))
+    ));
+    let third = stores[1].lease(&quota(600), SystemTime::now()).await.expect("room under the quota again");
+    assert_eq!(stores[0].held_by("t1", SystemTime::now()).await.expect("held").len(), 2);
+    // A proxy turning unhealthy in a replica's view revokes its leases for every replica.
+    let mut sick = proxies.iter().find(|info| info.id == third.proxy).expect("known").clone();
+    sick.healthy = false;
+    stores[0].upsert_proxy(sick.clone()).await.expect("unhealthy");
+    let revoked = stores[1].renew(&third.id, "t1", None, SystemTime::now()).await;
+    assert!(matches!(revoked, Err(LeaseError::Revoked(_))), "{revoked:?}");
+    // A lowered cap revokes the newest above it.
+    let healthy = proxies.iter().find(|info| info.id != third.proxy).expect("the other").clone();
+    for _ in active(&stores[0], std::slice::from_ref(&healthy)).await[0]..3 {
+        stores[0]
+            .lease(&LeaseRequest { proxy: Some(healthy.id.clone()), ..request("example.com", "t3") }, SystemTime::now())
+            .await
+            .expect("fill");
+    }
+    let full = stores[1]
+        .lease(&LeaseRequest { proxy: Some(healthy.id.clone()), ..request("example.com", "t3") }, SystemTime::now())
+        .await;
+    assert!(matches!(full, Err(LeaseError::ProxyUnavailable { why: "it is at its lease cap", .. })), "{full:?}");
+    stores[1].upsert_proxy(ProxyInfo { max_leases: 1, ..healthy.clone() }).await.expect("lower the cap");
+    assert_eq!(active(&stores[0], std::slice::from_ref(&healthy)).await, vec![1]);
+}
+
+#[tokio::test]
+async fn a_lost_server_answers_state_unavailable_and_is_used_again_once_back() {
+    let mut server = RedisServer::start(Some("s3cret-pass")).await.expect("redis");
+    let key = LeaseKey::from_bytes(&[9; 32]).expect("key");
+    let refused = RedisLeaseState::connect(&RedisOptions::new(server.url()), LeaseConfig::default(), key.clone()).await;
+    assert!(matches!(refused, Err(ConnectError::Unreachable { .. })), "no password: {refused:?}");
+    let with_password = format!("redis://:s3cret-pass@{}/", server.address());
+    assert!(!format!("{:?}", RedisOptions::new(with_password.clone())).contains("s3cret"));
+    assert_eq!(redact(&with_password), format!("redis://:<redacted>@{}/", server.address()));
+    let options = RedisOptions { password: Some("s3cret-pass".into()), ..RedisOptions::new(server.url()) };
+    let store = RedisLeaseState::connect(&options, LeaseConfig::default(), key).await.expect("connect");
+    store.upsert_proxy(proxy("a", 5, None)).await.expect("upsert");
+    store.lease(&request("example.com", "t1"), SystemTime::now()).await.expect("lease");
+    server.kill();
+    let started = std::time::Instant::now();
+    let down = store.lease(&request("example.com", "t1"), SystemTime::now()).await;
+    assert!(matches!(down, Err(LeaseError::StateUnavailable(_))), "{down:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "answered within the timeout: {:?}", started.elapsed());
+    server.restart().await.expect("restart");
+    let back = std::time::Instant::now();
+    loop {
+        match store.lease(&request("example.com", "t1"), SystemTime::now()).await {
+            Ok(_) => break,
+            Err(LeaseError::StateUnavailable(_)) if back.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => panic!("not back within 5 s: {error}"),
+        }
+    }
+    eprintln!("used again {:?} after the server returned", back.elapsed());
+    let bad =
+        RedisLeaseState::connect(&RedisOptions::new("http://x"), LeaseConfig::default(), LeaseKey::ephemeral()).await;
+    assert!(matches!(bad, Err(ConnectError::InvalidUrl { .. })), "{bad:?}");
+    let tag = RedisOptions { prefix: "a}b".into(), ..RedisOptions::new(server.url()) };
+    let bad = RedisLeaseState::connect(&tag, LeaseConfig::default(), LeaseKey::ephemeral()).await;
+    assert!(matches!(bad, Err(ConnectError::InvalidPrefix(_))), "{bad:?}");
+}
