@@ -167,6 +167,70 @@ fn the_monitoring_toggles_render_deploy_prometheus_objects() {
 }
 
 #[test]
+fn a_state_store_url_renders_deploy_shared_state_over_deploy_default() {
+    let url = "redis://valkey.egress-system.svc:6379/0";
+    let mut chart = by_identity(template(&["--set", &format!("stateStore.url={url}")]));
+    // deploy/default with the component, as an overlay of the user's would have it.
+    let overlay = tempfile::tempdir().expect("temp dir");
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
+    let deploy = deploy.canonicalize().expect("deploy/");
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {SYSTEM_NAMESPACE}\n\
+             resources:\n  - {default}\n\
+             components:\n  - {component}\n",
+            default = pathdiff(overlay.path(), &deploy.join("default")),
+            component = pathdiff(overlay.path(), &deploy.join("shared-state")),
+        ),
+    )
+    .expect("write the overlay");
+    let output = Command::new(assets::kubectl()).arg("kustomize").arg(overlay.path()).output().expect("kustomize");
+    let mut kustomized = by_identity(documents(&succeeded(output, "kubectl kustomize")));
+    let namespace = ("Namespace".to_owned(), String::new(), SYSTEM_NAMESPACE.to_owned());
+    assert!(kustomized.remove(&namespace).is_some());
+    let tokens = ("Secret".to_owned(), SYSTEM_NAMESPACE.to_owned(), "egress-operator-discovery-tokens".to_owned());
+    chart.get_mut(&tokens).expect("tokens")["stringData"] = kustomized[&tokens]["stringData"].clone();
+    // A strategic merge puts the component's env, mounts and volumes first: the order means nothing here.
+    for objects in [&mut chart, &mut kustomized] {
+        let deployment = objects
+            .get_mut(&("Deployment".to_owned(), SYSTEM_NAMESPACE.to_owned(), "egress-operator".to_owned()))
+            .expect("the operator's Deployment");
+        let pod = &mut deployment["spec"]["template"]["spec"];
+        for field in ["env", "volumeMounts"] {
+            let list = pod["containers"][0][field].as_array_mut().expect("a list");
+            list.sort_by_key(|item| item["name"].as_str().unwrap_or_default().to_owned());
+        }
+        let volumes = pod["volumes"].as_array_mut().expect("volumes");
+        volumes.sort_by_key(|item| item["name"].as_str().unwrap_or_default().to_owned());
+    }
+    for (kind, name) in [
+        ("ConfigMap", "egress-operator-state-store"),
+        ("Deployment", "egress-operator"),
+        ("Service", "egress-discovery"),
+    ] {
+        let key = (kind.to_owned(), SYSTEM_NAMESPACE.to_owned(), name.to_owned());
+        assert_eq!(chart.get(&key), kustomized.get(&key), "{kind} {name}");
+    }
+    let service = &kustomized[&("Service".to_owned(), SYSTEM_NAMESPACE.to_owned(), "egress-discovery".to_owned())];
+    assert_eq!(
+        service["spec"]["selector"].as_object().map(|selector| selector.len()),
+        Some(1),
+        "every operator pod serves: {service}"
+    );
+    let chart_keys: Vec<_> = chart.keys().collect();
+    let kustomized_keys: Vec<_> = kustomized.keys().collect();
+    assert_eq!(chart_keys, kustomized_keys, "the same objects");
+}
+
+/// `to` relative to `from` (kustomize refuses absolute paths).
+fn pathdiff(from: &std::path::Path, to: &std::path::Path) -> String {
+    let from = from.canonicalize().expect("from");
+    let up = from.components().count() - 1;
+    format!("{}{}", "../".repeat(up), to.strip_prefix("/").expect("absolute").display())
+}
+
+#[test]
 fn the_other_values_render_what_they_say() {
     let objects = template(&[
         "--set",

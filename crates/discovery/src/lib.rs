@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use egress_lease::{Cooldown, LeaseState, ProxyInfo};
-use tracing::warn;
+use tracing::{debug, info, warn};
 
 pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
@@ -152,8 +152,46 @@ pub struct Discovery {
     waker: Option<Arc<dyn PoolWaker>>,
     /// Reports per tenant in the current minute (for `reportsPerMinute`): when the minute started, how many.
     report_windows: std::sync::Mutex<std::collections::HashMap<Arc<str>, (std::time::Instant, u32)>>,
-    /// Every refusal reported here, for the `GET /v1/refusals` streams.
-    refusals: tokio::sync::broadcast::Sender<Arc<Refusal>>,
+    /// Every refusal reported here (or, with a shared state, at any replica), for the `GET /v1/refusals` streams;
+    /// replaced when refusals may have been missed, which ends every stream (their clients reconnect and start
+    /// over from the live cooldowns).
+    refusals: Arc<std::sync::RwLock<RefusalSender>>,
+    /// Whether refusals come from the shared state rather than from this replica's own reports.
+    shared_refusals: bool,
+    /// Set when the shared state was lost (it may come back empty): the records' kept cooldowns are given to it
+    /// again.
+    restore_cooldowns: Arc<AtomicBool>,
+}
+
+type RefusalSender = tokio::sync::broadcast::Sender<Arc<Refusal>>;
+
+/// Passes the refusals every replica takes, as the shared state publishes them, to this replica's streams.
+async fn follow_shared_refusals(
+    mut shared: tokio::sync::broadcast::Receiver<egress_lease::SharedRefusal>,
+    refusals: std::sync::Weak<std::sync::RwLock<RefusalSender>>,
+    restore_cooldowns: Arc<AtomicBool>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let received = shared.recv().await;
+        let Some(refusals) = refusals.upgrade() else { return };
+        let mut sender = refusals.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match received {
+            Ok(egress_lease::SharedRefusal::Refused(refused)) => {
+                let _ = sender.send(Arc::new(Refusal {
+                    tenant: refused.owner.into(),
+                    target: refused.target,
+                    proxies: refused.proxies,
+                    until: refused.until,
+                }));
+            }
+            Ok(egress_lease::SharedRefusal::Gap) | Err(RecvError::Lagged(_)) => {
+                *sender = tokio::sync::broadcast::Sender::new(REFUSAL_BACKLOG);
+                restore_cooldowns.store(true, Ordering::Release);
+            }
+            Err(RecvError::Closed) => return,
+        }
+    }
 }
 
 impl Discovery {
@@ -171,8 +209,22 @@ impl Discovery {
             demand: std::sync::Mutex::default(),
             waker: None,
             report_windows: std::sync::Mutex::default(),
-            refusals: tokio::sync::broadcast::Sender::new(REFUSAL_BACKLOG),
+            refusals: Arc::new(std::sync::RwLock::new(tokio::sync::broadcast::Sender::new(REFUSAL_BACKLOG))),
+            shared_refusals: false,
+            restore_cooldowns: Arc::new(AtomicBool::new(false)),
         }
+        .following_shared_refusals()
+    }
+
+    /// With a shared state, feeds the refusal streams from it (when a Tokio runtime runs: outside one, nothing
+    /// could stream anyway).
+    fn following_shared_refusals(mut self) -> Self {
+        if let (Some(shared), Ok(runtime)) = (self.store.shared_refusals(), tokio::runtime::Handle::try_current()) {
+            let restore = self.restore_cooldowns.clone();
+            runtime.spawn(follow_shared_refusals(shared, Arc::downgrade(&self.refusals), restore));
+            self.shared_refusals = true;
+        }
+        self
     }
 
     /// Tells `waker` of every lease refused for a pool's lack of members or capacity.
@@ -350,6 +402,26 @@ impl Discovery {
         Ok(())
     }
 
+    /// After the shared state was lost, gives it the cooldowns the Proxies keep (a state that came back empty has
+    /// them again; one that kept its data keeps whichever ends later). Until it answers, at every call.
+    pub async fn restore_kept_cooldowns(&self) {
+        if !self.restore_cooldowns.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let kept: Vec<Cooldown> = {
+            let records = self.records.read().expect("record lock");
+            records.values().flat_map(|record| record.cooldowns.iter().cloned()).collect()
+        };
+        match self.store.restore_cooldowns(&kept, SystemTime::now()).await {
+            Ok(restored) if restored > 0 => info!(restored, "gave the shared state the cooldowns the Proxies keep"),
+            Ok(_) => {}
+            Err(error) => {
+                debug!(%error, "the shared state does not answer yet; its cooldowns are given again at the next tick");
+                self.restore_cooldowns.store(true, Ordering::Release);
+            }
+        }
+    }
+
     /// Writes again the cooldowns of proxies whose last journal write failed.
     pub async fn retry_journal(&self) {
         self.journal.retry(self.store.as_ref(), &self.metrics).await;
@@ -374,13 +446,17 @@ impl Discovery {
 
     /// Every refusal reported from now on, as the lease store takes it.
     pub fn refusals(&self) -> tokio::sync::broadcast::Receiver<Arc<Refusal>> {
-        self.refusals.subscribe()
+        self.refusals.read().unwrap_or_else(std::sync::PoisonError::into_inner).subscribe()
     }
 
-    /// Tells the refusal streams of a refusal the lease store has just taken.
+    /// Tells the refusal streams of a refusal the lease store has just taken. With a shared state, the state
+    /// publishes it to every replica, this one included.
     fn refused(&self, refusal: Refusal) {
+        if self.shared_refusals {
+            return;
+        }
         // No subscriber is no error: nobody needs telling.
-        let _ = self.refusals.send(Arc::new(refusal));
+        let _ = self.refusals.read().unwrap_or_else(std::sync::PoisonError::into_inner).send(Arc::new(refusal));
     }
 
     /// Whether every proxy has been given at least once.
@@ -403,6 +479,7 @@ pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: imp
             if let Err(error) = state.expire().await {
                 warn!(%error, "expiring leases failed; tried again at the next tick");
             }
+            state.restore_kept_cooldowns().await;
             state.retry_journal().await;
         }
     };

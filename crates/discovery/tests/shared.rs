@@ -40,6 +40,7 @@ async fn replica(server: &RedisServer, key: &LeaseKey, records: &[ProxyRecord]) 
         state.upsert(record.clone()).await;
     }
     state.mark_synced();
+    tokio::spawn(egress_discovery::run_expiry(state.clone(), Duration::from_millis(100), std::future::pending()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     tokio::spawn(serve(listener, router(state), std::future::pending()));
@@ -65,11 +66,44 @@ async fn call(address: SocketAddr, method: &str, path: &str, body: Option<Value>
     (status, retry_after, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// Opens `GET /v1/refusals` and returns the connection, its head read.
+async fn refusal_stream(address: SocketAddr) -> tokio::net::TcpStream {
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let request = "GET /v1/refusals HTTP/1.1\r\nhost: discovery\r\n\r\n";
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes()).await.expect("write");
+    stream
+}
+
+/// Reads the stream until what it has read contains `needle` (5 s at most); returns what it read.
+async fn read_until(stream: &mut tokio::net::TcpStream, needle: &str) -> String {
+    let mut read = Vec::new();
+    let found = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buffer = [0_u8; 4096];
+        while !String::from_utf8_lossy(&read).contains(needle) {
+            let count = tokio::io::AsyncReadExt::read(stream, &mut buffer).await.expect("read");
+            assert!(count > 0, "the stream ended: {}", String::from_utf8_lossy(&read));
+            read.extend_from_slice(&buffer[..count]);
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&read).into_owned();
+    assert!(found.is_ok(), "no {needle:?} within 5 s: {text}");
+    text
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_until_it_returns() {
     let mut server = RedisServer::start(None).await.expect("redis");
     let key = LeaseKey::from_bytes(&[3; 32]).expect("key");
-    let records = vec![record("a", 2), record("bb", 2)];
+    // Proxy a's status keeps a cooldown for kept.example: a state that comes back empty gets it again.
+    let kept = egress_lease::Cooldown {
+        proxy: ProxyId::new("crawl", "a"),
+        target: "kept.example".into(),
+        until: std::time::SystemTime::now() + Duration::from_secs(600),
+        streak: 1,
+        reporters: vec!["anonymous".into()],
+    };
+    let records = vec![ProxyRecord { cooldowns: vec![kept], ..record("a", 2) }, record("bb", 2)];
     let one = replica(&server, &key, &records).await;
     let two = replica(&server, &key, &records).await;
 
@@ -83,11 +117,25 @@ async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_unti
     let (status, _, other) = call(two, "POST", "/v1/leases", Some(json!({"target": "www.example.com"}))).await;
     assert_eq!(status, 201, "{other}");
     assert_ne!(other["proxy"]["name"], banned, "the cooled proxy is not handed out at the other replica");
+    // A refusal stream at the other replica starts with that ban, and hears of the next one reported at the first
+    // replica as soon as the shared state publishes it.
+    let mut stream = refusal_stream(two).await;
+    let snapshot = read_until(&mut stream, "\"synced\"").await;
+    assert!(snapshot.contains(banned), "{snapshot}");
+    let (_, _, second) = call(one, "POST", "/v1/leases", Some(json!({"target": "example.com"}))).await;
+    let second_proxy = second["proxy"]["name"].as_str().expect("proxy").to_owned();
+    let reported_at = std::time::Instant::now();
+    let path = format!("/v1/leases/{}/report", second["id"].as_str().expect("id"));
+    let (status, _, body) = call(one, "POST", &path, Some(json!({"outcome": "banned"}))).await;
+    assert_eq!(status, 200, "{body}");
+    let line = read_until(&mut stream, &second_proxy).await;
+    eprintln!("the other replica's stream had the ban {:?} after it was reported", reported_at.elapsed());
+    assert!(line.contains("\"refusal\""), "{line}");
     // The other replica renews and releases the first replica's lease.
     let (status, _, renewed) = call(two, "POST", &format!("/v1/leases/{id}/renew"), Some(json!({}))).await;
     assert_eq!(status, 200, "{renewed}");
-    // Caps hold across both: two proxies of cap 2 take four leases, whichever replica grants them.
-    let mut granted = 2;
+    // Caps hold across both: two proxies of cap 2 take four leases (three are held), whichever replica grants them.
+    let mut granted = 3;
     for n in 0..6 {
         let (status, _, body) =
             call([one, two][n % 2], "POST", "/v1/leases", Some(json!({"target": "other.org"}))).await;
@@ -101,12 +149,18 @@ async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_unti
 
     // The state stops answering: new leases are 503 state-unavailable with Retry-After, nothing else fails.
     server.kill();
+    let killed = std::time::Instant::now();
     let (status, retry_after, body) = call(two, "POST", "/v1/leases", Some(json!({"target": "example.net"}))).await;
     assert_eq!((status, body["reason"].as_str()), (503, Some("state-unavailable")), "{body}");
     assert_eq!(retry_after.as_deref(), Some("2"));
     assert!(!body.to_string().contains("127.1."), "the store's address stays in the log: {body}");
     let (status, _, body) = call(one, "GET", "/v1/proxies", None).await;
     assert_eq!(status, 503, "{body}");
+    eprintln!("two answers {:?} after the state was lost", killed.elapsed());
+    // The stream's body ends (its last chunk): refusals published meanwhile are lost, so its client must start
+    // over from the cooldowns.
+    read_until(&mut stream, "0\r\n\r\n").await;
+    eprintln!("the stream ended {:?} after the state was lost", killed.elapsed());
     // Back (empty): served again within 5 s, without a restart of either replica.
     server.restart().await.expect("restart");
     let back = std::time::Instant::now();
@@ -119,6 +173,16 @@ async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_unti
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     eprintln!("served again {:?} after the state returned", back.elapsed());
+    // The cooldown the Proxy keeps is back, at every replica.
+    loop {
+        let (status, _, body) = call(two, "GET", "/v1/cooldowns?target=kept.example", None).await;
+        if status == 200 && body.to_string().contains("crawl/a") {
+            break;
+        }
+        assert!(back.elapsed() < Duration::from_secs(5), "the kept cooldown is not back within 5 s: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("the kept cooldown was back {:?} after the state returned", back.elapsed());
     // The renewed lease, shown to the emptied state, is adopted rather than lost.
     let renewed_id = renewed["id"].as_str().expect("id");
     let (status, _, body) = call(two, "POST", &format!("/v1/leases/{renewed_id}/renew"), Some(json!({}))).await;

@@ -18,10 +18,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use egress_lease::{
     Claims, Cooldown, CooldownPolicy, Lease, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState, Outcome,
-    Outcomes, ProxyId, ProxyInfo, ProxyLoad, Renewed, Report, Reported, normalize, session_weight,
+    Outcomes, ProxyId, ProxyInfo, ProxyLoad, Refused, Renewed, Report, Reported, SharedRefusal, normalize,
+    session_weight,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
+use tokio::sync::broadcast;
 
 /// Where the state lives and how to reach it.
 #[derive(Clone)]
@@ -81,7 +83,7 @@ pub enum ConnectError {
         reason: String,
     },
     /// The prefix would break the hash tag.
-    #[error("the state key prefix {0:?} must be non-empty and contain none of `{{`, `}}` and newlines")]
+    #[error("--state-store-prefix {0:?}: must be non-empty and contain none of `{{`, `}}` and newlines")]
     InvalidPrefix(String),
     /// The server did not answer.
     #[error("the state store at {url} is unreachable: {reason}")]
@@ -104,6 +106,16 @@ pub struct RedisLeaseState {
     /// This replica's view of the proxies.
     proxies: RwLock<HashMap<ProxyId, ProxyInfo>>,
     adopted: AtomicU64,
+    /// Where a fresh server's serial counter starts.
+    serial_start: u64,
+    refusals: broadcast::Sender<SharedRefusal>,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RedisLeaseState {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
 }
 
 impl std::fmt::Debug for RedisLeaseState {
@@ -112,43 +124,129 @@ impl std::fmt::Debug for RedisLeaseState {
     }
 }
 
+/// How many refusals a slow subscriber may fall behind (it then hears of a gap).
+const REFUSAL_BACKLOG: usize = 4096;
+
+/// How often the refusal subscription pings the server, to notice a lost connection (its stream of messages does
+/// not end when the server goes away).
+const REFUSAL_PING: Duration = Duration::from_secs(1);
+
+/// A client for `options`, checked.
+fn client(options: &RedisOptions) -> Result<redis::Client, ConnectError> {
+    if options.prefix.is_empty() || options.prefix.contains(['{', '}', '\n']) {
+        return Err(ConnectError::InvalidPrefix(options.prefix.clone()));
+    }
+    let invalid =
+        |error: redis::RedisError| ConnectError::InvalidUrl { url: redact(&options.url), reason: error.to_string() };
+    let mut info = redis::IntoConnectionInfo::into_connection_info(options.url.as_str()).map_err(invalid)?;
+    if let Some(password) = &options.password {
+        let settings = info.redis_settings().clone().set_password(password);
+        info = info.set_redis_settings(settings);
+    }
+    redis::Client::open(info).map_err(invalid)
+}
+
+/// Checks `options` without connecting: the URL, and the prefix.
+pub fn check(options: &RedisOptions) -> Result<(), ConnectError> {
+    client(options).map(drop)
+}
+
+/// Subscribes to `channel` and passes each refusal published there to `refusals`, subscribing again (and telling
+/// of a gap) whenever the connection is lost.
+async fn follow_refusals(
+    client: redis::Client,
+    channel: String,
+    refusals: broadcast::Sender<SharedRefusal>,
+    timeout: Duration,
+) {
+    use futures::StreamExt as _;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let subscribed = async {
+            let mut pubsub = tokio::time::timeout(timeout, client.get_async_pubsub()).await.ok()?.ok()?;
+            tokio::time::timeout(timeout, pubsub.subscribe(&channel)).await.ok()?.ok()?;
+            Some(pubsub)
+        };
+        if let Some(pubsub) = subscribed.await {
+            backoff = Duration::from_millis(100);
+            // Whatever was published while unsubscribed is lost: subscribers start over from the cooldowns.
+            let _ = refusals.send(SharedRefusal::Gap);
+            let (mut sink, mut messages) = pubsub.split();
+            let mut ping = tokio::time::interval(REFUSAL_PING);
+            ping.tick().await;
+            loop {
+                tokio::select! {
+                    message = messages.next() => match message {
+                        Some(message) => {
+                            if let Some(refused) = parse_refusal(message.get_payload_bytes()) {
+                                let _ = refusals.send(SharedRefusal::Refused(refused));
+                            }
+                        }
+                        None => break,
+                    },
+                    _ = ping.tick() => {
+                        if !matches!(tokio::time::timeout(timeout, sink.ping::<Value>()).await, Ok(Ok(_))) {
+                            break;
+                        }
+                    }
+                }
+            }
+            // Lost: subscribers stop counting on this feed now, not only once it is back.
+            let _ = refusals.send(SharedRefusal::Gap);
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// A refusal as `state.lua` publishes it.
+fn parse_refusal(payload: &[u8]) -> Option<Refused> {
+    #[derive(serde::Deserialize)]
+    struct Published {
+        owner: String,
+        target: String,
+        until: String,
+        proxies: Vec<String>,
+    }
+    let published: Published = serde_json::from_slice(payload).ok()?;
+    Some(Refused {
+        owner: published.owner,
+        target: published.target,
+        proxies: published.proxies.iter().map(|proxy| proxy.parse().ok()).collect::<Option<_>>()?,
+        until: UNIX_EPOCH + Duration::from_millis(published.until.parse().ok()?),
+    })
+}
+
 /// Every operation, dispatched on its name (one script, one SHA to load).
 const SCRIPT: &str = include_str!("state.lua");
 
 impl RedisLeaseState {
-    /// Connects (failing when the server does not answer within the timeout) and loads the script.
+    /// Connects, failing when the server does not answer within the timeout (or refuses the password).
     pub async fn connect(options: &RedisOptions, config: LeaseConfig, key: LeaseKey) -> Result<Self, ConnectError> {
-        let shown = redact(&options.url);
-        if options.prefix.is_empty() || options.prefix.contains(['{', '}', '\n']) {
-            return Err(ConnectError::InvalidPrefix(options.prefix.clone()));
-        }
-        let invalid =
-            |error: redis::RedisError| ConnectError::InvalidUrl { url: shown.clone(), reason: error.to_string() };
-        let mut info = redis::IntoConnectionInfo::into_connection_info(options.url.as_str()).map_err(invalid)?;
-        if let Some(password) = &options.password {
-            let settings = info.redis_settings().clone().set_password(password);
-            info = info.set_redis_settings(settings);
-        }
-        let client = redis::Client::open(info).map_err(invalid)?;
+        let state = Self::open(options, config, key)?;
+        state.ping().await.map_err(|reason| ConnectError::Unreachable { url: redact(&options.url), reason })?;
+        Ok(state)
+    }
+
+    /// A state over the server at `options.url`, connected on first use: a server that does not answer yet makes
+    /// each operation [`LeaseError::StateUnavailable`] until it does. Follows the refusals every replica publishes
+    /// ([`LeaseState::shared_refusals`]) from now until it is dropped. Must be called within a Tokio runtime.
+    pub fn open(options: &RedisOptions, config: LeaseConfig, key: LeaseKey) -> Result<Self, ConnectError> {
+        let client = client(options)?;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.timeout))
             .set_response_timeout(Some(options.timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
-        let unreachable =
-            |error: redis::RedisError| ConnectError::Unreachable { url: shown.clone(), reason: error.to_string() };
-        let mut connection = ConnectionManager::new_with_config(client, manager).await.map_err(unreachable)?;
+        let connection = ConnectionManager::new_lazy_with_config(client.clone(), manager)
+            .map_err(|error| ConnectError::InvalidUrl { url: redact(&options.url), reason: error.to_string() })?;
         let prefix = format!("{{{}}}:", options.prefix);
+        let (refusals, _) = broadcast::channel(REFUSAL_BACKLOG);
+        let follower =
+            tokio::spawn(follow_refusals(client, format!("{prefix}refusals"), refusals.clone(), options.timeout));
         // Serials start at a random point below 2^47 (exact in the scripts' doubles), apart from any in-memory
         // store's, so a lease ID another store issued is never taken for one of these.
-        let start = u64::from_be_bytes(LeaseKey::generate_bytes()[..8].try_into().expect("eight bytes")) >> 17;
-        redis::cmd("SET")
-            .arg(format!("{prefix}serial"))
-            .arg(start)
-            .arg("NX")
-            .query_async::<Value>(&mut connection)
-            .await
-            .map_err(unreachable)?;
+        let serial_start = u64::from_be_bytes(LeaseKey::generate_bytes()[..8].try_into().expect("eight bytes")) >> 17;
         Ok(Self {
             connection,
             script: Script::new(SCRIPT),
@@ -157,7 +255,16 @@ impl RedisLeaseState {
             key,
             proxies: RwLock::new(HashMap::new()),
             adopted: AtomicU64::new(0),
+            serial_start,
+            refusals,
+            follower,
         })
+    }
+
+    /// Whether the server answers, with what the client saw when it does not.
+    pub async fn ping(&self) -> Result<(), String> {
+        let mut connection = self.connection.clone();
+        redis::cmd("PING").query_async::<Value>(&mut connection).await.map(drop).map_err(|error| error.to_string())
     }
 
     fn view(&self) -> std::sync::RwLockReadGuard<'_, HashMap<ProxyId, ProxyInfo>> {
@@ -377,6 +484,7 @@ impl LeaseState for RedisLeaseState {
             session,
             self.config.max_ttl.as_millis().to_string(),
             mode.to_owned(),
+            self.serial_start.to_string(),
         ];
         for proxy in &candidates {
             args.extend([proxy.id.to_string(), proxy.max_leases.to_string(), proxy.endpoint.clone()]);
@@ -676,5 +784,9 @@ impl LeaseState for RedisLeaseState {
 
     fn adopted(&self) -> u64 {
         self.adopted.load(Ordering::Relaxed)
+    }
+
+    fn shared_refusals(&self) -> Option<broadcast::Receiver<SharedRefusal>> {
+        Some(self.refusals.subscribe())
     }
 }

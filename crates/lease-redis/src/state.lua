@@ -5,7 +5,7 @@
 -- Times are milliseconds since the Unix epoch; cooldown policies are (base, factor, max) in milliseconds.
 --
 -- Keys:
---   serial              counter of lease serials (started at a random value below 2^47)
+--   serial              counter of lease serials (started at a random value below 2^47 the caller gives)
 --   seq                 counter ordering grants, for "least recently leased" and "newest first"
 --   exp                 ZSET serial -> expiry, every live lease
 --   l:<serial>          HASH a live lease: proxy target owner exp endpoint granted reported adopted seq
@@ -19,6 +19,7 @@
 --   cooling             ZSET <proxy>\n<target> -> until, the running cooldowns
 --   s:<owner>\n<session>\n<target>  STRING the session's proxy (expires when forgotten)
 --   x:<proxy>\n<target> HASH outcome counts ok failed banned throttled (expire an hour after the last report)
+--   refusals            the channel each ban and throttle is published on, as JSON: owner target until proxies
 
 local P = ARGV[1]
 local op = ARGV[2]
@@ -130,17 +131,18 @@ local function cooldown_of(proxy, target)
   return { proxy, target, c[1], c[2] or '0', table.concat(reporters(key), '\n') }
 end
 
--- Lease: ttl owner quota target session keep mode, then (proxy cap endpoint) per candidate in the caller's order.
+-- Lease: ttl owner quota target session keep mode start, then (proxy cap endpoint) per candidate in the caller's
+-- order. `start` is where a fresh server's serials begin.
 local function lease()
   local ttl, owner, quota, target = num(ARGV[3]), ARGV[4], num(ARGV[5]), ARGV[6]
-  local session, keep, mode = ARGV[7], num(ARGV[8]), ARGV[9]
+  local session, keep, mode, start = ARGV[7], num(ARGV[8]), ARGV[9], ARGV[10]
   expire(1000)
   if quota then
     local held = redis.call('ZRANGE', P .. 'o:' .. owner, 0, 0, 'WITHSCORES')
     if redis.call('ZCARD', P .. 'o:' .. owner) >= quota then return { 'quota', held[2] or '' } end
   end
   local candidates = {}
-  for i = 10, #ARGV, 3 do
+  for i = 11, #ARGV, 3 do
     table.insert(candidates, { proxy = ARGV[i], cap = num(ARGV[i + 1]), endpoint = ARGV[i + 2] })
   end
   local function room(c)
@@ -197,6 +199,7 @@ local function lease()
       redis.call('SET', sessionkey, chosen.proxy, 'PX', math.floor((now + ttl) / 1000) * 1000 + keep - now)
     end
   end
+  redis.call('SET', KEYS[1], start, 'NX')
   local serial = id(redis.call('INCR', KEYS[1]))
   local exp = math.floor((now + ttl) / 1000) * 1000
   local seq = add_lease(serial, chosen.proxy, target, owner, exp, chosen.endpoint, 0)
@@ -345,6 +348,13 @@ local function report()
       reported_by(skey, owner, outcome == 'banned', sibling_running)
       table.insert(result, sibling)
     end
+  end
+  -- Every replica's refusal streams hear of it: the gateways move the owner's sessions off these proxies.
+  if cooldown and (outcome == 'banned' or outcome == 'throttled') then
+    local proxies = { proxy }
+    if changed then proxies = { unpack(result, 6) } end
+    redis.call('PUBLISH', P .. 'refusals', cjson.encode({ owner = owner, target = target,
+      ['until'] = string.format('%.0f', cooldown), proxies = proxies }))
   end
   local used = counted.ok + counted.failed + counted.banned + counted.throttled
   if used > 0 then

@@ -24,7 +24,7 @@ use std::time::{Duration, SystemTime};
 pub use egress_fleet::{PoolId, ProxyId};
 
 pub use id::{Claims, LeaseKey, MIN_KEY_BYTES, ShortKey};
-pub use port::LeaseState;
+pub use port::{LeaseState, Refused, SharedRefusal};
 pub use selector::{InvalidSelector, Selector};
 pub use store::{InMemoryLeaseStore, InvariantViolation, session_weight};
 pub use target::{InvalidTarget, TargetMode, normalize};

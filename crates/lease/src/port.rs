@@ -72,6 +72,34 @@ pub trait LeaseState: Send + Sync {
     fn local(&self) -> Option<&dyn LeaseStore> {
         None
     }
+    /// The refusals (bans and throttles) every replica sharing this state takes, as they are taken; `None` when the
+    /// state is this process's own, whose caller hears of refusals from its own reports.
+    fn shared_refusals(&self) -> Option<tokio::sync::broadcast::Receiver<SharedRefusal>> {
+        None
+    }
+}
+
+/// A refusal taken by a replica sharing the state, or word that some were missed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SharedRefusal {
+    /// A ban or throttle was reported.
+    Refused(Refused),
+    /// Refusals may have been missed (the connection to the shared state was lost and is back): a subscriber that
+    /// needs every one starts over from the live cooldowns.
+    Gap,
+}
+
+/// A ban or throttle, as reported at any replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// Whose report it was.
+    pub owner: String,
+    /// The normalised site.
+    pub target: String,
+    /// The reported proxy, and those leaving through its egress address that the report cooled too.
+    pub proxies: Vec<ProxyId>,
+    /// When the cooldown ends.
+    pub until: SystemTime,
 }
 
 #[async_trait::async_trait]

@@ -67,6 +67,16 @@ pub struct Cli {
     /// random key on first start. Every replica reads the same one, so leases survive a restart and a failover.
     #[arg(long, env = "EGRESS_LEASE_KEY_SECRET", default_value = "egress-operator-lease-key")]
     pub lease_key_secret: String,
+    /// Where leases, sessions and cooldowns live: `memory` (this process; only the leader serves discovery) or a
+    /// Valkey/Redis URL (`redis://host:6379/0`, `rediss://` for TLS) that every replica shares, each then serving.
+    #[arg(long, env = "EGRESS_STATE_STORE", default_value = "memory")]
+    pub state_store: String,
+    /// A file holding the state store's password (a Secret's key, mounted); it replaces one in the URL.
+    #[arg(long, env = "EGRESS_STATE_STORE_PASSWORD_FILE")]
+    pub state_store_password_file: Option<PathBuf>,
+    /// What the state store's keys start with (inside one hash tag): installations sharing a server need their own.
+    #[arg(long, env = "EGRESS_STATE_STORE_PREFIX", default_value = "egress")]
+    pub state_store_prefix: String,
     /// `tokens` (default) or `none` (no authentication; warned about at start).
     #[arg(long, env = "EGRESS_DISCOVERY_AUTH", value_enum, default_value_t = DiscoveryAuth::Tokens)]
     pub discovery_auth: DiscoveryAuth,
@@ -178,6 +188,8 @@ pub struct Settings {
     pub discovery_tokens: Option<PathBuf>,
     /// The name of the lease-key Secret, in `leader_election_namespace`.
     pub lease_key_secret: String,
+    /// The shared state store, or `None` for this process's memory.
+    pub state_store: Option<egress_lease_redis::RedisOptions>,
     /// The probe URL for Proxies that set none.
     pub default_probe_url: String,
     /// Extra CA certificates for probes (PEM).
@@ -357,6 +369,7 @@ impl Cli {
                 self.lease_key_secret
             ));
         }
+        let state_store = self.state_store(&mut problems);
         match (self.discovery_auth, &self.discovery_tokens) {
             (DiscoveryAuth::Tokens, None) => problems.push(
                 "--discovery-tokens is required (or set --discovery-auth=none to turn authentication off)".into(),
@@ -426,6 +439,7 @@ impl Cli {
                 DiscoveryAuth::None => None,
             },
             lease_key_secret: self.lease_key_secret.clone(),
+            state_store,
             default_probe_url: self.default_probe_url.clone(),
             probe_ca_pem,
             probe_concurrency: self.probe_concurrency,
@@ -449,6 +463,47 @@ impl Cli {
                 max_header_bytes: self.http_max_header_bytes,
             },
         })
+    }
+
+    /// `--state-store` and its password file and prefix: `None` for `memory`; problems go to `problems`.
+    fn state_store(&self, problems: &mut Vec<String>) -> Option<egress_lease_redis::RedisOptions> {
+        let url = self.state_store.trim();
+        if url == "memory" {
+            if self.state_store_password_file.is_some() {
+                problems.push("--state-store-password-file is set, but --state-store is memory".into());
+            }
+            return None;
+        }
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            problems.push(format!(
+                "--state-store {}: expected `memory` or a redis:// or rediss:// URL",
+                egress_lease_redis::redact(url)
+            ));
+            return None;
+        }
+        let password = self.state_store_password_file.as_ref().and_then(|path| match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => Some(text.trim_end_matches(['\r', '\n']).to_owned()),
+            Ok(_) => {
+                problems.push(format!("--state-store-password-file {}: the file is empty", path.display()));
+                None
+            }
+            Err(error) => {
+                problems.push(format!("--state-store-password-file {}: {error}", path.display()));
+                None
+            }
+        });
+        let options = egress_lease_redis::RedisOptions {
+            password,
+            prefix: self.state_store_prefix.clone(),
+            ..egress_lease_redis::RedisOptions::new(url)
+        };
+        match egress_lease_redis::check(&options) {
+            Ok(()) => Some(options),
+            Err(error) => {
+                problems.push(error.to_string());
+                None
+            }
+        }
     }
 }
 
@@ -529,5 +584,57 @@ mod tests {
         let problems = settings("https://[::1]:8443/").expect_err("and so is ::1");
         assert!(problems[0].contains("add \"[::1]:8443\""), "{}", problems[0]);
         assert!(settings("https://example.com/").is_ok(), "a name is left to Squid, which checks what it resolves to");
+    }
+
+    #[test]
+    fn the_state_store_is_memory_or_a_redis_url_with_a_readable_password_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("providers.yaml");
+        std::fs::write(&config, "providers:\n  - { name: pods, type: kubernetes }\n").expect("write");
+        let password = dir.path().join("password");
+        std::fs::write(&password, "s3cret\n").expect("write");
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").expect("write");
+        let settings = |extra: &[&str]| {
+            let mut args =
+                vec!["egress-operator", "--providers-config", config.to_str().expect("utf-8"), "--cluster-id", "t"];
+            args.push("--discovery-auth=none");
+            args.extend_from_slice(extra);
+            Cli::parse_from(args).settings()
+        };
+        assert!(settings(&[]).expect("memory by default").state_store.is_none());
+        let options = settings(&[
+            "--state-store",
+            "rediss://valkey.data:6380/2",
+            "--state-store-password-file",
+            password.to_str().expect("utf-8"),
+            "--state-store-prefix",
+            "crawl-a",
+        ])
+        .expect("valid")
+        .state_store
+        .expect("shared");
+        assert_eq!(options.password.as_deref(), Some("s3cret"), "without its newline");
+        assert_eq!(options.prefix, "crawl-a");
+        assert!(!format!("{options:?}").contains("s3cret"));
+        for (args, expected) in [
+            (vec!["--state-store", "postgres://x"], "--state-store postgres://x: expected `memory` or a redis://"),
+            (vec!["--state-store", "redis://:hunter2@:x"], "--state-store redis://:<redacted>@:x"),
+            (vec!["--state-store", "redis://r", "--state-store-prefix", "a}"], "--state-store-prefix \"a}\""),
+            (
+                vec!["--state-store", "redis://r", "--state-store-password-file", "/nonexistent"],
+                "/nonexistent: No such",
+            ),
+            (
+                vec!["--state-store", "redis://r", "--state-store-password-file", empty.to_str().expect("utf-8")],
+                "empty",
+            ),
+            (vec!["--state-store-password-file", password.to_str().expect("utf-8")], "but --state-store is memory"),
+        ] {
+            let problems = settings(&args).expect_err("invalid");
+            assert_eq!(problems.len(), 1, "{problems:#?}");
+            assert!(problems[0].contains(expected), "{expected:?} in {problems:#?}");
+            assert!(!problems[0].contains("hunter2"), "{problems:#?}");
+        }
     }
 }

@@ -11,7 +11,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use egress_discovery::{Auth, Discovery, DiscoveryMetrics, Gate, ServerMetrics, TokenFile};
 use egress_health::{EngineConfig, HealthEngine, HealthMetrics};
-use egress_lease::{InMemoryLeaseStore, LeaseConfig};
+use egress_lease::{InMemoryLeaseStore, LeaseConfig, LeaseState};
 use egress_provider::ProviderMetrics;
 use egress_provider::registry::ProviderSet;
 
@@ -39,18 +39,42 @@ use crate::serving::{metrics_router, shutdown_signal, until_true};
 const FIRST_PROBE_WITHIN: Duration = Duration::from_secs(2);
 
 /// Refuses discovery routes while this replica does not lead or is shutting down.
-struct LeaderGate(watch::Receiver<bool>, watch::Receiver<bool>);
+struct LeaderGate {
+    leader: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    /// Whether the lease state is shared: then every replica serves, leader or not.
+    shared: bool,
+}
 
 impl Gate for LeaderGate {
     fn refusal(&self) -> Option<String> {
-        if *self.1.borrow() {
+        if *self.stop.borrow() {
             Some("the operator is shutting down".into())
-        } else if !*self.0.borrow() {
+        } else if !self.shared && !*self.leader.borrow() {
             Some("this replica is not the leader; leases are served by the leader".into())
         } else {
             None
         }
     }
+}
+
+/// The lease state on the shared store: opened at once, connected on first use, so a store that is not up yet
+/// makes leases `503 state-unavailable` until it is, instead of keeping the operator from starting.
+async fn shared_state(
+    options: &egress_lease_redis::RedisOptions,
+    key: egress_lease::LeaseKey,
+) -> Result<Arc<dyn LeaseState>> {
+    let state = egress_lease_redis::RedisLeaseState::open(options, LeaseConfig::default(), key)?;
+    let shown = egress_lease_redis::redact(&options.url);
+    match state.ping().await {
+        Ok(()) => info!(store = %shown, "keeping leases, sessions and cooldowns in the shared state store"),
+        Err(error) => warn!(
+            store = %shown,
+            %error,
+            "the shared state store does not answer yet; leases are refused (503 state-unavailable) until it does"
+        ),
+    }
+    Ok(Arc::new(state))
 }
 
 /// The pools named on `wakes`, as pool controller triggers; a lagging receiver skips what it missed (each pool is
@@ -124,20 +148,28 @@ pub async fn run(settings: Settings) -> Result<()> {
     // kept in the Proxies' status, so cooldowns do too.
     let lease_key =
         crate::durable::lease_key(&client, &settings.leader_election_namespace, &settings.lease_key_secret).await?;
-    let lease_store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), lease_key));
-    // Released and revoked leases are kept too, so the next leader refuses their IDs instead of adopting them.
-    let ended = Arc::new(crate::durable::EndedLeases::new(
-        client.clone(),
-        &settings.leader_election_namespace,
-        lease_store.clone(),
-    ));
-    if !settings.leader_elect {
-        restore_ended(&ended).await;
-    }
-    tokio::spawn(ended.clone().run(leader.clone(), stop.clone()));
+    let (lease_store, ended): (Arc<dyn LeaseState>, _) = match &settings.state_store {
+        None => {
+            let store = Arc::new(InMemoryLeaseStore::with_key(LeaseConfig::default(), lease_key));
+            // Released and revoked leases are kept too, so the next leader refuses their IDs instead of adopting
+            // them.
+            let ended = Arc::new(crate::durable::EndedLeases::new(
+                client.clone(),
+                &settings.leader_election_namespace,
+                store.clone(),
+            ));
+            if !settings.leader_elect {
+                restore_ended(&ended).await;
+            }
+            tokio::spawn(ended.clone().run(leader.clone(), stop.clone()));
+            (store, Some(ended))
+        }
+        Some(options) => (shared_state(options, lease_key).await?, None),
+    };
+    let shared = settings.state_store.is_some();
     let discovery = Arc::new(
         Discovery::new(lease_store, auth, discovery_metrics)
-            .with_gate(Arc::new(LeaderGate(leader.clone(), stop.clone())))
+            .with_gate(Arc::new(LeaderGate { leader: leader.clone(), stop: stop.clone(), shared }))
             .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
             .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone()))),
     );
@@ -199,9 +231,9 @@ pub async fn run(settings: Settings) -> Result<()> {
             while changes.changed().await.is_ok() {
                 let leading = *changes.borrow_and_update();
                 info!(identity = %identity, leading, "leadership changed");
-                if leading {
+                if leading && let Some(ended) = &ended {
                     // The previous leader's ended leases first, so none of their IDs is adopted.
-                    restore_ended(&ended).await;
+                    restore_ended(ended).await;
                 }
                 let _ = forward.send(leading);
             }
@@ -256,10 +288,14 @@ pub async fn run(settings: Settings) -> Result<()> {
     // Now discovery refuses (each refusal closes its connection, so the client's retry goes through the Service),
     // and the leases ended so far go to the next leader before the Lease does.
     let _ = stop_sender.send(true);
-    match tokio::time::timeout(ENDED_FLUSH_TIMEOUT, ended.flush()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => warn!("{error:#}"),
-        Err(_) => warn!("writing the ended leases took over {ENDED_FLUSH_TIMEOUT:?}; the next leader may adopt some"),
+    if let Some(ended) = &ended {
+        match tokio::time::timeout(ENDED_FLUSH_TIMEOUT, ended.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => warn!("{error:#}"),
+            Err(_) => {
+                warn!("writing the ended leases took over {ENDED_FLUSH_TIMEOUT:?}; the next leader may adopt some");
+            }
+        }
     }
     // Released (no holder), so a waiting replica takes it within milliseconds instead of at its expiry.
     let mut holder = election.as_ref().map(crate::election::Election::holder);
