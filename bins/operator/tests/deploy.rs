@@ -145,9 +145,11 @@ fn the_service_monitor_is_optional() {
 
 #[test]
 fn every_kustomization_resource_exists_and_parses() {
-    for dir in ["default", "samples", "monitored", "prometheus", "namespaced"] {
+    for dir in ["default", "samples", "monitored", "prometheus", "namespaced", "shared-state"] {
         let kustomization = documents(&deploy().join(dir).join("kustomization.yaml"));
-        for resource in kustomization[0]["resources"].as_array().expect("resources") {
+        let patches = kustomization[0]["patches"].as_array().into_iter().flatten().map(|patch| &patch["path"]);
+        let patches = patches.filter(|path| path.is_string());
+        for resource in kustomization[0]["resources"].as_array().expect("resources").iter().chain(patches) {
             let path = deploy().join(dir).join(resource.as_str().expect("a path"));
             let file = if path.is_dir() { path.join("kustomization.yaml") } else { path };
             assert!(!documents(&file).is_empty(), "{} has documents", file.display());

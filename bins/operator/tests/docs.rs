@@ -106,6 +106,18 @@ async fn every_yaml_example_in_the_docs_is_accepted() {
                     for problem in egress_provider::config::schema::problems(&published, value) {
                         refused.push(format!("{at}: docs/providers/providers.schema.json refuses {problem}"));
                     }
+                } else if value["apiVersion"].as_str().is_some_and(|api| api.starts_with("kustomize.config.k8s.io/")) {
+                    // An overlay beside deploy/default: what it builds on must be there.
+                    objects += 1;
+                    for field in ["resources", "components"] {
+                        for entry in value[field].as_array().into_iter().flatten().filter_map(Value::as_str) {
+                            let beside = entry.strip_prefix("../").map(|rest| root().join("deploy").join(rest));
+                            if !beside.is_some_and(|path| path.is_dir()) {
+                                refused
+                                    .push(format!("{at}: {field} names {entry}, which is not a directory of deploy/"));
+                            }
+                        }
+                    }
                 } else if value.get("apiVersion").is_some() && value.get("kind").is_some() {
                     objects += 1;
                     if let Err(error) = dry_run(&client, ns.name(), value).await {
