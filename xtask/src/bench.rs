@@ -5,9 +5,11 @@ use anyhow::{Result, bail};
 
 use crate::process::{cargo, run};
 
-const BENCHES: [(&str, &str, &str); 5] = [
+const BENCHES: [(&str, &str, &str); 6] = [
     ("health", "egress-health", "engine"),
     ("lease", "egress-lease", "store"),
+    // The shared state against the in-memory store through the same port, on a real redis-server.
+    ("lease", "egress-lease-redis", "shared"),
     ("discovery", "egress-discovery", "http"),
     ("gateway", "egress-gateway", "gateway"),
     ("fleet", "egress-operator", "fleet"),
@@ -29,8 +31,8 @@ pub fn run_benches(name: Option<&str>, sizes: &[String]) -> Result<()> {
     for (bench, package, target) in selected {
         let mut command = cargo();
         command.args(["bench", "--locked", "-p", package, "--bench", target]);
-        if *bench == "gateway" {
-            // Squid, which the gateway is measured against and in front of.
+        if *bench == "gateway" || *package == "egress-lease-redis" {
+            // Squid, which the gateway is measured against and in front of; redis-server for the shared state.
             crate::packages::ensure_installed()?;
         }
         if *bench == "fleet" {

@@ -470,7 +470,12 @@ impl LeaseState for RedisLeaseState {
                             });
                             ("session", candidates)
                         }
-                        None => ("least", candidates),
+                        None => {
+                            // The script chooses among a sample of them in this order: a random one, so every
+                            // replica's samples together cover the fleet.
+                            fastrand::shuffle(&mut candidates);
+                            ("least", candidates)
+                        }
                     }
                 }
             }

@@ -12,6 +12,7 @@
 --   p:<proxy>           ZSET serial -> expiry, the live leases on a proxy
 --   o:<owner>           ZSET serial -> expiry, the live leases of an owner
 --   held                HASH owner -> live leases
+--   active              HASH proxy -> live leases (p:<proxy>'s size, read for many proxies at once)
 --   last                HASH proxy -> seq of its last grant
 --   e:<serial>          HASH a lease ended before its expiry (expires then): released proxy target granted reported
 --   c:<proxy>\n<target> HASH a cooldown (expires when forgotten): until streak cleared, r:<owner> -> 1 ban / 0 throttle
@@ -45,6 +46,19 @@ local function after(base, factor, max, streak)
   return math.min(cooldown, max)
 end
 
+-- Sets field of each item of list to its proxy's number in the hash at P .. hash (0 when absent), a thousand
+-- proxies per command.
+local SAMPLE = 16
+
+local function fetch(hash, list, field)
+  for from = 1, #list, 1000 do
+    local names = {}
+    for i = from, math.min(from + 999, #list) do table.insert(names, list[i].proxy) end
+    local values = redis.call('HMGET', P .. hash, unpack(names))
+    for i = 1, #names do list[from + i - 1][field] = num(values[i]) or 0 end
+  end
+end
+
 local function free(serial)
   local key = P .. 'l:' .. serial
   local l = redis.call('HMGET', key, 'proxy', 'owner', 'target', 'exp', 'granted', 'reported')
@@ -54,6 +68,7 @@ local function free(serial)
   redis.call('ZREM', P .. 'p:' .. l[1], serial)
   redis.call('ZREM', P .. 'o:' .. l[2], serial)
   if redis.call('HINCRBY', P .. 'held', l[2], -1) <= 0 then redis.call('HDEL', P .. 'held', l[2]) end
+  if redis.call('HINCRBY', P .. 'active', l[1], -1) <= 0 then redis.call('HDEL', P .. 'active', l[1]) end
   return { proxy = l[1], owner = l[2], target = l[3], exp = num(l[4]), granted = l[5], reported = l[6] }
 end
 
@@ -82,6 +97,7 @@ local function add_lease(serial, proxy, target, owner, exp, endpoint, adopted)
   redis.call('ZADD', P .. 'p:' .. proxy, exp, serial)
   redis.call('ZADD', P .. 'o:' .. owner, exp, serial)
   redis.call('HINCRBY', P .. 'held', owner, 1)
+  redis.call('HINCRBY', P .. 'active', proxy, 1)
   return seq
 end
 
@@ -141,18 +157,35 @@ local function lease()
     local held = redis.call('ZRANGE', P .. 'o:' .. owner, 0, 0, 'WITHSCORES')
     if redis.call('ZCARD', P .. 'o:' .. owner) >= quota then return { 'quota', held[2] or '' } end
   end
+  -- Candidates are read from the arguments only as far as the choice needs: a lease costs what it looks at.
+  local count = math.floor((#ARGV - 10) / 3)
   local candidates = {}
-  for i = 11, #ARGV, 3 do
-    table.insert(candidates, { proxy = ARGV[i], cap = num(ARGV[i + 1]), endpoint = ARGV[i + 2] })
+  local function candidate(k)
+    local c = candidates[k]
+    if not c then
+      local i = 11 + (k - 1) * 3
+      c = { proxy = ARGV[i], cap = num(ARGV[i + 1]), endpoint = ARGV[i + 2] }
+      candidates[k] = c
+    end
+    return c
   end
-  local function room(c)
-    c.active = redis.call('ZCARD', P .. 'p:' .. c.proxy)
-    return c.active < c.cap
+  -- The next up to SAMPLE candidates from k on, with their leases counted; and where the next ones start.
+  local function sample(k)
+    local list = {}
+    while #list < SAMPLE and k <= count do
+      table.insert(list, candidate(k))
+      k = k + 1
+    end
+    fetch('active', list, 'active')
+    return list, k
+  end
+  local function usable(c)
+    return c.active < c.cap and not cooling_until(c.proxy, target)
   end
   local chosen
   if mode == 'named' then
-    local c = candidates[1]
-    if not room(c) then return { 'proxy-full' } end
+    local c = sample(1)[1]
+    if c.active >= c.cap then return { 'proxy-full' } end
     local ends = cooling_until(c.proxy, target)
     if ends then return { 'proxy-cooling', ends } end
     chosen = c
@@ -160,26 +193,57 @@ local function lease()
     local sessionkey = P .. 's:' .. session .. '\n' .. target
     if session ~= '' then
       local sticky = redis.call('GET', sessionkey)
-      for _, c in ipairs(candidates) do
-        if c.proxy == sticky and room(c) and not cooling_until(c.proxy, target) then chosen = c end
+      for k = 1, count do
+        if ARGV[11 + (k - 1) * 3] == sticky then
+          local c = candidate(k)
+          fetch('active', { c }, 'active')
+          if usable(c) then chosen = c end
+          break
+        end
       end
     end
-    if not chosen then
-      local best
-      for _, c in ipairs(candidates) do
-        if room(c) and not cooling_until(c.proxy, target) then
-          if mode == 'session' then
+    local k = 1
+    while not chosen and k <= count do
+      local list
+      list, k = sample(k)
+      if mode == 'session' then
+        -- In the caller's order (the session's rendezvous order): the first usable.
+        for _, c in ipairs(list) do
+          if usable(c) then
             chosen = c
             break
           end
-          c.last = num(redis.call('HGET', P .. 'last', c.proxy)) or 0
-          if not best or c.active < best.active or (c.active == best.active and c.last < best.last) then best = c end
+        end
+      else
+        -- The least loaded (then least recently leased) of SAMPLE candidates in the caller's (random) order, the
+        -- next SAMPLE only when none of these can take it: nearly as balanced as choosing among all, at a cost
+        -- that does not grow with the fleet.
+        local roomy = {}
+        for _, c in ipairs(list) do
+          if c.active < c.cap then table.insert(roomy, c) end
+        end
+        fetch('last', roomy, 'last')
+        while not chosen do
+          local best
+          for _, c in ipairs(roomy) do
+            if not c.cooling and (not best or c.active < best.active
+                or (c.active == best.active and c.last < best.last)) then
+              best = c
+            end
+          end
+          if not best then break end
+          if cooling_until(best.proxy, target) then best.cooling = true else chosen = best end
         end
       end
-      chosen = chosen or best
     end
     if not chosen then
-      if #candidates == 0 then return { 'none' } end
+      if count == 0 then return { 'none' } end
+      -- Why none: every candidate is looked at, only on this path.
+      local k = 1
+      while k <= count do
+        local _
+        _, k = sample(k)
+      end
       local first
       for _, c in ipairs(candidates) do
         if c.active < c.cap then

@@ -342,3 +342,24 @@ async fn a_lost_server_answers_state_unavailable_and_is_used_again_once_back() {
     let bad = RedisLeaseState::connect(&tag, LeaseConfig::default(), LeaseKey::ephemeral()).await;
     assert!(matches!(bad, Err(ConnectError::InvalidPrefix(_))), "{bad:?}");
 }
+
+#[tokio::test]
+async fn a_fleet_larger_than_the_sample_is_leased_evenly_and_to_its_last_slot() {
+    let server = RedisServer::start(None).await.expect("redis");
+    // 40 proxies: the script looks at 16 at a time, in a random order.
+    let proxies: Vec<ProxyInfo> = (0..40).map(|n| proxy(&format!("px-{n}"), 12, None)).collect();
+    let stores = replicas(&server, 2, &proxies).await;
+    for n in 0..400 {
+        stores[n % 2].lease(&request("example.com", "t1"), SystemTime::now()).await.expect("lease");
+    }
+    let counts = active(&stores[0], &proxies).await;
+    let (least, most) = (counts.iter().min().copied(), counts.iter().max().copied());
+    assert!(least >= Some(9) && most <= Some(11), "400 leases over 40 proxies: {counts:?}");
+    // The last 80 slots are found wherever they are, by both replicas.
+    for n in 0..80 {
+        stores[n % 2].lease(&request("example.com", "t1"), SystemTime::now()).await.expect("a slot is left");
+    }
+    assert_eq!(active(&stores[1], &proxies).await, vec![12; 40]);
+    let full = stores[0].lease(&request("example.com", "t1"), SystemTime::now()).await;
+    assert!(matches!(full, Err(LeaseError::AllAtCapacity { .. })), "{full:?}");
+}
