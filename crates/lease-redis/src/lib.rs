@@ -339,6 +339,20 @@ fn never_sent(error: &redis::RedisError) -> bool {
             .any(|kind| text.contains(&kind.to_string()))
 }
 
+/// What the scripts that take a lease ID are told of it: serial owner proxy target expiry, and the proxy's health and
+/// endpoint in this replica's view (to adopt it, or refuse it as revoked).
+fn id_args(claims: &Claims, owner: &str, healthy: bool, endpoint: &str) -> Vec<String> {
+    vec![
+        claims.serial.to_string(),
+        owner.to_owned(),
+        claims.proxy.to_string(),
+        claims.target.clone(),
+        ms(claims.expires_at),
+        if healthy { "1" } else { "0" }.to_owned(),
+        endpoint.to_owned(),
+    ]
+}
+
 fn ms(time: SystemTime) -> String {
     time.duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis()).to_string()
 }
@@ -538,16 +552,8 @@ impl LeaseState for RedisLeaseState {
     ) -> Result<Renewed, LeaseError> {
         let (claims, healthy, endpoint) = self.claims(id, owner)?;
         let ttl = self.ttl(ttl);
-        let args = vec![
-            claims.serial.to_string(),
-            owner.to_owned(),
-            claims.proxy.to_string(),
-            claims.target.clone(),
-            ms(claims.expires_at),
-            if healthy { "1" } else { "0" }.to_owned(),
-            endpoint.clone(),
-            ttl.as_millis().to_string(),
-        ];
+        let mut args = id_args(&claims, owner, healthy, &endpoint);
+        args.push(ttl.as_millis().to_string());
         let what = "a renewal";
         let reply = strings(self.run("renew", args).await?, what)?;
         match reply.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
@@ -596,14 +602,8 @@ impl LeaseState for RedisLeaseState {
                     .clamp(Duration::from_secs(1), self.config.throttle_cap),
             ),
         };
-        let mut args = vec![
-            claims.serial.to_string(),
-            owner.to_owned(),
-            claims.proxy.to_string(),
-            claims.target.clone(),
-            ms(claims.expires_at),
-            if healthy { "1" } else { "0" }.to_owned(),
-            endpoint,
+        let mut args = id_args(&claims, owner, healthy, &endpoint);
+        args.extend([
             outcome.to_owned(),
             report.ok.to_string(),
             report.failed.to_string(),
@@ -611,7 +611,7 @@ impl LeaseState for RedisLeaseState {
             wait.as_millis().to_string(),
             self.config.reported_burst.to_string(),
             self.config.reported_per_second.to_string(),
-        ];
+        ]);
         args.extend(policy_args(self.policy(&claims.proxy)));
         for sibling in self.siblings(&claims.proxy) {
             let policy = policy_args(self.policy(&sibling));
