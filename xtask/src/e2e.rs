@@ -17,6 +17,10 @@ use anyhow::{Context, Result, bail};
 use crate::process::{cargo, output, run};
 use crate::{envtest, packages, podnet};
 
+/// The suite's test binaries, for `cargo test`.
+const SUITE_TESTS: [&str; 8] =
+    ["-p", "egress-operator", "--test", "e2e", "--test", "e2e_shared", "--test", "host_process"];
+
 /// The kind cluster the suite uses.
 const KIND_CLUSTER: &str = "egress-e2e";
 
@@ -30,7 +34,8 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
     let network = podnet::PodNetwork::create()?;
     let mut inside = network.command(crate::process::cargo_program());
     crate::process::forget_cargo_run(&mut inside)
-        .args(["test", "--locked", "--offline", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
+        .args(["test", "--locked", "--offline"])
+        .args(SUITE_TESTS)
         .args(cargo_test_args);
     run(&mut inside)
 }
@@ -38,9 +43,7 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
 /// `cargo test` of the e2e suite; cargo builds the operator binary it runs.
 fn suite(cargo_test_args: &[String]) -> Command {
     let mut command = cargo();
-    command
-        .args(["test", "--locked", "-p", "egress-operator", "--test", "e2e", "--test", "host_process"])
-        .args(cargo_test_args);
+    command.args(["test", "--locked"]).args(SUITE_TESTS).args(cargo_test_args);
     command
 }
 

@@ -348,6 +348,7 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         default_probe_url: origin.ip_url(),
         // One tenant, so the read token sees the cooldowns the lease token's reports make.
         discovery_tokens: Some(format!("lease {token} tenant=demo\nread {read_token} tenant=demo\n")),
+        shared_state: false,
     };
     println!("[quickstart] kubectl apply -k deploy/default (the operator's image runs as {})", binary.display());
     let installation = Installation::apply(&plane, &options).await?;

@@ -107,16 +107,21 @@ async fn every_yaml_example_in_the_docs_is_accepted() {
                         refused.push(format!("{at}: docs/providers/providers.schema.json refuses {problem}"));
                     }
                 } else if value["apiVersion"].as_str().is_some_and(|api| api.starts_with("kustomize.config.k8s.io/")) {
-                    // An overlay beside deploy/default: what it builds on must be there.
+                    // An overlay beside deploy/default: what it builds on must be there, and it must build.
                     objects += 1;
+                    let mut beside_deploy = true;
                     for field in ["resources", "components"] {
                         for entry in value[field].as_array().into_iter().flatten().filter_map(Value::as_str) {
                             let beside = entry.strip_prefix("../").map(|rest| root().join("deploy").join(rest));
                             if !beside.is_some_and(|path| path.is_dir()) {
+                                beside_deploy = false;
                                 refused
                                     .push(format!("{at}: {field} names {entry}, which is not a directory of deploy/"));
                             }
                         }
+                    }
+                    if beside_deploy && let Err(error) = kustomize_beside_deploy(document) {
+                        refused.push(format!("{at}: `kubectl kustomize` of this overlay fails: {error}"));
                     }
                 } else if value.get("apiVersion").is_some() && value.get("kind").is_some() {
                     objects += 1;
@@ -220,4 +225,20 @@ fn no_production_file_is_over_800_lines() {
     }
     assert!(counted > 100, "only {counted} production files found: is the walk looking in the right place?");
     assert!(over.is_empty(), "production files over {MAX_PRODUCTION_LINES} lines: {over:?}");
+}
+
+/// Builds the overlay `kustomization` (whose `../` entries name directories of `deploy/`) with the real
+/// `kubectl kustomize`, from a directory of its own; the error kustomize prints when it fails.
+fn kustomize_beside_deploy(kustomization: &str) -> Result<(), String> {
+    let dir = tempfile::Builder::new().prefix("egress-docs-overlay-").tempdir().map_err(|error| error.to_string())?;
+    let deploy = std::fs::canonicalize(root().join("deploy")).map_err(|error| error.to_string())?;
+    let relative = egress_testenv::install::relative_path(dir.path(), &deploy);
+    let text = kustomization.replace("- ../", &format!("- {}/", relative.display()));
+    std::fs::write(dir.path().join("kustomization.yaml"), text).map_err(|error| error.to_string())?;
+    let output = std::process::Command::new(egress_testenv::assets::kubectl())
+        .arg("kustomize")
+        .arg(dir.path())
+        .output()
+        .map_err(|error| error.to_string())?;
+    if output.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&output.stderr).trim().to_owned()) }
 }

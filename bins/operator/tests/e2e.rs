@@ -13,6 +13,9 @@ mod common;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::cluster::{
+    Grants, WAIT, is_leader, kubectl, lease_every_200ms, longest_gap, pod_ip, ready, through_gateway,
+};
 use egress_api::{ProviderHealth, Proxy, ProxyPhase, ProxyPool, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::install::{InstallOptions, Installation, SHIPPED_LEASE_TOKEN, SYSTEM_NAMESPACE};
@@ -22,8 +25,6 @@ use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, P
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::RwLock;
-
-const WAIT: Duration = Duration::from_secs(120);
 
 /// The namespaces the tests' Proxies and proxy pods live in, each with its provider `pods-<namespace>`. The pool
 /// tests spread over two of them.
@@ -38,9 +39,6 @@ const NAMESPACES: [&str; 9] = [
     "e2e-rollout",
     "e2e-gateway",
 ];
-
-/// The role label the leader sets on its own pod.
-const ROLE_LABEL: &str = egress_runtime::role_label::ROLE_LABEL;
 
 /// Taken shared by tests that use discovery, exclusively by the one that kills the leader.
 static SUITE: RwLock<()> = RwLock::const_new(());
@@ -126,6 +124,7 @@ fn cluster() -> &'static Cluster {
                     proxy_namespaces: NAMESPACES.iter().map(|ns| (*ns).to_owned()).collect(),
                     default_probe_url: origin.ip_url(),
                     discovery_tokens: None,
+                    shared_state: false,
                 };
                 let started = Instant::now();
                 let installation = Installation::apply(plane, &options)
@@ -217,21 +216,6 @@ fn address(proxy: &Proxy) -> String {
         .and_then(|status| status.endpoint.as_ref())
         .map(|endpoint| endpoint.address.clone())
         .expect("an endpoint")
-}
-
-fn ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|status| status.conditions.as_ref())
-        .is_some_and(|conditions| conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-fn pod_ip(pod: &Pod) -> String {
-    pod.status.as_ref().and_then(|status| status.pod_ip.clone()).expect("a pod IP")
-}
-
-fn is_leader(pod: &Pod) -> bool {
-    pod.labels().get(ROLE_LABEL).map(String::as_str) == Some("leader")
 }
 
 /// `not-serving` refusals the suite provokes on purpose, by asking a follower directly.
@@ -658,6 +642,8 @@ struct Book {
     grants: std::sync::atomic::AtomicU32,
     renews: std::sync::atomic::AtomicU32,
     renews_404: std::sync::atomic::AtomicU32,
+    /// Renews answered 410 `not-adopted`: a lease the new leader could not take over, its proxy being full.
+    renews_not_adopted: std::sync::atomic::AtomicU32,
     bans: std::sync::atomic::AtomicU32,
     /// When a lease was last granted, and the longest time between two grants.
     last_grant: std::sync::Mutex<Option<Instant>>,
@@ -732,7 +718,13 @@ async fn crawl(
                     eprintln!("chaos: renew of a held lease answered 404: {detail}");
                     break;
                 }
-                Err(ClientError::Gone(_)) => break,
+                Err(ClientError::Gone(detail)) => {
+                    if detail.contains("not taken over") {
+                        book.renews_not_adopted.fetch_add(1, Ordering::SeqCst);
+                        eprintln!("chaos: renew of a held lease answered 410 not-adopted: {detail}");
+                    }
+                    break;
+                }
                 // A takeover in progress: not serving, or the Service's endpoint is a dead pod. Try again.
                 Err(_) => {}
             }
@@ -749,7 +741,7 @@ async fn crawl(
 }
 
 #[tokio::test]
-async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
+async fn leader_kills_under_crawler_load_lose_no_cooldown_and_pass_no_cap() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     // Alone: it kills the leader five times.
@@ -798,7 +790,7 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         let configmaps = configmaps.clone();
         async move {
             let kept = configmaps.get_opt(egress_runtime::durable::ENDED_LEASES_CONFIGMAP).await.ok()??;
-            let bytes = kept.binary_data?.into_values().next()?.0;
+            let bytes = kept.binary_data?.remove(egress_runtime::durable::ENDED_ENTRY)?.0;
             let records = egress_runtime::durable::decode_ended(&bytes).ok()?;
             (records.iter().filter(|record| record.released).count() >= 15).then_some(())
         }
@@ -814,7 +806,7 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     let sampler = {
         let (discovery, overshoot, stop) = (discovery.clone(), overshoot.clone(), stop.clone());
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
             while !stop.load(Ordering::SeqCst) {
                 tick.tick().await;
                 let Ok(proxies) = discovery.proxies(None, None).await else { continue };
@@ -923,14 +915,15 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     let violations = book.violations.lock().expect("book").clone();
     eprintln!(
         "e2e chaos: 5 leader SIGKILLs under 8 crawlers: {} leases, {} renews, {} bans; cooldowns lost {}; renews of \
-         held leases answered 404: {}; leases for a site the proxy cooled down for: {}; worst cap overshoot {} \
-         (bound {MAX_LEASES}); takeovers {:?}; longest time with no lease granted {longest_gap:.1?}; refusals {:?}; \
+         held leases answered 404: {}, 410 not-adopted: {}; leases for a site the proxy cooled down for: {}; a \
+         listing every 100 ms, worst proxy above its cap by {}; takeovers {:?}; longest time with no lease granted {longest_gap:.1?}; refusals {:?}; \
          15 released leases renewed after each takeover: {}",
         book.grants.load(Ordering::SeqCst),
         book.renews.load(Ordering::SeqCst),
         book.bans.load(Ordering::SeqCst),
         cooldowns_lost.len(),
         book.renews_404.load(Ordering::SeqCst),
+        book.renews_not_adopted.load(Ordering::SeqCst),
         violations.len(),
         overshoot.max(0),
         takeovers.iter().map(|took| format!("{:.1}s", took.as_secs_f64())).collect::<Vec<_>>(),
@@ -945,7 +938,12 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
     assert!(cooldowns_lost.is_empty(), "cooldowns lost: {cooldowns_lost:?}");
     assert_eq!(book.renews_404.load(Ordering::SeqCst), 0, "renews of held leases answered 404");
     assert!(violations.is_empty(), "{violations:?}");
-    assert!(overshoot <= i64::from(MAX_LEASES), "cap overshoot {overshoot} above the documented bound");
+    assert!(overshoot <= 0, "a listing showed a proxy {overshoot} above its cap");
+    // Only a lease granted after the leader's last write of the live leases (each second) and before its SIGKILL
+    // can be refused to its holder, and only when the new leader filled its proxy first: at most one per crawler
+    // per kill.
+    let not_adopted = book.renews_not_adopted.load(Ordering::SeqCst);
+    assert!(not_adopted <= 5 * 8, "{not_adopted} held leases were not taken over");
     // The documented bound of a takeover after a SIGKILL: the Lease duration (15 s as shipped) plus 3 s.
     let bound = Duration::from_secs(15 + 3);
     assert!(takeovers.iter().all(|took| *took <= bound), "takeovers {takeovers:?} above the bound {bound:?}");
@@ -968,49 +966,6 @@ async fn leader_kills_under_crawler_load_lose_no_cooldown_and_no_held_lease() {
         (left.items.is_empty() && proxy_pods(&client, ns).await.is_empty()).then_some(())
     })
     .await;
-}
-
-/// What the rollout's crawlers saw: when each lease was granted, and every failed call.
-#[derive(Default)]
-struct Grants {
-    at: std::sync::Mutex<Vec<Instant>>,
-    failures: std::sync::Mutex<Vec<String>>,
-}
-
-/// One crawler: every 200 ms, lease a proxy for one of 20 sites and release it, through the Service.
-async fn lease_every_200ms(
-    index: usize,
-    discovery: DiscoveryClient,
-    grants: std::sync::Arc<Grants>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
-    let mut pace = tokio::time::interval(Duration::from_millis(200));
-    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut round = index;
-    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-        pace.tick().await;
-        round += 1;
-        let site = format!("rollout-{}.example", round % 20);
-        match discovery.lease(LeaseOptions::for_target(site).ttl(Duration::from_secs(30))).await {
-            Ok(lease) => {
-                grants.at.lock().expect("grants").push(Instant::now());
-                if let Err(error) = lease.release().await {
-                    grants.failures.lock().expect("grants").push(format!("release: {error}"));
-                }
-            }
-            Err(error) => grants.failures.lock().expect("grants").push(format!("lease: {error}")),
-        }
-    }
-}
-
-/// The longest time between two grants in `at` (sorted) within `from..to`.
-fn longest_gap(at: &[Instant], from: Instant, to: Instant) -> Duration {
-    let mut inside: Vec<Instant> = at.iter().copied().filter(|at| *at >= from && *at <= to).collect();
-    inside.sort();
-    let mut edges = vec![from];
-    edges.extend(inside);
-    edges.push(to);
-    edges.windows(2).map(|pair| pair[1] - pair[0]).max().unwrap_or_default()
 }
 
 #[tokio::test]
@@ -1115,23 +1070,6 @@ async fn renew_status(id: &str) -> u16 {
         .expect("the renew is answered");
     let text = String::from_utf8_lossy(&response);
     text.split_whitespace().nth(1).and_then(|status| status.parse().ok()).unwrap_or_else(|| panic!("no status: {text}"))
-}
-
-/// Runs the real kubectl against the test cluster, as a user would; returns its standard output.
-async fn kubectl(args: &[&str]) -> String {
-    let kubeconfig = egress_testenv::shared().await.kubeconfig_path().to_path_buf();
-    let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(egress_testenv::assets::kubectl())
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .args(&args)
-            .output()
-    })
-    .await
-    .expect("kubectl's thread")
-    .expect("kubectl runs");
-    assert!(output.status.success(), "kubectl failed: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Probing fast, so members turn Ready within seconds.
@@ -1787,22 +1725,6 @@ async fn as_nobody_no_file_of_the_node_agent_or_the_control_plane_is_readable() 
     eprintln!("e2e: {count} files under the node agent's directory, none readable as nobody");
 }
 
-/// A GET of `url` through the gateway at `gateway` as `user`: the status and the proxy it went through.
-async fn through_gateway(gateway: std::net::SocketAddr, url: &str, user: &str) -> Result<(u16, String), String> {
-    let answer = tokio::time::timeout(
-        Duration::from_secs(45),
-        egress_testenv::through_proxy(gateway, "GET", url, Some((user, SHIPPED_LEASE_TOKEN))),
-    )
-    .await
-    .map_err(|_| "no answer within 45 s".to_owned())?
-    .map_err(|error| format!("{error:#}"))?;
-    let proxy = answer.header("x-egress-proxy").unwrap_or_default().to_owned();
-    if answer.status != 200 {
-        return Err(format!("{} via {proxy:?}: {}", answer.status, answer.header("proxy-status").unwrap_or_default()));
-    }
-    Ok((answer.status, proxy))
-}
-
 /// Opens a CONNECT tunnel to `target` through the gateway Service; returns it and the gateway pod it reached.
 async fn gateway_tunnel(target: std::net::SocketAddr) -> (tokio::net::TcpStream, std::net::SocketAddr) {
     let service = &cluster().installation.gateway;
@@ -1857,7 +1779,11 @@ async fn the_gateway_crawls_on_through_a_killed_replica_and_a_killed_leader() {
     let agent = cluster.installation.agent();
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
     for name in ["g-1", "g-2"] {
-        let mut proxy = Proxy::new(name, common::managed(&format!("pods-{ns}"), None));
+        // Room for every lease this test makes hold at once: each gateway replica's four sessions, and the leases of
+        // the replica it SIGKILLs, which stay held (and counted against the cap, by the next leader too) until their
+        // TTL. With the default cap of 5 a session had to move for want of room, which is not what is tested here.
+        let spec = ProxySpec { max_leases: Some(20), ..common::managed(&format!("pods-{ns}"), None) };
+        let mut proxy = Proxy::new(name, spec);
         proxy.metadata.labels = Some([("e2e".to_owned(), "gateway".to_owned())].into());
         proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
     }
@@ -1992,79 +1918,18 @@ fn url_of() -> String {
 }
 
 /// A ban reported at one gateway replica reaches the other, as `deploy/default` ships them (two replicas, the
-/// in-memory lease store on the leader): a session's 4 requests go through one proxy P on both replicas, one request
-/// reports `X-Egress-Report: banned` at the first replica, then 80 requests on new connections, alternating between
-/// the replicas over 60 s, send none through P and all through the session's one new proxy. Regression: a ban
-/// reached only the replica that saw it, and about half of the 80 left through P.
+/// in-memory lease store on the leader). Regression: a ban reached only the replica that saw it, and about half of
+/// the 80 requests after it left through the banned proxy.
 #[tokio::test]
 async fn a_ban_reported_at_one_gateway_replica_moves_the_session_at_both() {
     let _suite = SUITE.read().await;
     let cluster = cluster();
-    let client = client().await;
-    let ns = NAMESPACES[8];
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
-    let names = ["coherent-1", "coherent-2"];
-    for name in names {
-        let mut proxy = Proxy::new(name, common::managed(&format!("pods-{ns}"), None));
-        proxy.metadata.labels = Some([("e2e".to_owned(), "coherent".to_owned())].into());
-        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
-    }
-    wait_phase(&client, ns, &names, ProxyPhase::Ready).await;
-    let pods = cluster.installation.gateway_pods().await.expect("gateway pods");
-    assert_eq!(pods.len(), 2, "deploy/default runs two gateway replicas");
-    let replicas: Vec<std::net::SocketAddr> =
-        pods.iter().map(|pod| format!("{}:8088", pod_ip(pod)).parse().expect("a pod address")).collect();
     let url = cluster._origin.ip_url();
-    let user = "session-coherent,label-e2e=coherent";
-
-    let mut before = Vec::new();
-    for request in 0..4 {
-        let replica = replicas[request % 2];
-        let (_, proxy) = eventually_every("a GET through a gateway replica", WAIT, Duration::from_millis(500), || {
-            let url = url.clone();
-            async move { through_gateway(replica, &url, user).await }
-        })
-        .await;
-        before.push(proxy);
-    }
-    let banned = before[0].clone();
-    assert!(before.iter().all(|proxy| *proxy == banned), "one session, one proxy on both replicas: {before:?}");
-
-    let reported = egress_testenv::through_proxy_with(
-        replicas[0],
-        "GET",
+    common::cluster::a_ban_at_one_gateway_replica_moves_the_session_at_both(
+        &cluster.installation,
+        &client().await,
         &url,
-        Some((user, SHIPPED_LEASE_TOKEN)),
-        &[("X-Egress-Report", "banned")],
+        NAMESPACES[8],
     )
-    .await
-    .expect("the reporting request");
-    let moved_to = reported.header("x-egress-proxy").unwrap_or_default().to_owned();
-    assert_eq!(reported.status, 200, "{:?}", reported.header("proxy-status"));
-    assert_ne!(moved_to, banned, "the reporting request went elsewhere");
-
-    let started = Instant::now();
-    let mut pace = tokio::time::interval(Duration::from_millis(750));
-    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut through: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
-    let mut failed = Vec::new();
-    for request in 0..80 {
-        pace.tick().await;
-        match through_gateway(replicas[request % 2], &url, user).await {
-            Ok((_, proxy)) => *through.entry(proxy).or_default() += 1,
-            Err(error) => failed.push(error),
-        }
-    }
-    eprintln!(
-        "e2e: after a ban of {banned} reported at one gateway replica, 80 requests over {:.1?} alternating between \
-         both: {through:?}, {} failed",
-        started.elapsed(),
-        failed.len()
-    );
-    assert!(failed.is_empty(), "{failed:?}");
-    assert_eq!(through.get(&banned), None, "requests left through the banned proxy {banned}");
-    assert_eq!(through.keys().collect::<Vec<_>>(), vec![&moved_to], "the session's requests leave through one proxy");
-    for name in names {
-        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
-    }
+    .await;
 }

@@ -435,6 +435,7 @@ async fn the_chart_installs_upgrades_and_uninstalls_with_a_lease_through_the_ser
         proxy_namespaces: vec![PROXIES_NAMESPACE.to_owned()],
         default_probe_url: origin.ip_url(),
         discovery_tokens: None,
+        shared_state: false,
     };
     let started = Instant::now();
     let installer = Installer::Helm { chart: chart.clone(), release: RELEASE.to_owned(), args: Vec::new() };

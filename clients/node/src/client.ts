@@ -28,6 +28,12 @@ function noReplica(error: unknown): boolean {
 export const OUTCOMES = ['ok', 'banned', 'throttled', 'failed'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 
+/** A proxy's user name and password, not percent-encoded. */
+export interface ProxyCredentials {
+  username: string;
+  password: string;
+}
+
 /** The proxy a lease is on. */
 export interface LeasedProxy {
   namespace: string;
@@ -36,6 +42,8 @@ export interface LeasedProxy {
   port: number;
   /** `http://[user:password@]host:port`: give it to the HTTP client as its proxy. */
   url: string;
+  /** The credentials in `url`, as fields: for a client that connects to the proxy itself. */
+  credentials?: ProxyCredentials;
   /** The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns. */
   egressIP?: string;
 }
@@ -201,7 +209,18 @@ function leasedProxy(body: unknown): LeasedProxy {
   if (!isObject(body)) {
     throw new DecodeError(`not a lease: \`proxy\` is ${JSON.stringify(body)}`);
   }
-  return proxyRef(body, 'a lease');
+  const proxy = proxyRef(body, 'a lease');
+  const credentials = body['credentials'];
+  if (credentials != null) {
+    if (!isObject(credentials)) {
+      throw new DecodeError('not a lease: `proxy.credentials` is not an object');
+    }
+    proxy.credentials = {
+      username: field(credentials, 'username', 'string', "a lease's proxy credentials"),
+      password: field(credentials, 'password', 'string', "a lease's proxy credentials"),
+    };
+  }
+  return proxy;
 }
 
 interface LeaseState {

@@ -13,6 +13,7 @@ export {
   type ClientOptions,
   type CooldownInfo,
   type LeasedProxy,
+  type ProxyCredentials,
   type LeaseOptions,
   type Outcome,
   type ProxyInfo,

@@ -43,6 +43,7 @@ const declared = interfaces();
 /** @type {Array<[string, string, string[]]>} */
 const answers = [
   ['LeasedProxy', 'ProxyRef', []],
+  ['ProxyCredentials', 'ProxyCredentials', []],
   // `replaced` is on renew answers only: renew returns it rather than keeping it.
   ['LeaseState', 'Lease', ['replaced']],
   ['ProxyInfo', 'Proxy', []],
@@ -113,6 +114,8 @@ test('the decoders read every property of a full answer', async () => {
   const client = new egress.DiscoveryClient('http://discovery/', { token: 't', fetch });
   const held = await client.lease('example.com');
   assert.deepEqual(unread({ id: held.id, proxy: held.proxy, url: held.proxyUrl, egressIP: held.egressIP, target: held.target, expiresAt: held.expiresAt }), []);
+  assert.deepEqual(unread(held.leasedProxy), [], "every property of a lease's proxy was read, its credentials too");
+  assert.deepEqual(Object.keys(held.leasedProxy).sort(), Object.keys(lease.proxy).sort());
   const [listed] = await client.proxies();
   assert.deepEqual(unread(listed), [], 'every property of a listed proxy was read');
   assert.deepEqual(Object.keys(listed).sort(), Object.keys(proxy).sort());

@@ -32,6 +32,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
 pub use egress_fleet::ProxyId;
+pub use egress_wire::{Credentials, OwnedLease, ProxyRef};
 pub use refusals::{REFUSAL_STREAM_SILENCE, RefusalEvent, RefusalStream};
 
 mod refusals;
@@ -241,34 +242,6 @@ pub struct CooldownInfo {
     pub until: String,
     /// Bans in a row.
     pub streak: u32,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct LeasedProxy {
-    namespace: String,
-    name: String,
-    url: String,
-    #[serde(rename = "egressIP", default)]
-    egress_ip: Option<String>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct LeaseBody {
-    id: String,
-    proxy: LeasedProxy,
-    target: String,
-    expires_at: String,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct RenewBody {
-    #[serde(flatten)]
-    lease: LeaseBody,
-    #[serde(default)]
-    replaced: bool,
 }
 
 struct Inner {
@@ -534,9 +507,9 @@ impl DiscoveryClient {
     pub async fn resume(&self, id: &str, ttl: Option<Duration>) -> Result<LeaseGuard, ClientError> {
         let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
         let (_, bytes) = self.call(Method::POST, &format!("/v1/leases/{}/renew", encode(id)), Some(body)).await?;
-        let renewed: RenewBody =
+        let lease: OwnedLease =
             serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
-        Ok(LeaseGuard { client: self.clone(), lease: renewed.lease, released: AtomicBool::new(false) })
+        Ok(LeaseGuard { client: self.clone(), lease, released: AtomicBool::new(false) })
     }
 
     /// Leases a proxy.
@@ -558,7 +531,7 @@ impl DiscoveryClient {
             body["pool"] = json!(pool);
         }
         let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
-        let lease: LeaseBody =
+        let lease: OwnedLease =
             serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
         Ok(LeaseGuard { client: self.clone(), lease, released: AtomicBool::new(false) })
     }
@@ -568,7 +541,7 @@ impl DiscoveryClient {
 /// now and reports the result.
 pub struct LeaseGuard {
     client: DiscoveryClient,
-    lease: LeaseBody,
+    lease: OwnedLease,
     released: AtomicBool,
 }
 
@@ -587,6 +560,12 @@ impl LeaseGuard {
     /// `reqwest::Proxy::all(guard.proxy_url())`).
     pub fn proxy_url(&self) -> &str {
         &self.lease.proxy.url
+    }
+
+    /// The leased proxy as the API answered it: host, port and credentials as fields (for a client that connects
+    /// to the proxy itself rather than handing [`LeaseGuard::proxy_url`] to an HTTP client).
+    pub fn proxy_ref(&self) -> &ProxyRef<'static> {
+        &self.lease.proxy
     }
 
     /// The address sites see requests through the proxy come from, once its probes observed it. Proxies that share
@@ -612,10 +591,11 @@ impl LeaseGuard {
         let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
         let (_, bytes) =
             self.client.call(Method::POST, &format!("/v1/leases/{}/renew", encode(&self.lease.id)), Some(body)).await?;
-        let renewed: RenewBody =
+        let renewed: OwnedLease =
             serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
-        self.lease = renewed.lease;
-        Ok(renewed.replaced)
+        let replaced = renewed.replaced.unwrap_or(false);
+        self.lease = renewed;
+        Ok(replaced)
     }
 
     /// Reports what happened; for a ban or a throttle, returns when the proxy's cooldown for this site ends.

@@ -1,7 +1,7 @@
 //! 64 concurrent keep-alive clients doing lease → release against the discovery server, and the same clients
 //! against a bare hyper server that answers every request with a fixed small JSON body, in one run: requests per
-//! second of both, p50/p99 latency, and the ratio discovery / bare (goal: at least 0.5). Loopback only; each phase
-//! runs for a fixed time.
+//! second of both, p50/p99 latency, and the ratio discovery / bare (goal: at least 0.6). Loopback only; each phase
+//! runs for a fixed time, the two servers alternate for three rounds and each one's best round counts.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -18,7 +18,8 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 const CLIENTS: usize = 64;
-const PHASE: Duration = Duration::from_secs(5);
+const PHASE: Duration = Duration::from_secs(3);
+const ROUNDS: usize = 3;
 
 async fn discovery_server() -> SocketAddr {
     let records = (0..100)
@@ -137,7 +138,16 @@ async fn main() {
     );
     let discovery = discovery_server().await;
     let bare = bare_server().await;
-    let bare_rate = phase("bare hyper", bare).await;
-    let discovery_rate = phase("discovery", discovery).await;
-    println!("ratio discovery / bare hyper: {:.2} (goal: at least 0.5)", discovery_rate / bare_rate);
+    // This machine's neighbours make one phase's figure swing by a third: the phases alternate, three rounds, and
+    // each server's best round counts.
+    let (mut bare_rate, mut discovery_rate) = (0.0_f64, 0.0_f64);
+    for _ in 0..ROUNDS {
+        bare_rate = bare_rate.max(phase("bare hyper", bare).await);
+        discovery_rate = discovery_rate.max(phase("discovery", discovery).await);
+    }
+    println!(
+        "best of {ROUNDS}: bare hyper {bare_rate:.0} requests/s, discovery {discovery_rate:.0}; ratio discovery / bare \
+         hyper: {:.2} (goal: at least 0.6)",
+        discovery_rate / bare_rate
+    );
 }

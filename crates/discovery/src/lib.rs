@@ -115,11 +115,7 @@ pub trait PoolWaker: Send + Sync {
 impl ProxyRecord {
     /// `host:port` (`[host]:port` for IPv6): the endpoint leases remember.
     pub fn endpoint(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        egress_fleet::authority(&self.host, self.port)
     }
 }
 

@@ -24,9 +24,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -279,8 +278,7 @@ pub async fn serve_with(
     metrics: ServerMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let body_limit = BodyLimit { timeout: limits.body_timeout, metrics: metrics.clone(), server: name };
-    let router = router.layer(middleware::from_fn_with_state(body_limit, read_body_in_time));
+    let body_limit = Arc::new(BodyLimit { timeout: limits.body_timeout, metrics: metrics.clone(), server: name });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -333,6 +331,7 @@ pub async fn serve_with(
         let tracked = activity.clone();
         let router = router.clone();
         let held = source_slot.clone();
+        let body_limit = body_limit.clone();
         let service = tower::service_fn(move |request: Request<hyper::body::Incoming>| {
             tracked.in_flight.fetch_add(1, Ordering::AcqRel);
             tracked.any.store(true, Ordering::Release);
@@ -340,8 +339,15 @@ pub async fn serve_with(
             let guard = InFlight(tracked.clone());
             let router = router.clone();
             let held = held.clone();
+            let body_limit = body_limit.clone();
             async move {
-                let response = router.oneshot(request.map(Body::new)).await;
+                // The body is read here, within its timeout, before any route sees the request: one step of
+                // this future rather than a middleware layer boxed around every route.
+                let request = match read_body_in_time(&body_limit, request).await {
+                    Ok(request) => request,
+                    Err(refusal) => return Ok(refusal),
+                };
+                let response = router.oneshot(request).await;
                 if let Ok(response) = &response
                     && response.extensions().get::<Authenticated>().is_some()
                 {
@@ -403,9 +409,16 @@ struct BodyLimit {
     server: &'static str,
 }
 
-/// Reads the request's body within the body timeout (so a client that trickles it cannot hold a connection), then
-/// hands the request on with the body in memory. A late body answers 408 and closes the connection.
-async fn read_body_in_time(State(limit): State<BodyLimit>, request: Request, next: Next) -> Response {
+/// Reads the request's body within the body timeout (so a client that trickles it cannot hold a connection), and
+/// gives the request back with the body in memory; or the answer to send instead: 413 for a body above the limit,
+/// 408 (closing the connection) for a late one. A request that says it has no body is given back as it is.
+async fn read_body_in_time(
+    limit: &BodyLimit,
+    request: Request<hyper::body::Incoming>,
+) -> Result<Request<Body>, Response> {
+    if hyper::body::Body::is_end_stream(request.body()) {
+        return Ok(request.map(|_| Body::empty()));
+    }
     let (parts, body) = request.into_parts();
     let timeout = limit.timeout;
     let too_large = || {
@@ -426,17 +439,19 @@ async fn read_body_in_time(State(limit): State<BodyLimit>, request: Request, nex
         .and_then(|length| length.trim().parse::<u64>().ok())
         .is_some_and(|length| length > MAX_BODY_BYTES as u64)
     {
-        return too_large();
+        return Err(too_large());
     }
-    match tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
-        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
+    match tokio::time::timeout(timeout, axum::body::to_bytes(Body::new(body), MAX_BODY_BYTES)).await {
+        Ok(Ok(bytes)) => Ok(Request::from_parts(parts, Body::from(bytes))),
         Ok(Err(error))
             if std::error::Error::source(&error)
                 .is_some_and(|source| source.is::<http_body_util::LengthLimitError>()) =>
         {
-            too_large()
+            Err(too_large())
         }
-        Ok(Err(error)) => Problem::bad_request(format!("the request body could not be read: {error}")).into_response(),
+        Ok(Err(error)) => {
+            Err(Problem::bad_request(format!("the request body could not be read: {error}")).into_response())
+        }
         Err(_) => {
             limit.metrics.close(limit.server, "body-timeout");
             let mut response = Problem::new(
@@ -447,7 +462,7 @@ async fn read_body_in_time(State(limit): State<BodyLimit>, request: Request, nex
             )
             .into_response();
             response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-            response
+            Err(response)
         }
     }
 }

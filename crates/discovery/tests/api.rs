@@ -195,6 +195,12 @@ async fn every_route_succeeds() {
     );
     assert_eq!(lease["target"], "example.co.uk");
     assert_eq!(lease["proxy"]["url"], "http://crawler:p%40ss@10.0.0.1:3128", "credentials for a lease token");
+    assert_eq!(
+        lease["proxy"]["credentials"],
+        serde_json::json!({ "username": "crawler", "password": "p@ss" }),
+        "and as fields, not percent-encoded"
+    );
+    assert_eq!((lease["proxy"]["host"].as_str(), lease["proxy"]["port"].as_u64()), (Some("10.0.0.1"), Some(3128)));
     assert_eq!(lease["proxy"]["egressIP"], "203.0.113.97", "the address the site sees, for the holder's siblings");
     assert!(lease["expiresAt"].as_str().is_some_and(|t| t.ends_with('Z')));
 

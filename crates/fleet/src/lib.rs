@@ -246,9 +246,21 @@ pub fn is_dns_label(value: &str) -> bool {
         && bytes.iter().all(|byte| edge(byte) || *byte == b'-')
 }
 
+/// `host:port`, with an IPv6 host in brackets: what a client connects to, and the authority of a URL.
+pub fn authority(host: &str, port: u16) -> String {
+    if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipv6_host_is_bracketed_in_an_authority() {
+        assert_eq!(authority("10.0.0.1", 3128), "10.0.0.1:3128");
+        assert_eq!(authority("squid.crawl", 3128), "squid.crawl:3128");
+        assert_eq!(authority("2001:db8::7", 3128), "[2001:db8::7]:3128");
+    }
 
     #[test]
     fn the_text_form_goes_both_ways() {

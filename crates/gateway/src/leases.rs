@@ -15,7 +15,6 @@
 //! held until its answer (or its tunnel) ends, so consecutive requests rotate: the store hands out the least-loaded
 //! proxy, ties to the least recently leased.
 
-use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -24,7 +23,6 @@ use async_trait::async_trait;
 use egress_client::{
     ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported, ProxyId, RefusalEvent,
 };
-use percent_encoding::percent_decode_str;
 use tokio::sync::watch;
 use tracing::{debug, info};
 
@@ -286,7 +284,7 @@ impl LeaseRouter {
                 Err(error) => return Err(refusal(error)),
             }
         };
-        let upstream = upstream_of(&lease)?;
+        let upstream = upstream_of(&lease);
         debug!(proxy = %upstream.proxy, lease = lease.id(), host = request.host, "leased");
         Ok((lease, upstream))
     }
@@ -444,12 +442,17 @@ impl LeaseRouter {
                 Ok(replaced) => {
                     if replaced {
                         info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
-                        held.upstream = upstream_of(lease).ok().map(|mut upstream| {
-                            upstream.revoked = held.revoke.as_ref().map(watch::Sender::subscribe);
-                            upstream
-                        });
+                        let mut upstream = upstream_of(lease);
+                        upstream.revoked = held.revoke.as_ref().map(watch::Sender::subscribe);
+                        held.upstream = Some(upstream);
                     }
                     held.renewed = Some(Instant::now());
+                }
+                // The discovery API or its state store is out of reach for now (503, a 5xx, no answer): the lease
+                // stays the session's, as the API promises ("sessions holding a lease carry on"), and is renewed at
+                // the next sweep. Leasing again could not succeed meanwhile, and would move the session.
+                Err(error) if transient(&error) => {
+                    debug!(%error, "renewing a session's lease failed for now; the session keeps its proxy and renews later");
                 }
                 Err(error) => {
                     debug!(%error, "renewing a session's lease failed; the next request leases again");
@@ -556,7 +559,7 @@ impl Router for LeaseRouter {
     async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError> {
         let Some(key) = self.session_key(request) else {
             let (lease, mut upstream) = self.lease(request).await?;
-            upstream.hold = Some(Arc::new(lease) as Arc<dyn Any + Send + Sync>);
+            upstream.hold = Some(Arc::new(lease));
             return Ok(upstream);
         };
         let session = self.session(&key, request.options.sticky.unwrap_or(self.config.default_sticky));
@@ -593,7 +596,7 @@ impl Router for LeaseRouter {
             return Verdict::Accepted;
         };
         let lease = match (&upstream.hold, self.session_key(request)) {
-            (Some(hold), _) => hold.clone().downcast::<LeaseGuard>().ok(),
+            (Some(hold), _) => Some(hold.clone()),
             (None, Some(key)) => {
                 let session = lock(&self.sessions).get(&key).cloned();
                 match session {
@@ -622,31 +625,22 @@ impl Router for LeaseRouter {
     }
 }
 
-/// The upstream a lease points at.
-fn upstream_of(lease: &LeaseGuard) -> Result<Upstream, GatewayError> {
-    let url = lease.proxy_url();
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| GatewayError::internal(format!("the lease's proxy URL is not http:// ({})", lease.proxy())))?;
-    let rest = rest.trim_end_matches('/');
-    let (credentials, address) = match rest.rsplit_once('@') {
-        Some((credentials, address)) => (Some(credentials), address),
-        None => (None, rest),
-    };
-    let decoded = credentials.map(|credentials| {
-        let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
-        (
-            percent_decode_str(user).decode_utf8_lossy().into_owned(),
-            percent_decode_str(password).decode_utf8_lossy().into_owned(),
-        )
-    });
-    let mut upstream = Upstream::new(
-        address,
-        decoded.as_ref().map(|(user, password)| (user.as_str(), password.as_str())),
-        lease.proxy().to_string(),
-    );
+/// The upstream a lease points at: the proxy's address and credentials as the API answered them.
+fn upstream_of(lease: &LeaseGuard) -> Upstream {
+    let proxy = lease.proxy_ref();
+    let credentials = proxy.credentials.as_ref().map(|credentials| (&*credentials.username, &*credentials.password));
+    let mut upstream = Upstream::new(proxy.address(), credentials, proxy.id());
     upstream.lease = Some(lease.id().to_owned());
-    Ok(upstream)
+    upstream
+}
+
+/// Whether a failed renewal says nothing of the lease itself: the API or its state could not answer now.
+fn transient(error: &ClientError) -> bool {
+    match error {
+        ClientError::Unavailable { .. } | ClientError::Transport(_) => true,
+        ClientError::Status { status, .. } => *status >= 500,
+        _ => false,
+    }
 }
 
 /// The gateway's answer to a lease the discovery API refused.

@@ -1,7 +1,6 @@
 //! Where a request goes: the [`Router`] picks the upstream proxy for a tenant's request to a site, and hears what
 //! came of it; the [`Authenticator`] tells the tenant from the token in the proxy password.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -97,9 +96,9 @@ pub struct Upstream {
     pub proxy: String,
     /// The lease the request is made under, for the `X-Egress-Lease` answer header, when there is one.
     pub lease: Option<String>,
-    /// Whatever the router wants kept until the request's answer (or its tunnel) ends, such as a lease of the
-    /// request's own, released when this is dropped.
-    pub hold: Option<Arc<dyn Any + Send + Sync>>,
+    /// The lease of the request's own (one without a session), kept until the request's answer (or its tunnel)
+    /// ends and released when dropped.
+    pub hold: Option<Arc<egress_client::LeaseGuard>>,
     /// Turns `true` when the router takes this upstream back from the site (it now cools down for it): a tunnel
     /// through it closes then, so a crawler's kept-alive tunnel cannot go on reaching the site through a banned proxy.
     pub revoked: Option<watch::Receiver<bool>>,

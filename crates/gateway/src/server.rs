@@ -13,7 +13,6 @@
 //! once its request in flight is answered; [`Gateway::drain`] then waits for the answers still streaming and the
 //! tunnels still open, up to a deadline.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -577,7 +576,7 @@ struct Who<'a> {
 /// An answer's body that keeps the router's hold until it is done.
 struct Holding {
     inner: Body,
-    _hold: Arc<dyn Any + Send + Sync>,
+    _hold: Arc<dyn Send + Sync>,
 }
 
 impl hyper::body::Body for Holding {

@@ -614,3 +614,108 @@ async fn a_refusal_at_one_gateway_replica_moves_the_sessions_of_the_other() {
         assert_eq!(header(&head, "x-egress-proxy"), Some(now_on.as_str()), "{head}");
     }
 }
+
+/// Answers every lease and renewal `503 state-unavailable` while `down` is set, as discovery does while its shared
+/// state store is out of reach; counts the renewals it refused.
+async fn store_down(
+    axum::extract::State((down, refused)): axum::extract::State<(
+        Arc<std::sync::atomic::AtomicBool>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    )>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use std::sync::atomic::Ordering;
+    let leasing = request.method() == axum::http::Method::POST && request.uri().path().starts_with("/v1/leases");
+    if !(leasing && down.load(Ordering::SeqCst)) {
+        return next.run(request).await;
+    }
+    if request.uri().path().ends_with("/renew") {
+        refused.fetch_add(1, Ordering::SeqCst);
+    }
+    axum::response::Response::builder()
+        .status(503)
+        .header("retry-after", "2")
+        .header("content-type", "application/problem+json")
+        .body(axum::body::Body::from(r#"{"reason":"state-unavailable","detail":"the lease state does not answer"}"#))
+        .expect("a response")
+}
+
+/// A session holding a lease carries on through its proxy while the discovery API cannot renew it (its state store
+/// is down: 503 state-unavailable), and its lease is renewed once it can. Regression: the failed renewal dropped
+/// the session's hold, so its next request had to lease again, and failed with 503 until the store returned.
+#[tokio::test]
+async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = two_squids().await;
+    let (state, _store) = discovery_state(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let (down, refused) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let layer = axum::middleware::from_fn_with_state((down.clone(), refused.clone()), store_down);
+    let discovery = serve_discovery(router(state).layer(layer)).await;
+    // Leases of 2 s are renewed after 1 s, at the router's next sweep (every 5 s).
+    let config = LeaseRouterConfig {
+        lease_ttl: std::time::Duration::from_secs(2),
+        ..LeaseRouterConfig::new(format!("http://{discovery}"))
+    };
+    let router = LeaseRouter::start(config).expect("router");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let gateway = listener.local_addr().expect("address");
+    let tokens = Arc::new(StaticTokens::new().with(TOKEN, "crawlers"));
+    tokio::spawn(
+        Gateway::new(router.clone(), tokens, GatewayLimits::default()).serve(listener, std::future::pending()),
+    );
+    let url = origin.ip_url();
+    let (status, held) = get(gateway, &url, "session-kept").await;
+    assert_eq!(status, 200);
+
+    down.store(true, Ordering::SeqCst);
+    egress_testenv::eventually(
+        "the router to try renewing the session's lease",
+        std::time::Duration::from_secs(15),
+        || {
+            let refused = refused.clone();
+            async move { (refused.load(Ordering::SeqCst) > 0).then_some(()) }
+        },
+    )
+    .await;
+    // A new session cannot lease now; the session that holds one goes on through its proxy.
+    let answer = through_proxy(gateway, "GET", &url, Some(("session-new", TOKEN))).await.expect("an answer");
+    assert_eq!(answer.status, 503, "a new session while the state is down");
+    assert!(answer.header("proxy-status").unwrap_or_default().contains("state-unavailable"), "{answer:?}");
+    for _ in 0..3 {
+        assert_eq!(get(gateway, &url, "session-kept").await, (200, held.clone()), "the held session while down");
+    }
+
+    down.store(false, Ordering::SeqCst);
+    let failed = refused.load(Ordering::SeqCst);
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    assert_eq!(refused.load(Ordering::SeqCst), failed, "renewals are refused no more");
+    assert_eq!(get(gateway, &url, "session-kept").await, (200, held), "the session after the state returned");
+}
+
+/// The gateway routes with the host, port and credentials a lease's answer carries as fields (it used to parse the
+/// URL discovery formatted and percent-decode it): a password with reserved characters reaches the proxy as it is,
+/// for a session's lease and for a request's own.
+#[tokio::test]
+async fn a_leased_proxy_that_takes_credentials_is_reached_with_them() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let password = "p@ss:w/rd %";
+    let squid = Squid::start(SquidOptions {
+        credentials: Some(("crawler".into(), password.into())),
+        ..SquidOptions::default()
+    })
+    .await
+    .expect("Squid with credentials");
+    let (state, _store) = discovery_state(&[]).await;
+    let mut proxy = record("guarded", &squid);
+    proxy.credentials = Some(egress_fleet::ProxyCredentials::new("crawler", password));
+    state.upsert(proxy).await;
+    let discovery = serve_discovery(router(state)).await;
+    let (gateway, _router) = gateway(discovery, vec![403], 0).await;
+    let url = origin.ip_url();
+    for user in ["session-c1", ""] {
+        let (status, proxy) = get(gateway, &url, user).await;
+        assert_eq!((status, proxy.as_str()), (200, "crawl/guarded"), "{user}");
+    }
+}

@@ -137,11 +137,7 @@ impl ProbeUrl {
 
     /// `host:port`, with an IPv6 host in brackets.
     fn authority(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        egress_fleet::authority(&self.host, self.port)
     }
 
     /// The URL as given.

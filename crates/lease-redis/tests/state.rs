@@ -1,6 +1,7 @@
 //! The shared lease state against a real `redis-server`: several replicas (stores on one server) agree on caps,
 //! sessions, cooldowns and leases, a lost server answers `StateUnavailable` and is used again once back, and a
-//! server that lost its data adopts the leases its clients show and takes cooldowns back from their records.
+//! server that lost its data adopts the leases its clients show and takes cooldowns back from their records, also
+//! behind a forwarder that closes connections while the server is away.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -362,4 +363,84 @@ async fn a_fleet_larger_than_the_sample_is_leased_evenly_and_to_its_last_slot() 
     assert_eq!(active(&stores[1], &proxies).await, vec![12; 40]);
     let full = stores[0].lease(&request("example.com", "t1"), SystemTime::now()).await;
     assert!(matches!(full, Err(LeaseError::AllAtCapacity { .. })), "{full:?}");
+}
+
+/// A TCP forwarder to `target` that, while `up` is false, accepts each connection and closes it at once (as a
+/// Service, a sidecar or a load balancer in front of a store with no backend does) and has dropped the ones it was
+/// carrying.
+struct Forwarder {
+    address: std::net::SocketAddr,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    carried: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    async fn start(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind((target.ip(), 0)).await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let carried: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
+        let (routing, tasks) = (up.clone(), carried.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !routing.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue;
+                }
+                tasks.lock().expect("tasks").push(tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                }));
+            }
+        });
+        Self { address, up, carried, accept }
+    }
+
+    fn set_up(&self, up: bool) {
+        self.up.store(up, std::sync::atomic::Ordering::SeqCst);
+        if !up {
+            for task in self.carried.lock().expect("tasks").drain(..) {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.set_up(false);
+    }
+}
+
+/// Behind something that accepts connections and closes them while the store is away (a Service proxy, a sidecar, a
+/// load balancer), a reconnection fails during the handshake rather than with a refused connection; the state is
+/// still used again as soon as the store is back, without a restart.
+#[tokio::test]
+async fn behind_a_forwarder_that_closes_connections_while_the_store_is_away_the_state_is_used_again() {
+    let server = RedisServer::start(Some("s3cret-pass")).await.expect("redis");
+    let forwarder = Forwarder::start(server.address()).await;
+    let options = RedisOptions {
+        password: Some("s3cret-pass".into()),
+        ..RedisOptions::new(format!("redis://{}/", forwarder.address))
+    };
+    let store =
+        RedisLeaseState::connect(&options, LeaseConfig::default(), LeaseKey::ephemeral()).await.expect("connect");
+    store.upsert_proxy(proxy("a", 1000, None)).await.expect("upsert");
+    store.lease(&request("example.com", "t1"), SystemTime::now()).await.expect("lease");
+    forwarder.set_up(false);
+    for _ in 0..6 {
+        let down = store.lease(&request("example.com", "t1"), SystemTime::now()).await;
+        assert!(matches!(down, Err(LeaseError::StateUnavailable(_))), "{down:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    forwarder.set_up(true);
+    let back = std::time::Instant::now();
+    let took = egress_testenv::eventually("a lease within 5 s of the store's return", Duration::from_secs(5), || {
+        let store = &store;
+        async move { store.lease(&request("example.com", "t1"), SystemTime::now()).await.ok().map(|_| back.elapsed()) }
+    })
+    .await;
+    eprintln!("used again {took:?} after the store returned");
 }

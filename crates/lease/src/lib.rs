@@ -90,6 +90,21 @@ pub struct EndedLeaseRecord {
     pub released: bool,
 }
 
+/// A live lease as kept elsewhere ([`LeaseStore::live_leases`]), so the next leader counts it against its proxy's
+/// cap before its holder shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveLeaseRecord {
+    /// The serial every ID of the lease carries.
+    pub serial: u64,
+    /// The proxy it counts against.
+    pub proxy: ProxyId,
+    /// The owner its IDs are bound to (a tenant's name). Not the target: what a tenant crawls is not written
+    /// down; the store takes it from the lease's ID when its holder shows it.
+    pub owner: String,
+    /// Its expiry, to the second.
+    pub until: SystemTime,
+}
+
 /// What a crawler asks for.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseRequest {
@@ -304,6 +319,12 @@ pub enum LeaseError {
     /// The lease was revoked because its proxy turned unhealthy or disappeared.
     #[error("lease {0:?} was revoked: its proxy is no longer available")]
     Revoked(String),
+    /// A lease this store did not know (granted by a previous leader) whose proxy is at its cap here: taking it
+    /// over would take the proxy above it, so its holder leases again.
+    #[error(
+        "lease {0:?} was not taken over: its proxy reached its cap (maxLeases) after a change of leader; lease again"
+    )]
+    NotAdopted(String),
     /// The owner holds as many leases as its quota allows.
     #[error("the tenant holds {limit} leases, its quota (maxLeases)")]
     QuotaExceeded {
@@ -390,6 +411,15 @@ pub trait LeaseStore: Send + Sync {
     /// instead of adopted. A lease this store holds or already knows ended is left as it is. Returns how many
     /// were taken.
     fn restore_ended(&self, records: &[EndedLeaseRecord], now: SystemTime) -> usize;
+    /// The live leases, latest expiry first, at most `limit`; with [`LeaseStore::live_generation`] as it was when
+    /// they were read.
+    fn live_leases(&self, limit: usize, now: SystemTime) -> (u64, Vec<LiveLeaseRecord>);
+    /// A number that changes whenever a lease is granted, taken over, renewed or ends.
+    fn live_generation(&self) -> u64;
+    /// Takes in live leases kept elsewhere (by the store of a previous leader): each counts against its proxy's
+    /// cap at once, as if its holder had shown it. One this store knows (live or ended), an expired one, one on a
+    /// proxy unknown or unhealthy here and one its proxy has no room for are left out. Returns how many were taken.
+    fn restore_live(&self, records: &[LiveLeaseRecord], now: SystemTime) -> usize;
     /// Ends the cooldowns for `target` (normalised here) now and forgets their streaks: of `proxy` and the
     /// proxies leaving through its egress IP, or of every proxy. Returns the ones that were running.
     fn clear_cooldowns(

@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use egress_fleet::ProxyId;
 
+mod invariants;
 mod state;
 
 pub use state::session_weight;
@@ -19,8 +20,8 @@ use state::*;
 
 use crate::id::{Claims, LeaseKey};
 use crate::{
-    Cooldown, EndedLeaseRecord, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, Outcome, Outcomes, ProxyInfo,
-    ProxyLoad, Renewed, Report, Reported, normalize,
+    Cooldown, EndedLeaseRecord, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, LiveLeaseRecord, Outcome,
+    Outcomes, ProxyInfo, ProxyLoad, Renewed, Report, Reported, normalize,
 };
 
 /// An internal inconsistency found by [`InMemoryLeaseStore::check_invariants`].
@@ -74,7 +75,12 @@ impl InMemoryLeaseStore {
     fn resolve(&self, inner: &mut Inner, id: &str, owner: &str, now: SystemTime) -> Result<u64, LeaseError> {
         let unknown = || LeaseError::UnknownLease(id.to_owned());
         let claims = self.key.verify(id, owner).ok_or_else(unknown)?;
-        if inner.leases.contains_key(&claims.serial) {
+        if let Some(lease) = inner.leases.get_mut(&claims.serial) {
+            if lease.unconfirmed {
+                // Restored from a previous leader's record, which leaves the target out: the ID names it.
+                lease.unconfirmed = false;
+                lease.target = claims.target;
+            }
             return Ok(claims.serial);
         }
         match inner.ended.get(&claims.serial) {
@@ -88,31 +94,24 @@ impl InMemoryLeaseStore {
         let Some(proxy) = inner.proxies.get(&claims.proxy).filter(|proxy| proxy.info.healthy) else {
             return Err(LeaseError::Revoked(id.to_owned()));
         };
-        let endpoint = proxy.info.endpoint.clone();
-        inner.sequence += 1;
+        // Taking it over must not take its proxy above the cap (the new leader may have filled it meanwhile). A
+        // lease shown is surely held; one only on the previous leader's record may have been released since, so
+        // the shown one takes the slot of the unconfirmed one that ends first (which, if it is held after all, is
+        // taken over again when shown, while there is room).
+        if proxy.active >= proxy.info.max_leases {
+            let unconfirmed = proxy
+                .leases
+                .iter()
+                .filter_map(|serial| {
+                    inner.leases.get(serial).filter(|lease| lease.unconfirmed).map(|l| (l.expires_at, *serial))
+                })
+                .min();
+            let Some((_, making_room)) = unconfirmed else { return Err(LeaseError::NotAdopted(id.to_owned())) };
+            inner.free(making_room);
+        }
         inner.adopted += 1;
-        let sequence = inner.sequence;
         let serial = claims.serial;
-        inner.reindex(&claims.proxy, |state| {
-            state.active += 1;
-            state.leases.insert(serial);
-        });
-        inner.lease_expiries.insert((claims.expires_at, serial));
-        inner.owners.entry(owner.to_owned()).or_default().insert(serial);
-        inner.leases.insert(
-            serial,
-            LeaseState {
-                proxy: claims.proxy,
-                target: claims.target,
-                expires_at: claims.expires_at,
-                sequence,
-                granted_at: now,
-                endpoint,
-                adopted: true,
-                reported: 0,
-                owner: owner.to_owned(),
-            },
-        );
+        inner.adopt(serial, claims.proxy, Some(claims.target), owner.to_owned(), claims.expires_at, now);
         Ok(serial)
     }
 
@@ -124,73 +123,6 @@ impl InMemoryLeaseStore {
     fn cooldown_for(&self, inner: &Inner, proxy: &ProxyId, streak: u32) -> Duration {
         let policy = inner.proxies.get(proxy).and_then(|state| state.info.cooldown).unwrap_or(self.config.cooldown);
         policy.after(streak)
-    }
-
-    /// Checks every internal invariant: no proxy above its cap, active counts equal the live leases, no lease on an
-    /// unhealthy proxy, no lease granted while its (proxy, target) cooled down, the eligibility index matches the
-    /// proxies.
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        let inner = self.lock();
-        let violation = |text: String| Err(InvariantViolation(text));
-        let mut counted: HashMap<&str, u32> = HashMap::new();
-        let mut adopted: HashMap<&str, u32> = HashMap::new();
-        for (serial, lease) in &inner.leases {
-            let Some(proxy) = inner.proxies.get(&lease.proxy) else {
-                return violation(format!("lease {serial:x} is on unknown proxy {}", lease.proxy));
-            };
-            if !proxy.info.healthy {
-                return violation(format!("lease {serial:x} is on unhealthy proxy {}", lease.proxy));
-            }
-            if !proxy.leases.contains(serial) {
-                return violation(format!("lease {serial:x} is missing from its proxy's lease set"));
-            }
-            if let Some(cooldown) = inner.cooldowns.get(&(lease.proxy.clone(), lease.target.clone()))
-                && !lease.adopted
-                && cooldown.started < lease.sequence
-                && cooldown.until > lease.granted_at
-            {
-                return violation(format!(
-                    "lease {serial:x} was granted on {} while it cooled down for {}",
-                    lease.proxy, lease.target
-                ));
-            }
-            *counted.entry(lease.proxy.as_str()).or_default() += 1;
-            if lease.adopted {
-                *adopted.entry(lease.proxy.as_str()).or_default() += 1;
-            }
-        }
-        for (id, proxy) in &inner.proxies {
-            let live = counted.get(id.as_str()).copied().unwrap_or(0);
-            if proxy.active != live || proxy.leases.len() as u32 != live {
-                return violation(format!("proxy {id} counts {} active leases but has {live}", proxy.active));
-            }
-            // Only adopted leases (held before a takeover) may take a proxy above its cap.
-            let allowance = adopted.get(id.as_str()).copied().unwrap_or(0);
-            if proxy.active > proxy.info.max_leases.saturating_add(allowance) {
-                return violation(format!(
-                    "proxy {id} has {} leases, above its cap {}",
-                    proxy.active, proxy.info.max_leases
-                ));
-            }
-            if proxy.eligible() != inner.available.contains(&proxy.key()) {
-                return violation(format!("proxy {id} is indexed as available wrongly"));
-            }
-        }
-        if inner.available.len() != inner.proxies.values().filter(|proxy| proxy.eligible()).count() {
-            return violation("the availability index holds stale entries".into());
-        }
-        if inner.lease_expiries.len() != inner.leases.len() {
-            return violation("lease expiries and leases differ in number".into());
-        }
-        let owned: usize = inner.owners.values().map(HashSet::len).sum();
-        if owned != inner.leases.len()
-            || inner.owners.iter().any(|(owner, held)| {
-                held.is_empty() || held.iter().any(|serial| inner.leases.get(serial).is_none_or(|l| &l.owner != owner))
-            })
-        {
-            return violation("the leases by owner differ from the live leases".into());
-        }
-        Ok(())
     }
 
     /// Counts of live entries, for memory-bound tests: (leases, cooldowns, sessions, revoked, outcome counters).
@@ -341,6 +273,7 @@ impl LeaseStore for InMemoryLeaseStore {
         let renewed = self.sign(serial, lease, owner);
         inner.lease_expiries.remove(&(previous, serial));
         inner.lease_expiries.insert((renewed.expires_at, serial));
+        inner.live_generation += 1;
         Ok(Renewed { lease: renewed, moved_from })
     }
 
@@ -565,10 +498,7 @@ impl LeaseStore for InMemoryLeaseStore {
         let mut restored = 0;
         for record in records {
             // A lease live here (adopted since) or already known to have ended keeps what this store knows.
-            if record.until <= now
-                || inner.leases.contains_key(&record.serial)
-                || inner.ended.contains_key(&record.serial)
-            {
+            if record.until <= now || inner.knows(record.serial) {
                 continue;
             }
             inner.end(
@@ -582,6 +512,49 @@ impl LeaseStore for InMemoryLeaseStore {
                     reported: 0,
                 },
             );
+            restored += 1;
+        }
+        restored
+    }
+
+    fn live_leases(&self, limit: usize, now: SystemTime) -> (u64, Vec<LiveLeaseRecord>) {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let records = inner
+            .lease_expiries
+            .iter()
+            .rev()
+            .take(limit)
+            .filter_map(|(until, serial)| {
+                let lease = inner.leases.get(serial)?;
+                Some(LiveLeaseRecord {
+                    serial: *serial,
+                    proxy: lease.proxy.clone(),
+                    owner: lease.owner.clone(),
+                    until: *until,
+                })
+            })
+            .collect();
+        (inner.live_generation, records)
+    }
+
+    fn live_generation(&self) -> u64 {
+        self.lock().live_generation
+    }
+
+    fn restore_live(&self, records: &[LiveLeaseRecord], now: SystemTime) -> usize {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let mut restored = 0;
+        for record in records {
+            let room = inner
+                .proxies
+                .get(&record.proxy)
+                .is_some_and(|proxy| proxy.info.healthy && proxy.active < proxy.info.max_leases);
+            if record.until <= now || !room || inner.knows(record.serial) {
+                continue;
+            }
+            inner.adopt(record.serial, record.proxy.clone(), None, record.owner.clone(), record.until, now);
             restored += 1;
         }
         restored

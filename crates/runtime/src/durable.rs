@@ -1,7 +1,8 @@
 //! What the discovery API keeps in the apiserver so that a restart or a new leader loses nothing a client relies
 //! on: cooldowns in each Proxy's `status.cooldowns` (written under a field manager of their own), the key lease
-//! IDs are signed with, in a Secret every replica reads, and the leases that ended before their expiry, in a
-//! ConfigMap the leader rewrites (so a released lease's ID is not adopted again by the next leader).
+//! IDs are signed with, in a Secret every replica reads, and the leases that ended before their expiry and those
+//! still live, in a ConfigMap the leader rewrites (so a released lease's ID is not adopted again by the next leader,
+//! and a held one counts against its proxy's cap there before its holder shows it).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use egress_api::{CooldownStatus, Proxy};
 use egress_discovery::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
-use egress_lease::{Cooldown, EndedLeaseRecord, LeaseKey, LeaseStore, MIN_KEY_BYTES, ProxyId};
+use egress_lease::{Cooldown, EndedLeaseRecord, LeaseKey, LeaseStore, LiveLeaseRecord, MIN_KEY_BYTES, ProxyId};
 use egress_reconcile::ids::proxy_id;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -159,8 +160,16 @@ pub const ENDED_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 const WRITE_RETRIES: egress_reconcile::backoff::Backoff =
     egress_reconcile::backoff::Backoff::new(ENDED_WRITE_INTERVAL.saturating_mul(2), Duration::from_secs(60));
 
-/// The key in the ConfigMap's binaryData, and the field manager that writes it.
-const ENDED_ENTRY: &str = "ended-v1";
+/// The most live leases kept (the ones expiring last): about 40 bytes each plus each proxy's and owner's name once,
+/// so with the ended ones (340 KB at most) the ConfigMap stays below the apiserver's 1 MiB limit. Leases beyond it
+/// are taken over when their holders show them, while their proxies have room.
+pub const MAX_PERSISTED_LIVE: usize = 10_000;
+
+/// The key in the ConfigMap's binaryData of the ended leases ([`encode_ended`]).
+pub const ENDED_ENTRY: &str = "ended-v1";
+/// The key in the ConfigMap's binaryData of the live leases ([`encode_live`]).
+pub const LIVE_ENTRY: &str = "live-v1";
+/// The field manager that writes them.
 const ENDED_FIELD_MANAGER: &str = "egress-operator-ended-leases";
 const RECORD_BYTES: usize = 17;
 
@@ -194,6 +203,57 @@ pub fn decode_ended(bytes: &[u8]) -> Result<Vec<EndedLeaseRecord>> {
                 other => bail!("a record's last byte is {other}, not 0 (revoked) or 1 (released)"),
             };
             Ok(EndedLeaseRecord { serial, until: UNIX_EPOCH + Duration::from_secs(seconds), released })
+        })
+        .collect()
+}
+
+/// The live leases as kept: each name once, each lease as (serial, expiry in seconds since the epoch rounded up,
+/// index of its proxy, of its owner).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LiveLeases {
+    proxies: Vec<String>,
+    owners: Vec<String>,
+    leases: Vec<(u64, u64, usize, usize)>,
+}
+
+/// `records` as JSON bytes, every proxy and owner named once.
+pub fn encode_live(records: &[LiveLeaseRecord]) -> Vec<u8> {
+    fn index(names: &mut Vec<String>, seen: &mut std::collections::HashMap<String, usize>, name: &str) -> usize {
+        *seen.entry(name.to_owned()).or_insert_with(|| {
+            names.push(name.to_owned());
+            names.len() - 1
+        })
+    }
+    let mut kept = LiveLeases { proxies: Vec::new(), owners: Vec::new(), leases: Vec::new() };
+    let (mut proxies, mut owners) = Default::default();
+    for record in records {
+        let until = record.until.duration_since(UNIX_EPOCH).unwrap_or_default();
+        let seconds = until.as_secs() + u64::from(until.subsec_nanos() > 0);
+        let proxy = index(&mut kept.proxies, &mut proxies, &record.proxy.to_string());
+        let owner = index(&mut kept.owners, &mut owners, &record.owner);
+        kept.leases.push((record.serial, seconds, proxy, owner));
+    }
+    serde_json::to_vec(&kept).expect("plain data serialises")
+}
+
+/// The records [`encode_live`] wrote, or what is wrong with `bytes`.
+pub fn decode_live(bytes: &[u8]) -> Result<Vec<LiveLeaseRecord>> {
+    let kept: LiveLeases = serde_json::from_slice(bytes).context("the live leases are not the JSON written")?;
+    let proxies = kept
+        .proxies
+        .iter()
+        .map(|proxy| proxy.parse::<ProxyId>().map_err(|error| anyhow::anyhow!("proxy {proxy:?}: {error}")))
+        .collect::<Result<Vec<_>>>()?;
+    kept.leases
+        .iter()
+        .map(|&(serial, seconds, proxy, owner)| {
+            let missing = |what: &str, at: usize| format!("lease {serial:x} names {what} {at}, not in the list");
+            Ok(LiveLeaseRecord {
+                serial,
+                proxy: proxies.get(proxy).cloned().with_context(|| missing("proxy", proxy))?,
+                owner: kept.owners.get(owner).cloned().with_context(|| missing("owner", owner))?,
+                until: UNIX_EPOCH + Duration::from_secs(seconds),
+            })
         })
         .collect()
 }
@@ -245,8 +305,24 @@ impl EndedLeases {
             None => Vec::new(),
         };
         let restored = self.store.restore_ended(&records, SystemTime::now());
+        let live = match kept.as_ref().and_then(|map| map.binary_data.as_ref()).and_then(|data| data.get(LIVE_ENTRY)) {
+            Some(ByteString(bytes)) => decode_live(bytes).unwrap_or_else(|error| {
+                warn!(configmap = %self.name(), error = %format!("{error:#}"), "the kept live leases cannot be read; \
+                      their holders' leases are taken over when shown, while their proxies have room");
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        let counted = self.store.restore_live(&live, SystemTime::now());
         self.restored.store(true, Ordering::Release);
-        info!(configmap = %self.name(), kept = records.len(), restored, "ended leases restored");
+        info!(
+            configmap = %self.name(),
+            kept = records.len(),
+            restored,
+            live = live.len(),
+            counted,
+            "ended and live leases restored"
+        );
         Ok(restored)
     }
 
@@ -255,10 +331,12 @@ impl EndedLeases {
         if !self.restored.load(Ordering::Acquire) {
             return Ok(());
         }
-        if self.store.ended_generation() == self.written.load(Ordering::Acquire) {
+        if self.generation() == self.written.load(Ordering::Acquire) {
             return Ok(());
         }
-        let (generation, records) = self.store.ended_leases(MAX_PERSISTED_ENDED, SystemTime::now());
+        let (ended_generation, records) = self.store.ended_leases(MAX_PERSISTED_ENDED, SystemTime::now());
+        let (live_generation, live) = self.store.live_leases(MAX_PERSISTED_LIVE, SystemTime::now());
+        let generation = ended_generation.wrapping_add(live_generation);
         let body = serde_json::json!({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -266,15 +344,23 @@ impl EndedLeases {
                 "name": ENDED_LEASES_CONFIGMAP,
                 "labels": { "app.kubernetes.io/managed-by": "egress-operator" },
             },
-            "binaryData": { ENDED_ENTRY: ByteString(encode_ended(&records)) },
+            "binaryData": {
+                ENDED_ENTRY: ByteString(encode_ended(&records)),
+                LIVE_ENTRY: ByteString(encode_live(&live)),
+            },
         });
         self.configmaps
             .patch(ENDED_LEASES_CONFIGMAP, &PatchParams::apply(ENDED_FIELD_MANAGER).force(), &Patch::Apply(&body))
             .await
             .with_context(|| format!("writing the ended leases to ConfigMap {}", self.name()))?;
         self.written.store(generation, Ordering::Release);
-        debug!(configmap = %self.name(), ended = records.len(), "ended leases written");
+        debug!(configmap = %self.name(), ended = records.len(), live = live.len(), "ended and live leases written");
         Ok(())
+    }
+
+    /// Changes whenever a lease is granted, renewed, taken over or ends.
+    fn generation(&self) -> u64 {
+        self.store.ended_generation().wrapping_add(self.store.live_generation())
     }
 
     /// This replica stopped leading: the next term reads the record again before writing.
@@ -359,6 +445,33 @@ mod tests {
         let older = serde_json::json!({"cooldowns": [{"site": "example.com", "until": "2027-01-15T08:00:00Z", "streak": 3, "tenants": ["team-a"]}]});
         proxy.status = Some(serde_json::from_value(older).expect("an older status"));
         assert_eq!(cooldowns_of(&proxy), cooldowns);
+    }
+
+    #[test]
+    fn live_leases_round_trip_with_each_name_once_and_bad_bytes_are_named() {
+        let at = |seconds| UNIX_EPOCH + Duration::from_secs(seconds);
+        let record = |serial, proxy: &str, owner: &str, until| LiveLeaseRecord {
+            serial,
+            proxy: ProxyId::new("crawl", proxy),
+            owner: owner.into(),
+            until,
+        };
+        let records = vec![
+            record(u64::MAX, "a", "t1", at(1_800_000_100)),
+            record(7, "b", "t1", at(1_800_000_000)),
+            record(8, "a", "", at(1_800_000_000) + Duration::from_millis(1)),
+        ];
+        let bytes = encode_live(&records);
+        let text = String::from_utf8(bytes.clone()).expect("JSON");
+        assert_eq!(text.matches("crawl/a").count(), 1, "each name once: {text}");
+        let mut expected = records.clone();
+        expected[2].until = at(1_800_000_001);
+        assert_eq!(decode_live(&bytes).expect("decoded"), expected, "to the second, rounded up");
+        assert!(decode_live(b"[1").unwrap_err().to_string().contains("not the JSON written"));
+        let dangling = br#"{"proxies":["crawl/a"],"owners":[""],"leases":[[10,1,0,3]]}"#;
+        assert!(format!("{:#}", decode_live(dangling).unwrap_err()).contains("lease a names owner 3"));
+        let bad = br#"{"proxies":["no-slash"],"owners":[],"leases":[]}"#;
+        assert!(format!("{:#}", decode_live(bad).unwrap_err()).contains("no-slash"));
     }
 
     #[test]

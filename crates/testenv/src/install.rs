@@ -62,7 +62,23 @@ pub struct InstallOptions {
     /// The discovery tokens file's content (`lease <token>` lines), replacing the shipped example tokens; None
     /// keeps them ([`SHIPPED_LEASE_TOKEN`]).
     pub discovery_tokens: Option<String>,
+    /// Installs with the shared state store as `docs/install.md` says (the `deploy/shared-state` component over
+    /// `deploy/default`, its URL and password Secret), and the store itself: Debian's `redis-server`, run by the
+    /// node agent for a `valkey` Deployment and Service in [`SYSTEM_NAMESPACE`] (kustomize only).
+    pub shared_state: bool,
 }
+
+/// The image the test's state store Deployment names, run as Debian's `redis-server`.
+pub const STATE_STORE_IMAGE: &str = "valkey/valkey:8";
+
+/// The test's state store Deployment (and Service) in [`SYSTEM_NAMESPACE`].
+pub const STATE_STORE_DEPLOYMENT: &str = "valkey";
+
+/// The label selecting the test's state store's pods.
+pub const STATE_STORE_SELECTOR: &str = "app=valkey";
+
+/// The password of the test's state store.
+const STATE_STORE_PASSWORD: &str = "e2e-state-store-password";
 
 /// `deploy/default` running on the local control plane.
 pub struct Installation {
@@ -72,6 +88,8 @@ pub struct Installation {
     pub discovery: ServiceProxy,
     /// The `egress-gateway` Service, reached the same way.
     pub gateway: ServiceProxy,
+    /// The state store's `valkey` Service, when installed with [`InstallOptions::shared_state`].
+    pub state_store: Option<ServiceProxy>,
 }
 
 /// How an installation is made.
@@ -107,6 +125,13 @@ impl Installation {
         let address = plane.server_address().context("an installation needs the local control plane")?;
         let discovery = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-discovery", "discovery").await?;
         let gateway = ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, "egress-gateway", "gateway").await?;
+        let state_store = match (options.shared_state, installer) {
+            (false, _) => None,
+            (true, Installer::Kustomize) => {
+                Some(ServiceProxy::start(client.clone(), SYSTEM_NAMESPACE, STATE_STORE_DEPLOYMENT, "redis").await?)
+            }
+            (true, Installer::Helm { .. }) => bail!("the shared state store is installed with kustomize only here"),
+        };
         // Each pod listens on its own address (the pods share this network namespace). There is no cluster DNS
         // here: the gateway's pods reach the discovery Service through its stand-in, as the name would resolve.
         let operator_env = ["DISCOVERY", "METRICS", "HEALTH", "GATEWAY"]
@@ -118,12 +143,16 @@ impl Installation {
                 ("EGRESS_DISCOVERY_URL".to_owned(), discovery.url()),
             ])
             .collect();
-        let images = ImageMap::new()
+        let mut images = ImageMap::new()
             .with(
                 OPERATOR_IMAGE,
                 Runtime::Program { entrypoint: vec![options.operator_binary.display().to_string()], env: operator_env },
             )
             .with(SQUID_IMAGE, Runtime::Squid);
+        if state_store.is_some() {
+            let redis = crate::redis::redis_binary()?.display().to_string();
+            images = images.with(STATE_STORE_IMAGE, Runtime::Program { entrypoint: vec![redis], env: Vec::new() });
+        }
         let mut namespaces = vec![SYSTEM_NAMESPACE.to_owned()];
         namespaces.extend(options.proxy_namespaces.iter().cloned());
         let agent = NodeAgent::start_with(
@@ -135,7 +164,9 @@ impl Installation {
         let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig_path().display());
         match installer {
             Installer::Kustomize => {
-                let overlay = write_overlay(&options.providers_yaml, options.discovery_tokens.as_deref())?;
+                let store = state_store.as_ref().map(|service| service.url().replace("http://", "redis://") + "/0");
+                let overlay =
+                    write_overlay(&options.providers_yaml, options.discovery_tokens.as_deref(), store.as_deref())?;
                 let output = Command::new(assets::kubectl())
                     .arg(&kubeconfig)
                     .args(["apply", "-k"])
@@ -171,7 +202,7 @@ impl Installation {
                 }
             }
         }
-        let installation = Self { agent, client, discovery, gateway };
+        let installation = Self { agent, client, discovery, gateway, state_store };
         installation.wait_available(Duration::from_secs(180)).await?;
         Ok(installation)
     }
@@ -211,10 +242,14 @@ impl Installation {
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
         let deadline = tokio::time::Instant::now() + timeout;
         // The gateway may be left out (the chart's `gateway.enabled=false`); the operator may not.
-        for (name, service, selector, container, optional) in [
+        let mut waited = vec![
             ("egress-operator", &self.discovery, OPERATOR_SELECTOR, "operator", false),
             ("egress-gateway", &self.gateway, GATEWAY_SELECTOR, "gateway", true),
-        ] {
+        ];
+        if let Some(store) = &self.state_store {
+            waited.insert(0, (STATE_STORE_DEPLOYMENT, store, STATE_STORE_SELECTOR, "valkey", false));
+        }
+        for (name, service, selector, container, optional) in waited {
             loop {
                 let deployment = deployments.get_opt(name).await?;
                 if deployment.is_none() && optional {
@@ -277,8 +312,9 @@ impl Installation {
 }
 
 /// Writes a kustomize overlay over the shipped `deploy/default` that replaces only the providers ConfigMap (and,
-/// when given, the discovery tokens).
-fn write_overlay(providers_yaml: &str, tokens: Option<&str>) -> Result<tempfile::TempDir> {
+/// when given, the discovery tokens); with `state_store` (the store's URL), it adds the `deploy/shared-state`
+/// component as `docs/install.md` says, the password Secret a user creates, and the store.
+fn write_overlay(providers_yaml: &str, tokens: Option<&str>, state_store: Option<&str>) -> Result<tempfile::TempDir> {
     let dir = tempfile::Builder::new().prefix("egress-overlay-").tempdir()?;
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/default");
     let base = std::fs::canonicalize(&base).with_context(|| format!("finding {}", base.display()))?;
@@ -299,12 +335,84 @@ fn write_overlay(providers_yaml: &str, tokens: Option<&str>) -> Result<tempfile:
             serde_json::Value::from(tokens)
         ),
     };
+    let kustomization = match state_store {
+        None => kustomization,
+        Some(url) => {
+            let component = relative.with_file_name("shared-state");
+            std::fs::write(dir.path().join("state-store.yaml"), state_store_manifests())?;
+            format!(
+                "{kustomization}  - patch: |\n      apiVersion: v1\n      kind: ConfigMap\n      metadata:\n        name: \
+                 egress-operator-state-store\n      data:\n        url: {url}\nnamespace: {SYSTEM_NAMESPACE}\n\
+                 components:\n  - {}\n",
+                component.display()
+            )
+            .replacen("resources:\n", "resources:\n  - state-store.yaml\n", 1)
+        }
+    };
     std::fs::write(dir.path().join("kustomization.yaml"), kustomization)?;
     Ok(dir)
 }
 
+/// The test's state store, as a user might run one: the password Secret the operator reads, and one in-memory
+/// Valkey (Debian's `redis-server` under the node agent) behind the Service `valkey`. A new pod starts empty.
+fn state_store_manifests() -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Secret
+metadata:
+  name: egress-operator-state-store
+stringData:
+  password: {STATE_STORE_PASSWORD}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {STATE_STORE_DEPLOYMENT}
+spec:
+  replicas: 1
+  selector:
+    matchLabels: {{ app: {STATE_STORE_DEPLOYMENT} }}
+  template:
+    metadata:
+      labels: {{ app: {STATE_STORE_DEPLOYMENT} }}
+    spec:
+      terminationGracePeriodSeconds: 2
+      # The namespace enforces the restricted Pod Security Standard.
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 65532
+        runAsGroup: 65532
+        seccompProfile: {{ type: RuntimeDefault }}
+      containers:
+        - name: valkey
+          image: {STATE_STORE_IMAGE}
+          securityContext:
+            allowPrivilegeEscalation: false
+            capabilities: {{ drop: [ALL] }}
+          args: ["--bind", "$(POD_IP)", "--port", "6379", "--save", "", "--appendonly", "no",
+                 "--requirepass", "$(PASSWORD)"]
+          env:
+            - name: POD_IP
+              valueFrom: {{ fieldRef: {{ fieldPath: status.podIP }} }}
+            - name: PASSWORD
+              valueFrom: {{ secretKeyRef: {{ name: egress-operator-state-store, key: password }} }}
+          ports:
+            - {{ name: redis, containerPort: 6379 }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {STATE_STORE_DEPLOYMENT}
+spec:
+  selector: {{ app: {STATE_STORE_DEPLOYMENT} }}
+  ports:
+    - {{ name: redis, port: 6379, targetPort: redis }}
+"#
+    )
+}
+
 /// `to` relative to the directory `from` (kustomize refuses absolute resource paths); both absolute.
-fn relative_path(from: &Path, to: &Path) -> PathBuf {
+pub fn relative_path(from: &Path, to: &Path) -> PathBuf {
     let from = std::fs::canonicalize(from).unwrap_or(from.to_path_buf());
     let from: Vec<Component> = from.components().collect();
     let to: Vec<Component> = to.components().collect();

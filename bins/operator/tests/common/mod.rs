@@ -1,4 +1,6 @@
-//! Helpers both end-to-end binaries use.
+//! Helpers the end-to-end binaries use.
+
+pub mod cluster;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -16,7 +16,7 @@ from ._errors import (
     Unauthorized,
     Unavailable,
 )
-from ._models import OUTCOMES, CooldownInfo, LeasedProxy, ProxyInfo
+from ._models import OUTCOMES, CooldownInfo, LeasedProxy, ProxyCredentials, ProxyInfo
 from .gateway import GatewayError, areport_to_gateway, gateway_proxy_url, report_to_gateway
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "Lease",
     "LeasedProxy",
     "NotFound",
+    "ProxyCredentials",
     "ProxyInfo",
     "QuotaExceeded",
     "TransportError",

@@ -27,6 +27,24 @@ def parse_time(text: Any) -> datetime.datetime:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProxyCredentials:
+    """A proxy's user name and password, not percent-encoded."""
+
+    username: str
+    #: Left out of `repr`, so a logged lease does not show it.
+    password: str = dataclasses.field(repr=False)
+
+
+def credentials_of(body: Any) -> Optional[ProxyCredentials]:
+    """A lease's `proxy.credentials`, when the answer has them."""
+    if body is None:
+        return None
+    if not isinstance(body, Mapping):
+        raise TypeError(f"proxy.credentials is {body!r}, not an object")
+    return ProxyCredentials(username=str(body["username"]), password=str(body["password"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class LeasedProxy:
     """The proxy a lease is on."""
 
@@ -36,6 +54,8 @@ class LeasedProxy:
     port: int
     #: `http://[user:password@]host:port`: give it to the HTTP client as its proxy.
     url: str
+    #: The credentials in `url`, as fields: for a client that connects to the proxy itself.
+    credentials: Optional[ProxyCredentials] = None
     #: The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns.
     egress_ip: Optional[str] = None
 
@@ -66,6 +86,7 @@ class LeaseState:
                     host=str(proxy["host"]),
                     port=int(proxy["port"]),
                     url=str(proxy["url"]),
+                    credentials=credentials_of(proxy.get("credentials")),
                     egress_ip=proxy.get("egressIP"),
                 ),
                 target=str(body["target"]),

@@ -1,5 +1,7 @@
 //! The lease routes: lease (by site, selector, proxy, session or pool), renew, release and report.
 
+use std::borrow::Cow;
+
 use super::*;
 
 /// What to lease a proxy for.
@@ -88,43 +90,6 @@ pub(super) fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Durati
     }
 }
 
-/// The proxy a lease is on.
-#[derive(Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(rename = "ProxyRef")]
-pub(super) struct LeasedProxy<'a> {
-    namespace: &'a str,
-    name: &'a str,
-    host: &'a str,
-    port: u16,
-    /// `http://[user:password@]host:port`; credentials only for lease-scope tokens.
-    url: String,
-    /// The address sites see requests through this proxy come from, once its probes observed it: a client holding
-    /// leases on several proxies drops, on a ban or a throttle, every one that leaves through the same address
-    /// (they share the cooldown).
-    #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
-    egress_ip: Option<&'a str>,
-}
-
-/// A lease: granted, or renewed.
-#[derive(Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(rename = "Lease")]
-pub(super) struct LeaseResponse<'a> {
-    /// Self-verifying: usable only with a token of the tenant that took the lease, by any replica that shares the
-    /// operator's lease key (it survives restarts and failovers); renew answers a newer ID for the same lease.
-    id: &'a str,
-    proxy: LeasedProxy<'a>,
-    /// The normalised target.
-    target: &'a str,
-    #[schemars(extend("format" = "date-time"))]
-    expires_at: String,
-    /// On renew only: true when the proxy's instance was replaced since the holder was last told its URL: use
-    /// `proxy.url` from now on (the old instance is kept only until its holders renew, or the drain timeout).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    replaced: Option<bool>,
-}
-
 /// The lease as JSON bytes, serialised straight from the record under the read lock (no copies on the hot path).
 /// `replaced` is given on renew. The holder of a lease is told the proxy's credentials.
 pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool>) -> Result<Vec<u8>, Problem> {
@@ -134,18 +99,22 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
             .with_reason("proxy-gone")
             .with_retry_after(Duration::from_secs(1))
     })?;
-    let response = LeaseResponse {
-        id: &lease.id,
-        proxy: LeasedProxy {
-            namespace: record.id.namespace(),
-            name: record.id.name(),
-            host: &record.host,
+    let response = egress_wire::Lease {
+        id: Cow::Borrowed(&lease.id),
+        proxy: egress_wire::ProxyRef {
+            namespace: Cow::Borrowed(record.id.namespace()),
+            name: Cow::Borrowed(record.id.name()),
+            host: Cow::Borrowed(&record.host),
             port: record.port,
-            url: proxy_url(record, true),
-            egress_ip: record.egress_ip.as_deref(),
+            url: Cow::Owned(proxy_url(record, true)),
+            credentials: record.credentials.as_ref().map(|credentials| egress_wire::Credentials {
+                username: Cow::Borrowed(&credentials.username),
+                password: Cow::Borrowed(credentials.password.expose()),
+            }),
+            egress_ip: record.egress_ip.as_deref().map(Cow::Borrowed),
         },
-        target: &lease.target,
-        expires_at: timestamp(lease.expires_at),
+        target: Cow::Borrowed(&lease.target),
+        expires_at: Cow::Owned(timestamp(lease.expires_at)),
         replaced,
     };
     serde_json::to_vec(&response).map_err(|error| {
@@ -279,6 +248,13 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
         }
         LeaseError::UnknownProxy(_) | LeaseError::UnknownLease(_) => Problem::not_found(detail),
         LeaseError::Revoked(_) => Problem::new(StatusCode::GONE, "revoked", "The lease was revoked", detail),
+        LeaseError::NotAdopted(_) => Problem::new(
+            StatusCode::GONE,
+            "not-adopted",
+            "The lease was not taken over after a change of leader",
+            detail,
+        )
+        .with_reason("not-adopted"),
         LeaseError::StateUnavailable(_) => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "state-unavailable",

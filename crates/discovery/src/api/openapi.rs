@@ -6,7 +6,7 @@ use schemars::generate::{Contract, SchemaSettings};
 use serde_json::{Value, json};
 
 use super::cooldowns::{ClearedCooldowns, CooldownList};
-use super::leases::{LeaseBody, LeaseResponse, RenewBody, ReportBody, ReportResult};
+use super::leases::{LeaseBody, RenewBody, ReportBody, ReportResult};
 use super::proxies::ProxyList;
 use super::refusals::RefusalLine;
 use crate::problem::Problem;
@@ -23,7 +23,7 @@ fn schemas() -> serde_json::Map<String, Value> {
         SchemaSettings::openapi3().with(|settings| settings.contract = Contract::Serialize).into_generator();
     answers.subschema_for::<Problem>();
     answers.subschema_for::<ProxyList>();
-    answers.subschema_for::<LeaseResponse<'static>>();
+    answers.subschema_for::<egress_wire::Lease<'static>>();
     answers.subschema_for::<ReportResult>();
     answers.subschema_for::<CooldownList>();
     answers.subschema_for::<ClearedCooldowns>();

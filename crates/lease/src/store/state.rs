@@ -32,6 +32,9 @@ pub(super) struct LeaseState {
     /// Taken over from an ID another store issued (after a restart or a change of leader): it may have been
     /// granted before a cooldown this store knows, and it may take its proxy above the cap.
     pub(super) adopted: bool,
+    /// Restored from a previous leader's record and not shown by its holder since: it may have been released in
+    /// that leader's last second, so a lease its holder does show may take its slot.
+    pub(super) unconfirmed: bool,
     /// Requests its reports have counted so far (bounded by what the lease could have made).
     pub(super) reported: u64,
     /// Who holds it (the owner its IDs are bound to).
@@ -93,6 +96,9 @@ pub(super) struct Inner {
     /// Changes whenever a lease ends (or an ended one turns from revoked to released), so a caller that keeps the
     /// ended leases elsewhere knows when to write them again.
     pub(super) ended_generation: u64,
+    /// Changes whenever a lease is granted, taken over, renewed or freed, so a caller that keeps the live leases
+    /// elsewhere knows when to write them again.
+    pub(super) live_generation: u64,
     pub(super) cooldowns: HashMap<(ProxyId, String), CooldownState>,
     pub(super) cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
     /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
@@ -209,9 +215,53 @@ impl Inner {
         }
     }
 
+    /// Counts the lease `serial` (unknown here, its proxy known, healthy and with room) against its proxy, as held
+    /// by `owner` until `expires_at`: taken over from another store, when its holder showed it (`target` from its
+    /// ID) or from the previous leader's record (`None`: unconfirmed until shown).
+    pub(super) fn adopt(
+        &mut self,
+        serial: u64,
+        proxy: ProxyId,
+        target: Option<String>,
+        owner: String,
+        expires_at: SystemTime,
+        now: SystemTime,
+    ) {
+        let endpoint = self.proxies.get(&proxy).map(|state| state.info.endpoint.clone()).unwrap_or_default();
+        self.sequence += 1;
+        self.live_generation += 1;
+        let sequence = self.sequence;
+        self.reindex(&proxy, |state| {
+            state.active += 1;
+            state.leases.insert(serial);
+        });
+        self.lease_expiries.insert((expires_at, serial));
+        self.owners.entry(owner.clone()).or_default().insert(serial);
+        let unconfirmed = target.is_none();
+        let lease = LeaseState {
+            proxy,
+            target: target.unwrap_or_default(),
+            expires_at,
+            sequence,
+            granted_at: now,
+            endpoint,
+            adopted: true,
+            unconfirmed,
+            reported: 0,
+            owner,
+        };
+        self.leases.insert(serial, lease);
+    }
+
+    /// Whether the lease `serial` is live here or known to have ended.
+    pub(super) fn knows(&self, serial: u64) -> bool {
+        self.leases.contains_key(&serial) || self.ended.contains_key(&serial)
+    }
+
     /// Frees a live lease's slot. Returns its state, or `None` if it is not live (so a slot is never freed twice).
     pub(super) fn free(&mut self, serial: u64) -> Option<LeaseState> {
         let lease = self.leases.remove(&serial)?;
+        self.live_generation += 1;
         self.lease_expiries.remove(&(lease.expires_at, serial));
         if let Some(held) = self.owners.get_mut(&lease.owner) {
             held.remove(&serial);
@@ -300,6 +350,7 @@ impl Inner {
         now: SystemTime,
     ) -> Lease {
         self.sequence += 1;
+        self.live_generation += 1;
         let sequence = self.sequence;
         let serial = store.serial_base.wrapping_add(sequence);
         // To the second, as the ID carries it: the store that adopts the lease sees the same expiry.
@@ -319,6 +370,7 @@ impl Inner {
             granted_at: now,
             endpoint,
             adopted: false,
+            unconfirmed: false,
             reported: 0,
             owner: owner.to_owned(),
         };

@@ -401,21 +401,86 @@ fn a_store_with_the_same_key_adopts_leases_it_never_saw() {
 }
 
 #[test]
-fn adopted_leases_may_exceed_the_cap_but_nothing_new_is_granted_above_it() {
+fn a_lease_is_taken_over_only_while_its_proxy_has_room() {
     let key = LeaseKey::from_bytes(&[3; 32]).expect("key");
     let old = keyed(&key, &[proxy("a", 1)]);
     let held = old.lease(&request("example.com"), t(0)).expect("held before the takeover");
     let new = keyed(&key, &[proxy("a", 1)]);
     let fresh = new.lease(&request("example.com"), t(1)).expect("granted by the new store");
-    new.renew(&held.id, "", None, t(2)).expect("the held lease is adopted above the cap");
+    let refused = new.renew(&held.id, "", None, t(2));
+    assert!(matches!(refused, Err(LeaseError::NotAdopted(_))), "the proxy is full here: {refused:?}");
     let loads = new.loads(None, t(2)).expect("loads");
-    assert_eq!((loads[0].active_leases, loads[0].max_leases), (2, 1), "overshoot of one");
-    new.check_invariants().expect("adopted leases may exceed the cap");
-    assert!(matches!(new.lease(&request("example.com"), t(3)), Err(LeaseError::AllAtCapacity { .. })));
+    assert_eq!((loads[0].active_leases, loads[0].max_leases), (1, 1), "never above the cap");
+    new.check_invariants().expect("invariants");
     new.release(&fresh.id, "", t(3)).expect("release");
-    assert!(matches!(new.lease(&request("example.com"), t(3)), Err(LeaseError::AllAtCapacity { .. })), "still at cap");
-    new.release(&held.id, "", t(4)).expect("release");
-    new.lease(&request("example.com"), t(4)).expect("below the cap again");
+    new.renew(&held.id, "", None, t(3)).expect("with room, the held lease is taken over");
+    assert!(matches!(new.lease(&request("example.com"), t(3)), Err(LeaseError::AllAtCapacity { .. })));
+    new.check_invariants().expect("invariants");
+}
+
+#[test]
+fn live_leases_kept_elsewhere_count_against_the_cap_before_their_holders_show_them() {
+    let key = LeaseKey::from_bytes(&[4; 32]).expect("key");
+    let old = keyed(&key, &[proxy("a", 2), proxy("b", 1)]);
+    let generation = old.live_generation();
+    let on_a = old.lease(&LeaseRequest { owner: "t1".into(), ..request("example.com") }, t(0)).expect("lease");
+    let on_b = old.lease(&LeaseRequest { owner: "t2".into(), ..request("example.org") }, t(0)).expect("lease");
+    assert_ne!(old.live_generation(), generation, "a grant changes the generation");
+    let renewed = old.renew(&on_a.id, "t1", Some(Duration::from_secs(90)), t(10)).expect("renew").lease;
+    let released = old.lease(&request("example.net"), t(10)).expect("lease");
+    old.release(&released.id, "", t(11)).expect("release");
+    let (_, records) = old.live_leases(10, t(11));
+    assert_eq!(
+        records.iter().map(|r| (r.proxy.as_str(), r.owner.as_str(), r.until)).collect::<Vec<_>>(),
+        [("test/b", "t2", on_b.expires_at), ("test/a", "t1", t(100))],
+        "the live ones, latest expiry first, with the renewed expiry"
+    );
+    assert_eq!(old.live_leases(1, t(11)).1.len(), 1, "at most the limit");
+
+    // The next leader takes them in before serving: b is full, a has one slot left, each holder renews.
+    let new = keyed(&key, &[proxy("a", 2), proxy("b", 1)]);
+    assert_eq!(new.restore_live(&records, t(12)), 2);
+    assert_eq!(new.restore_live(&records, t(12)), 0, "known ones are left as they are");
+    assert_eq!(new.leases_by_owner(), [("t1".to_owned(), 1), ("t2".to_owned(), 1)].into());
+    for _ in 0..2 {
+        let lease = new.lease(&request("example.com"), t(13)).expect("a's last slot");
+        assert_eq!(lease.proxy, p("a"));
+        new.release(&lease.id, "", t(13)).expect("release");
+    }
+    let one = new.lease(&request("example.com"), t(13)).expect("a's last slot");
+    assert!(matches!(new.lease(&request("example.com"), t(13)), Err(LeaseError::AllAtCapacity { .. })));
+    new.renew(&renewed.id, "t1", None, t(14)).expect("the restored lease renews");
+    // Its target comes from the ID: a ban reported on it cools its proxy down for that site.
+    let report = Report::of(Outcome::Banned);
+    assert!(new.report(&renewed.id, "t1", &report, t(14)).expect("ban").cooldown_until.is_some());
+    assert_eq!(new.cooldowns(Some("example.com"), t(14)).expect("cooldowns").len(), 1);
+    new.renew(&on_b.id, "t2", None, t(14)).expect("the restored lease renews");
+    assert_eq!(new.adopted(), 0, "restored, not adopted when shown");
+    new.check_invariants().expect("invariants");
+    new.release(&one.id, "", t(15)).expect("release");
+
+    // Expired records, records of ended leases and records beyond a cap are left out.
+    let other = keyed(&key, &[proxy("a", 1), proxy("b", 1)]);
+    other.release(&on_b.id, "t2", t(12)).expect("b's lease released here first");
+    assert_eq!(other.restore_live(&records, t(12)), 1, "the ended one is not restored");
+    let beyond = LiveLeaseRecord { serial: records[1].serial + 1000, ..records[1].clone() };
+    assert_eq!(other.restore_live(&[beyond], t(12)), 0, "a is full");
+    assert_eq!(keyed(&key, &[proxy("a", 2), proxy("b", 1)]).restore_live(&records, t(400)), 0, "expired");
+    other.check_invariants().expect("invariants");
+
+    // A lease shown beats one only on record (it may have been released in the old leader's last second): it takes
+    // the slot, and the one on record, shown later, is taken over only if there is room then.
+    let full = keyed(&key, &[proxy("a", 1), proxy("b", 1)]);
+    let on_record = records.iter().find(|record| record.proxy == p("b")).expect("b's record");
+    assert_eq!(full.restore_live(std::slice::from_ref(on_record), t(12)), 1);
+    let unknown = keyed(&key, &[proxy("b", 2)])
+        .lease(&LeaseRequest { owner: "t3".into(), ..request("example.org") }, t(12))
+        .expect("a lease the record does not hold");
+    full.renew(&unknown.id, "t3", None, t(13)).expect("shown: it takes the unconfirmed lease's slot");
+    let refused = full.renew(&on_b.id, "t2", None, t(13));
+    assert!(matches!(refused, Err(LeaseError::NotAdopted(_))), "no room left: {refused:?}");
+    assert_eq!(full.leases_by_owner(), [("t3".to_owned(), 1)].into());
+    full.check_invariants().expect("invariants");
 }
 
 #[test]

@@ -675,11 +675,13 @@ fn plan_program(
         && let Some(program) = entrypoint.first_mut()
     {
         // The real file: a hard link to a symbolic link (python3 -> python3.11) would dangle in the staging directory.
+        // It keeps the name it is called by: some programs are one binary under several names (redis-server is a
+        // link to redis-check-rdb, and looks at its name to know which to be).
         let source = fs::canonicalize(&*program).with_context(|| format!("the image's program {program}"))?;
         let bin = dir.join("bin");
         fs::create_dir_all(&bin)?;
         fs::set_permissions(&bin, fs::Permissions::from_mode(0o755))?;
-        let staged = bin.join(source.file_name().context("the image's program has no file name")?);
+        let staged = bin.join(Path::new(&*program).file_name().context("the image's program has no file name")?);
         if fs::hard_link(&source, &staged).is_err() {
             fs::copy(&source, &staged).with_context(|| format!("staging {}", source.display()))?;
         }
