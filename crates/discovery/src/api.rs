@@ -149,9 +149,15 @@ fn authorize(state: &Discovery, headers: &HeaderMap, needed: Scope) -> Result<Ca
         let needed = needed.name();
         return Err(Problem::forbidden(format!("this route needs a token with the {needed} scope (or above)")));
     }
-    if let Some(reason) = state.gate.refusal() {
+    // A replica that has not read the fleet yet (just started or restarted, the Service may still route to it)
+    // would take every proxy for unknown: a renewal there would end a lease every replica shares.
+    let refusal = state.gate.refusal().or_else(|| {
+        (!state.ready()).then(|| "this replica has not read the fleet yet (its Proxy store has not synced)".to_owned())
+    });
+    if let Some(reason) = refusal {
         state.metrics.not_serving();
-        // Only for a moment, while the leader changes: the client may retry at once, on a new connection.
+        // Only for a moment, while the leader changes or a replica starts: the client may retry at once, on a new
+        // connection.
         return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-serving", "Not serving", reason)
             .with_reason("not-serving")
             .with_retry_after(Duration::from_secs(1))

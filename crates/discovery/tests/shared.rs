@@ -33,13 +33,20 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
 
 /// A discovery replica over the shared state at `server`.
 async fn replica(server: &RedisServer, key: &LeaseKey, records: &[ProxyRecord]) -> SocketAddr {
+    replica_synced(server, key, records, true).await
+}
+
+/// A discovery replica over the shared state at `server`, its Proxy store marked synced or not.
+async fn replica_synced(server: &RedisServer, key: &LeaseKey, records: &[ProxyRecord], synced: bool) -> SocketAddr {
     let options = RedisOptions::new(server.url());
     let store = RedisLeaseState::connect(&options, LeaseConfig::default(), key.clone()).await.expect("connect");
     let state = Arc::new(Discovery::new(Arc::new(store), Auth::Disabled, DiscoveryMetrics::default()));
     for record in records {
         state.upsert(record.clone()).await;
     }
-    state.mark_synced();
+    if synced {
+        state.mark_synced();
+    }
     tokio::spawn(egress_discovery::run_expiry(state.clone(), Duration::from_millis(100), std::future::pending()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
@@ -187,4 +194,24 @@ async fn two_replicas_over_one_shared_state_agree_and_a_lost_state_is_a_503_unti
     let renewed_id = renewed["id"].as_str().expect("id");
     let (status, _, body) = call(two, "POST", &format!("/v1/leases/{renewed_id}/renew"), Some(json!({}))).await;
     assert_eq!(status, 200, "{body}");
+}
+
+/// Regression: a replica that had not read the fleet yet (just restarted, still routed to by the Service) served a
+/// renewal, took the lease's proxy for unknown, and ended the lease for every replica. It now answers `503
+/// not-serving` (which clients retry elsewhere) until its Proxy store has synced, and the lease lives on.
+#[tokio::test]
+async fn a_replica_that_has_not_read_the_fleet_refuses_and_ends_no_lease() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let key = LeaseKey::from_bytes(&[5; 32]).expect("key");
+    let serving = replica(&server, &key, &[record("a", 2)]).await;
+    let starting = replica_synced(&server, &key, &[], false).await;
+    let (status, _, lease) = call(serving, "POST", "/v1/leases", Some(json!({"target": "shop.example.com"}))).await;
+    assert_eq!(status, 201, "{lease}");
+    let renew = format!("/v1/leases/{}/renew", lease["id"].as_str().expect("id"));
+    let (status, retry_after, body) = call(starting, "POST", &renew, Some(json!({}))).await;
+    assert_eq!((status, body["reason"].as_str()), (503, Some("not-serving")), "{body}");
+    assert_eq!(retry_after.as_deref(), Some("1"));
+    assert!(body["detail"].as_str().is_some_and(|detail| detail.contains("not read the fleet")), "{body}");
+    let (status, _, body) = call(serving, "POST", &renew, Some(json!({}))).await;
+    assert_eq!(status, 200, "the lease lives on: {body}");
 }
