@@ -293,14 +293,7 @@ impl LeaseStore for InMemoryLeaseStore {
         if claims.expires_at > now {
             inner.end(
                 claims.serial,
-                EndedLease {
-                    proxy: Some(claims.proxy),
-                    target: claims.target,
-                    until: now + self.config.max_ttl,
-                    released: true,
-                    granted_at: now,
-                    reported: 0,
-                },
+                EndedLease { until: now + self.config.max_ttl, released: true, granted_at: now, reported: 0 },
             );
             return Ok(());
         }
@@ -322,34 +315,16 @@ impl LeaseStore for InMemoryLeaseStore {
                     // Revoked before this store knew it (its proxy is gone or unhealthy): remembered as such.
                     inner.end(
                         serial,
-                        EndedLease {
-                            proxy: Some(claims.proxy.clone()),
-                            target: claims.target.clone(),
-                            until: claims.expires_at,
-                            released: false,
-                            granted_at: now,
-                            reported: 0,
-                        },
+                        EndedLease { until: claims.expires_at, released: false, granted_at: now, reported: 0 },
                     );
                 }
                 Err(error) => return Err(error),
             }
         }
-        // One restored from elsewhere knows neither proxy nor target; the ID's claims (verified) say them.
-        if let Some(ended) = inner.ended.get_mut(&serial)
-            && ended.proxy.is_none()
-        {
-            ended.proxy = Some(claims.proxy.clone());
-            ended.target.clone_from(&claims.target);
-        }
+        // An ended lease's proxy and target are its ID's (verified) claims.
         let (proxy, target, granted_at, reported) = match (inner.leases.get(&serial), inner.ended.get(&serial)) {
             (Some(lease), _) => (lease.proxy.clone(), lease.target.clone(), lease.granted_at, lease.reported),
-            (None, Some(ended)) => (
-                ended.proxy.clone().unwrap_or_else(|| claims.proxy.clone()),
-                ended.target.clone(),
-                ended.granted_at,
-                ended.reported,
-            ),
+            (None, Some(ended)) => (claims.proxy.clone(), claims.target.clone(), ended.granted_at, ended.reported),
             (None, None) => return Err(unknown()),
         };
         // What one lease's reports may count is bounded by what it could have sent: a burst, then a rate over its
@@ -503,14 +478,7 @@ impl LeaseStore for InMemoryLeaseStore {
             }
             inner.end(
                 record.serial,
-                EndedLease {
-                    proxy: None,
-                    target: String::new(),
-                    until: record.until,
-                    released: record.released,
-                    granted_at: now,
-                    reported: 0,
-                },
+                EndedLease { until: record.until, released: record.released, granted_at: now, reported: 0 },
             );
             restored += 1;
         }

@@ -42,11 +42,10 @@ pub(super) struct LeaseState {
 }
 
 /// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
-/// to refuse them (a released lease never comes back) and to still count a late report against its proxy.
+/// to refuse them (a released lease never comes back) and to still count a late report against its proxy. Its
+/// proxy and target are not kept: every ID of the lease carries them, verified, and they never change (one record
+/// per release, and a busy store releases tens of thousands a second, each remembered for up to a TTL).
 pub(super) struct EndedLease {
-    /// `None` for one restored from elsewhere until an ID of it is shown (its claims say).
-    pub(super) proxy: Option<ProxyId>,
-    pub(super) target: String,
     /// Its latest expiry; remembered until then.
     pub(super) until: SystemTime,
     /// Released by its holder (404 from now on) rather than revoked by the store (410).
@@ -58,14 +57,7 @@ pub(super) struct EndedLease {
 impl EndedLease {
     /// A live lease that ended now: released by its holder, or revoked.
     pub(super) fn of(lease: LeaseState, released: bool) -> Self {
-        Self {
-            proxy: Some(lease.proxy),
-            target: lease.target,
-            until: lease.expires_at,
-            released,
-            granted_at: lease.granted_at,
-            reported: lease.reported,
-        }
+        Self { until: lease.expires_at, released, granted_at: lease.granted_at, reported: lease.reported }
     }
 }
 
