@@ -15,7 +15,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 use crate::process::{cargo, output, run};
-use crate::{envtest, packages, podnet};
+use crate::{envtest, packages, podnet, python};
 
 /// The suite's test binaries, for `cargo test`.
 const SUITE_TESTS: [&str; 8] =
@@ -30,10 +30,13 @@ pub fn run_suite(kind: bool, cargo_test_args: &[String]) -> Result<()> {
     }
     packages::ensure_installed()?;
     envtest::ensure_built()?;
+    // The gateway crawls run Scrapy from the Python client's test venv.
+    let python = python::ensure_venv()?;
     run(suite(&[]).arg("--no-run"))?;
     let network = podnet::PodNetwork::create()?;
     let mut inside = network.command(crate::process::cargo_program());
     crate::process::forget_cargo_run(&mut inside)
+        .env("EGRESS_PYTHON", &python)
         .args(["test", "--locked", "--offline"])
         .args(SUITE_TESTS)
         .args(cargo_test_args);

@@ -1933,3 +1933,19 @@ async fn a_ban_reported_at_one_gateway_replica_moves_the_session_at_both() {
     )
     .await;
 }
+
+/// Crawls of a site refusing 8 % of requests through both gateway replicas (curl-style and Scrapy) pass no request
+/// through a refused proxy while it cools down, as `deploy/default` ships them (two replicas, the in-memory lease
+/// store on the leader). Alone in the suite: the 100 ms it allows is not a loaded machine's.
+#[tokio::test]
+async fn crawls_through_both_gateway_replicas_pass_no_request_through_a_refused_proxy() {
+    let _suite = SUITE.write().await;
+    let cluster = cluster();
+    common::cluster::crawls_through_both_gateway_replicas_avoid_every_refused_proxy(
+        &cluster.installation,
+        &client().await,
+        &cluster._origin,
+        NAMESPACES[8],
+    )
+    .await;
+}

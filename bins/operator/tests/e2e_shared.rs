@@ -238,11 +238,30 @@ async fn both_operator_replicas_serve_and_a_ban_at_one_gateway_replica_moves_the
     .await;
 }
 
-/// Held leases renewed every 2 s by one crawler until `stop`; every failed renewal.
+/// With the shared state and both operator replicas serving, crawls of a site refusing 8 % of requests through
+/// both gateway replicas (curl-style and Scrapy) pass no request through a refused proxy while it cools down.
+#[tokio::test]
+async fn crawls_through_both_gateway_replicas_pass_no_request_through_a_refused_proxy_with_the_shared_state() {
+    let _suite = SUITE.lock().await;
+    let cluster = cluster();
+    let client = client().await;
+    both_serving(&client).await;
+    common::cluster::crawls_through_both_gateway_replicas_avoid_every_refused_proxy(
+        &cluster.installation,
+        &client,
+        &cluster.origin,
+        NAMESPACES[0],
+    )
+    .await;
+}
+
+/// Held leases renewed every 2 s by one crawler until `stop`; every failed renewal, with when it was sent (seconds
+/// after `epoch`).
 async fn hold_and_renew(
     discovery: DiscoveryClient,
     count: usize,
     stop: Arc<AtomicBool>,
+    epoch: Instant,
 ) -> (usize, Vec<String>, Vec<egress_client::LeaseGuard>) {
     let mut held = Vec::new();
     for index in 0..count {
@@ -250,17 +269,28 @@ async fn hold_and_renew(
         held.push(discovery.lease(options).await.expect("a held lease"));
     }
     let (mut renewed, mut failures) = (0, Vec::new());
+    let (started, mut slowest) = (epoch, (Duration::ZERO, Duration::ZERO));
     let mut pace = tokio::time::interval(Duration::from_secs(2));
     pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::SeqCst) {
         pace.tick().await;
         for lease in &mut held {
-            match lease.renew(Some(Duration::from_secs(20))).await {
+            let sent = Instant::now();
+            let answer = lease.renew(Some(Duration::from_secs(20))).await;
+            slowest = slowest.max((sent.elapsed(), sent - started));
+            match answer {
                 Ok(_) => renewed += 1,
-                Err(error) => failures.push(format!("renew {}: {error}", lease.id())),
+                Err(error) => {
+                    failures.push(format!("renew {} at {:.1} s: {error}", lease.id(), (sent - started).as_secs_f64()))
+                }
             }
         }
     }
+    eprintln!(
+        "e2e-shared: the slowest renewal took {} ms, sent at {:.1} s",
+        slowest.0.as_millis(),
+        slowest.1.as_secs_f64()
+    );
     (renewed, failures, held)
 }
 
@@ -293,7 +323,8 @@ async fn leader_kills_and_a_rolling_restart_fail_no_call_with_the_shared_state()
     let crawlers: Vec<_> = (0..8)
         .map(|index| tokio::spawn(lease_every_200ms(index, discovery.clone(), grants.clone(), stop.clone())))
         .collect();
-    let holder = tokio::spawn(hold_and_renew(discovery.clone(), 4, stop.clone()));
+    let epoch = Instant::now();
+    let holder = tokio::spawn(hold_and_renew(discovery.clone(), 4, stop.clone(), epoch));
     let overshoot = {
         let (discovery, stop) = (discovery.clone(), stop.clone());
         tokio::spawn(async move {
@@ -336,14 +367,16 @@ async fn leader_kills_and_a_rolling_restart_fail_no_call_with_the_shared_state()
         let serving = killed.elapsed();
         both_serving(&client).await;
         eprintln!(
-            "e2e-shared: leader SIGKILL {kill}: 20 more leases {:.1} s after it, both replicas serving again after \
-             {:.1} s",
+            "e2e-shared: leader SIGKILL {kill} at {:.1} s: 20 more leases {:.1} s after it, both replicas serving \
+             again after {:.1} s",
+            (killed - epoch).as_secs_f64(),
             serving.as_secs_f64(),
             killed.elapsed().as_secs_f64()
         );
     }
     let old_pods: Vec<String> = operator_pods(&client).await.iter().map(ResourceExt::name_any).collect();
     let rollout = Instant::now();
+    eprintln!("e2e-shared: the rollout starts at {:.1} s", (rollout - epoch).as_secs_f64());
     kubectl(&["rollout", "restart", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE]).await;
     kubectl(&["rollout", "status", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE, "--timeout=300s"]).await;
     eventually("two new operator pods, both serving", WAIT, || async {

@@ -4,12 +4,14 @@ reactor starts once per process): `python crawl.py <start URL> <output JSON>`. S
 
 With `CRAWL_PROXY` set (a proxy URL with `{session}` in it, such as the gateway's
 `http://session-{session}:TOKEN@host:port`), the crawl is plain Scrapy: no egress add-on, Scrapy's own retry
-settings, and each request's `meta["proxy"]` that URL for its session. With `CRAWL_GATEWAY` set (the gateway's
+settings, and each request's `meta["proxy"]` that URL for its session; several URLs separated by spaces (the
+gateway's replicas) take the requests in turn. With `CRAWL_GATEWAY` set (the gateway's
 host:port), the crawl uses the gateway middleware, `egress_client.scrapy.EgressGatewayMiddleware`, instead: each
 request's session in `meta["egress_session"]`, refusals inside tunnels reported to the gateway."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -22,6 +24,8 @@ from scrapy.crawler import CrawlerProcess
 from egress_client.scrapy import GATEWAY_MIDDLEWARE, PROXY_META
 
 PROXY = os.environ.get("CRAWL_PROXY", "")
+PROXIES = PROXY.split()
+TURNS = itertools.count()
 GATEWAY = os.environ.get("CRAWL_GATEWAY", "")
 
 
@@ -51,7 +55,8 @@ class SiteSpider(scrapy.Spider):
 
     def meta(self, session: str) -> dict:
         if PROXY:
-            return {"proxy": PROXY.format(session=session), "session": session}
+            proxy = PROXIES[next(TURNS) % len(PROXIES)]
+            return {"proxy": proxy.format(session=session), "session": session}
         return {"egress_session": session}
 
     async def start(self):

@@ -26,6 +26,7 @@ pub mod origin;
 pub mod pki;
 mod process;
 pub mod redis;
+pub mod site;
 pub mod squid;
 
 use std::future::Future;

@@ -1,7 +1,8 @@
 //! A local HTTP origin for requests sent through proxies, and a minimal proxy client.
 //!
 //! The origin answers every request with `200 ok` (or, at `/ip`, the caller's address as a bare IP, as IP-echo
-//! services do) and counts what it served, so a test can assert that probes stopped; it can be told to fail the
+//! services do; under `/site/`, a crawl target that refuses 8 % of requests, see [`crate::site`]) and counts what it
+//! served, so a test can assert that probes stopped; it can be told to fail the
 //! next requests with 503, and can serve HTTPS with a certificate from a [`TestCa`]. The client speaks just enough
 //! HTTP/1.1 to send an absolute-form GET through a forward proxy and read the status code.
 
@@ -20,6 +21,7 @@ use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
 use crate::pki::TestCa;
+use crate::site::CrawlSite;
 
 /// The address plain origins listen on instead of 127.0.0.1, when set: one the pods of an external cluster can
 /// reach (for kind, the gateway of its Docker network). `cargo xtask e2e --kind` sets it.
@@ -30,6 +32,7 @@ pub struct LocalOrigin {
     address: SocketAddr,
     requests: Arc<AtomicU64>,
     failures: Arc<AtomicU64>,
+    site: Arc<CrawlSite>,
     https: bool,
     task: JoinHandle<()>,
 }
@@ -66,23 +69,24 @@ impl LocalOrigin {
         let address = listener.local_addr()?;
         let requests = Arc::new(AtomicU64::new(0));
         let failures = Arc::new(AtomicU64::new(0));
-        let (counter, failing) = (requests.clone(), failures.clone());
+        let site = Arc::new(CrawlSite::default());
+        let (counter, failing, crawled) = (requests.clone(), failures.clone(), site.clone());
         let https = tls.is_some();
         let task = tokio::spawn(async move {
             while let Ok((stream, peer)) = listener.accept().await {
-                let (counter, failing, tls) = (counter.clone(), failing.clone(), tls.clone());
+                let (counter, failing, site, tls) = (counter.clone(), failing.clone(), crawled.clone(), tls.clone());
                 tokio::spawn(async move {
                     let _ = match tls {
                         Some(tls) => match tls.accept(stream).await {
-                            Ok(stream) => answer(stream, peer, &counter, &failing).await,
+                            Ok(stream) => answer(stream, peer, &counter, &failing, &site).await,
                             Err(error) => Err(error.into()),
                         },
-                        None => answer(stream, peer, &counter, &failing).await,
+                        None => answer(stream, peer, &counter, &failing, &site).await,
                     };
                 });
             }
         });
-        Ok(Self { address, requests, failures, https, task })
+        Ok(Self { address, requests, failures, site, https, task })
     }
 
     /// `http://127.0.0.1:<port>/`, or for an HTTPS origin `https://localhost:<port>/` (the name its certificate
@@ -125,6 +129,16 @@ impl LocalOrigin {
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
     }
+
+    /// The crawl target under `/site/`: its log.
+    pub fn site(&self) -> &CrawlSite {
+        &self.site
+    }
+
+    /// The crawl target's index URL.
+    pub fn site_url(&self) -> String {
+        format!("{}site/", self.url())
+    }
 }
 
 impl Drop for LocalOrigin {
@@ -138,18 +152,29 @@ async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
     peer: SocketAddr,
     counter: &AtomicU64,
     failing: &AtomicU64,
+    site: &CrawlSite,
 ) -> Result<()> {
     loop {
         let head = read_head(&mut stream).await?;
         counter.fetch_add(1, Ordering::SeqCst);
-        let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
-        let path = head.split_whitespace().nth(1).unwrap_or("/");
-        let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
-        let status = if fail { "503 Service Unavailable" } else { "200 OK" };
+        let target = head.split_whitespace().nth(1).unwrap_or("/");
+        // Through a proxy the request line carries the absolute URL: the path is what follows the authority.
+        let path = match target.split_once("://") {
+            Some((_, rest)) => rest.find('/').map_or("/", |at| &rest[at..]),
+            None => target,
+        };
+        let (status, headers, body, kind) = if path.starts_with("/site/") {
+            let (status, headers, body) = site.answer(path, peer.ip());
+            (status, headers, body, "text/html")
+        } else {
+            let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
+            let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
+            (if fail { "503 Service Unavailable" } else { "200 OK" }, String::new(), body, "text/plain")
+        };
         // Closed after each answer, unless the request asks to keep the connection (a test holding a tunnel).
         let keep = head.to_ascii_lowercase().contains(KEEP_ALIVE_HEADER);
         let response = format!(
-            "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{body}",
+            "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\n{headers}Content-Length: {}\r\nConnection: {}\r\n\r\n{body}",
             body.len(),
             if keep { "keep-alive" } else { "close" }
         );

@@ -8,6 +8,7 @@ use egress_api::{Proxy, ProxyPhase};
 use egress_client::{DiscoveryClient, LeaseOptions};
 use egress_testenv::eventually_every;
 use egress_testenv::install::{Installation, SHIPPED_LEASE_TOKEN};
+use egress_testenv::site::{SITE_PAGES, Visit, through_cooling, unexplained_moves};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -103,21 +104,10 @@ pub async fn a_ban_at_one_gateway_replica_moves_the_session_at_both(
     url: &str,
     ns: &str,
 ) {
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
     let url = url.to_owned();
     let names = ["coherent-1", "coherent-2"];
-    for name in names {
-        let mut proxy = Proxy::new(name, crate::common::managed(&format!("pods-{ns}"), None));
-        proxy.metadata.labels = Some([("e2e".to_owned(), "coherent".to_owned())].into());
-        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
-    }
-    if let Err(error) = crate::common::wait_phase(&proxies, &names, ProxyPhase::Ready, WAIT).await {
-        panic!("{error}\noperator logs:\n{}", installation.operator_logs().await);
-    }
-    let pods = installation.gateway_pods().await.expect("gateway pods");
-    assert_eq!(pods.len(), 2, "deploy/default runs two gateway replicas");
-    let replicas: Vec<std::net::SocketAddr> =
-        pods.iter().map(|pod| format!("{}:8088", pod_ip(pod)).parse().expect("a pod address")).collect();
+    let proxies = ready_proxies(installation, client, ns, &names, "coherent", None).await;
+    let replicas = gateway_replicas(installation).await;
     let user = "session-coherent,label-e2e=coherent";
 
     let mut before = Vec::new();
@@ -170,6 +160,163 @@ pub async fn a_ban_at_one_gateway_replica_moves_the_session_at_both(
     for name in names {
         proxies.delete(name, &DeleteParams::default()).await.expect("delete");
     }
+}
+
+/// Managed Proxies `names` in `ns` (on the namespace's pods provider), labelled `e2e=<label>`, with `maxLeases`
+/// when given, once Ready.
+pub async fn ready_proxies(
+    installation: &Installation,
+    client: &Client,
+    ns: &str,
+    names: &[&str],
+    label: &str,
+    max_leases: Option<i32>,
+) -> Api<Proxy> {
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    for name in names {
+        let mut spec = crate::common::managed(&format!("pods-{ns}"), None);
+        spec.max_leases = max_leases;
+        let mut proxy = Proxy::new(name, spec);
+        proxy.metadata.labels = Some([("e2e".to_owned(), label.to_owned())].into());
+        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    }
+    if let Err(error) = crate::common::wait_phase(&proxies, names, ProxyPhase::Ready, WAIT).await {
+        panic!("{error}\noperator logs:\n{}", installation.operator_logs().await);
+    }
+    proxies
+}
+
+/// The two gateway replicas' pod addresses, as `deploy/default` ships them.
+pub async fn gateway_replicas(installation: &Installation) -> Vec<std::net::SocketAddr> {
+    let pods = installation.gateway_pods().await.expect("gateway pods");
+    assert_eq!(pods.len(), 2, "deploy/default runs two gateway replicas");
+    pods.iter().map(|pod| format!("{}:8088", pod_ip(pod)).parse().expect("a pod address")).collect()
+}
+
+/// A 200-page crawl of the origin's site (which refuses 8 % of requests with `429`, `Retry-After: 2`) through both
+/// gateway replicas, twice: curl-style (4 sessions, each request a new connection, alternating between the
+/// replicas, 8 requests/s in all) and Scrapy with nothing but `meta["proxy"]` (8 sessions, its requests alternating
+/// between the replicas' URLs, 8 requests/s). By the site's own log: every page served, no request through a proxy
+/// from 100 ms after its refusal until its `Retry-After` is over, and a session's requests change proxy only after
+/// a refusal of the one they leave. Regression: a refusal reached only the replica that saw it, and crawls sent
+/// 6-63 requests through a proxy cooling down for the site.
+pub async fn crawls_through_both_gateway_replicas_avoid_every_refused_proxy(
+    installation: &Installation,
+    client: &Client,
+    origin: &egress_testenv::LocalOrigin,
+    ns: &str,
+) {
+    let names = ["crawl8-1", "crawl8-2", "crawl8-3"];
+    // Each gateway replica holds a lease of its own for a session it serves: room for every session at both
+    // replicas on one proxy (Scrapy's 8 sessions, 16 leases), so a full proxy never moves a session.
+    let proxies = ready_proxies(installation, client, ns, &names, "crawl8", Some(16)).await;
+    let replicas = gateway_replicas(installation).await;
+    let grace = Duration::from_millis(100);
+    let site = origin.site();
+
+    // curl-style: 4 sessions, a request every 500 ms each, each on a new connection, alternating replicas.
+    site.reset();
+    let sessions = 4;
+    let started = Instant::now();
+    let crawlers = (0..sessions).map(|session| {
+        let base = origin.url();
+        let replicas = replicas.clone();
+        tokio::spawn(async move {
+            let user = format!("session-curl{session},label-e2e=crawl8");
+            let mut pace = tokio::time::interval(Duration::from_millis(500));
+            pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failed = Vec::new();
+            for (turn, page) in (session..SITE_PAGES).step_by(sessions).enumerate() {
+                pace.tick().await;
+                let url = format!("{base}site/p/{page}");
+                if let Err(error) = through_gateway(replicas[turn % 2], &url, &user).await {
+                    failed.push(format!("page {page}: {error}"));
+                }
+            }
+            failed
+        })
+    });
+    let mut failed = Vec::new();
+    for crawler in crawlers.collect::<Vec<_>>() {
+        failed.extend(crawler.await.expect("a crawler"));
+    }
+    let curl = judge("curl-style", &site.log(), sessions, grace, started.elapsed());
+    assert!(failed.is_empty(), "curl-style: {} pages failed: {failed:?}", failed.len());
+
+    // Scrapy, nothing egress-specific but the proxy URLs.
+    site.reset();
+    let sessions = 8;
+    let started = Instant::now();
+    let python = std::env::var_os("EGRESS_PYTHON").expect("EGRESS_PYTHON names the Python client's test venv");
+    let tests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../clients/python/tests");
+    let output = tempfile::NamedTempFile::new().expect("a temp file");
+    let proxy_urls: Vec<String> = replicas
+        .iter()
+        .map(|replica| format!("http://session-scrapy{{session}},label-e2e=crawl8:{SHIPPED_LEASE_TOKEN}@{replica}"))
+        .collect();
+    let mut command = tokio::process::Command::new(python);
+    command
+        .arg(tests.join("crawl.py"))
+        .arg(origin.site_url())
+        .arg(output.path())
+        .env("PYTHONPATH", tests.join("../src"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("EGRESS_URL", "http://unused.invalid")
+        .env("EGRESS_TOKEN", "unused")
+        .env("CRAWL_PROXY", proxy_urls.join(" "))
+        .env("CRAWL_SESSIONS", sessions.to_string())
+        .env("CRAWL_SETTINGS", r#"{"CONCURRENT_REQUESTS": 8, "DOWNLOAD_DELAY": 0.125}"#);
+    let done = tokio::time::timeout(Duration::from_secs(300), command.output())
+        .await
+        .expect("the Scrapy crawl ends within 300 s")
+        .expect("Scrapy runs");
+    assert!(done.status.success(), "the Scrapy crawl failed: {}", String::from_utf8_lossy(&done.stderr));
+    let result: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(output.path()).expect("the crawl's output")).expect("JSON");
+    let served: std::collections::BTreeSet<&str> = result["pages"]
+        .as_array()
+        .expect("pages")
+        .iter()
+        .filter(|page| page["status"] == 200)
+        .filter_map(|page| page["url"].as_str())
+        .collect();
+    let scrapy = judge("Scrapy", &site.log(), sessions, grace, started.elapsed());
+    assert_eq!(served.len(), SITE_PAGES + 1, "Scrapy got every page and the index with a 200: {}", result["stats"]);
+
+    for (label, (cooling, moves)) in [("curl-style", curl), ("Scrapy", scrapy)] {
+        assert!(cooling.is_empty(), "{label}: {} requests through a cooling proxy: {cooling:?}", cooling.len());
+        assert!(moves.is_empty(), "{label}: {} unexplained moves: {moves:?}", moves.len());
+    }
+    for name in names {
+        proxies.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+}
+
+/// Prints one crawl's figures from the site's `log`, and returns its requests through a cooling proxy and its
+/// unexplained moves.
+fn judge(label: &str, log: &[Visit], sessions: usize, grace: Duration, took: Duration) -> (Vec<String>, Vec<String>) {
+    let served: std::collections::BTreeSet<usize> =
+        log.iter().filter(|visit| visit.status == 200).filter_map(|visit| visit.page()).collect();
+    let refusals = log.iter().filter(|visit| visit.status == 429).count();
+    let addresses: std::collections::BTreeSet<_> = log.iter().map(|visit| visit.from).collect();
+    let cooling: Vec<String> = through_cooling(log, grace).iter().map(|visit| format!("{visit:?}")).collect();
+    let moves = unexplained_moves(log, sessions, grace);
+    eprintln!(
+        "e2e: {label} crawl through both gateway replicas in {took:.1?}: {} of {SITE_PAGES} pages served, {} \
+         requests at the site from {} addresses, {refusals} refused; through a cooling proxy {}, unexplained \
+         moves {}",
+        served.len(),
+        log.len(),
+        addresses.len(),
+        cooling.len(),
+        moves.len()
+    );
+    for line in cooling.iter().chain(&moves) {
+        eprintln!("e2e: {label}: {line}");
+    }
+    assert_eq!(served.len(), SITE_PAGES, "{label}: the site served every page");
+    assert!(refusals > 0, "{label}: the site refused some requests, so the crawl tested something");
+    (cooling, moves)
 }
 
 /// Runs the real kubectl against the test cluster, as a user would; returns its standard output.
