@@ -151,8 +151,9 @@ impl DiscoveryMetrics {
         );
         registry.register(
             "not_serving",
-            "Requests refused with reason not-serving: this replica is a follower or shutting down (with the shipped \
-             egress-discovery Service, which routes to the leader only, this stays 0 outside a failover)",
+            "Requests refused with reason not-serving: this replica is a follower, shutting down, or has not read the \
+             fleet yet (with the shipped egress-discovery Service, which routes to the leader only, this stays 0 \
+             outside a failover)",
             metrics.not_serving.clone(),
         );
         registry.register("tenant_leases_active", "Leases held, by tenant", metrics.tenant_active.clone());
