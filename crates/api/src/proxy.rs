@@ -140,7 +140,8 @@ pub struct ProxySpec {
     #[serde(default)]
     pub health_check: HealthCheck,
 
-    /// At most this many concurrent leases on this proxy. 0 means never lease it (drain). Defaults to 5.
+    /// At most this many concurrent leases on this proxy; a session's leases for one site count once (each gateway
+    /// replica serving it holds one). 0 means never lease it (drain). Defaults to 5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 100000), extend("default" = DEFAULT_MAX_LEASES))]
     pub max_leases: Option<i32>,

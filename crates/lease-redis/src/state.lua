@@ -8,11 +8,14 @@
 --   serial              counter of lease serials (started at a random value below 2^47 the caller gives)
 --   seq                 counter ordering grants, for "least recently leased" and "newest first"
 --   exp                 ZSET serial -> expiry, every live lease
---   l:<serial>          HASH a live lease: proxy target owner exp endpoint granted reported adopted seq
+--   l:<serial>          HASH a live lease: proxy target owner exp endpoint granted reported adopted seq, and slot
+--                       (<owner>\n<session>\n<target>) for a session's lease
 --   p:<proxy>           ZSET serial -> expiry, the live leases on a proxy
 --   o:<owner>           ZSET serial -> expiry, the live leases of an owner
 --   held                HASH owner -> live leases
---   active              HASH proxy -> live leases (p:<proxy>'s size, read for many proxies at once)
+--   active              HASH proxy -> the slots its live leases take, which its cap bounds (read for many proxies
+--                       at once): one per lease without a session, one per session and target however many share it
+--   ps:<proxy>          HASH slot -> the live leases sharing it (every gateway replica a session reaches holds one)
 --   last                HASH proxy -> seq of its last grant
 --   e:<serial>          HASH a lease ended before its expiry (expires then): released proxy target granted reported
 --   c:<proxy>\n<target> HASH a cooldown (expires when forgotten): until streak cleared, r:<owner> -> 1 ban / 0 throttle
@@ -61,14 +64,20 @@ end
 
 local function free(serial)
   local key = P .. 'l:' .. serial
-  local l = redis.call('HMGET', key, 'proxy', 'owner', 'target', 'exp', 'granted', 'reported')
+  local l = redis.call('HMGET', key, 'proxy', 'owner', 'target', 'exp', 'granted', 'reported', 'slot')
   if not l[1] then return nil end
   redis.call('DEL', key)
   redis.call('ZREM', P .. 'exp', serial)
   redis.call('ZREM', P .. 'p:' .. l[1], serial)
   redis.call('ZREM', P .. 'o:' .. l[2], serial)
   if redis.call('HINCRBY', P .. 'held', l[2], -1) <= 0 then redis.call('HDEL', P .. 'held', l[2]) end
-  if redis.call('HINCRBY', P .. 'active', l[1], -1) <= 0 then redis.call('HDEL', P .. 'active', l[1]) end
+  -- A session's slot is free once no other lease shares it.
+  local last = true
+  if l[7] then
+    last = redis.call('HINCRBY', P .. 'ps:' .. l[1], l[7], -1) <= 0
+    if last then redis.call('HDEL', P .. 'ps:' .. l[1], l[7]) end
+  end
+  if last and redis.call('HINCRBY', P .. 'active', l[1], -1) <= 0 then redis.call('HDEL', P .. 'active', l[1]) end
   return { proxy = l[1], owner = l[2], target = l[3], exp = num(l[4]), granted = l[5], reported = l[6] }
 end
 
@@ -89,7 +98,8 @@ local function expire(limit)
   return count
 end
 
-local function add_lease(serial, proxy, target, owner, exp, endpoint, adopted)
+-- Adds a live lease: a slot of its own on proxy, or (slot not '') a share of its session's slot there.
+local function add_lease(serial, proxy, target, owner, exp, endpoint, adopted, slot)
   local seq = redis.call('INCR', P .. 'seq')
   redis.call('HSET', P .. 'l:' .. serial, 'proxy', proxy, 'target', target, 'owner', owner, 'exp', exp,
     'endpoint', endpoint, 'granted', now, 'reported', 0, 'adopted', adopted, 'seq', seq)
@@ -97,8 +107,18 @@ local function add_lease(serial, proxy, target, owner, exp, endpoint, adopted)
   redis.call('ZADD', P .. 'p:' .. proxy, exp, serial)
   redis.call('ZADD', P .. 'o:' .. owner, exp, serial)
   redis.call('HINCRBY', P .. 'held', owner, 1)
-  redis.call('HINCRBY', P .. 'active', proxy, 1)
+  local first = true
+  if slot ~= '' then
+    redis.call('HSET', P .. 'l:' .. serial, 'slot', slot)
+    first = redis.call('HINCRBY', P .. 'ps:' .. proxy, slot, 1) == 1
+  end
+  if first then redis.call('HINCRBY', P .. 'active', proxy, 1) end
   return seq
+end
+
+-- Whether the session's slot is taken on proxy already (a lease in it takes no more room).
+local function shares(proxy, slot)
+  return slot ~= '' and redis.call('HEXISTS', P .. 'ps:' .. proxy, slot) == 1
 end
 
 local function cooling_until(proxy, target)
@@ -179,13 +199,16 @@ local function lease()
     fetch('active', list, 'active')
     return list, k
   end
+  -- A session's leases for one site share one slot on their proxy.
+  local slot = ''
+  if session ~= '' then slot = session .. '\n' .. target end
   local function usable(c)
-    return c.active < c.cap and not cooling_until(c.proxy, target)
+    return (c.active < c.cap or shares(c.proxy, slot)) and not cooling_until(c.proxy, target)
   end
   local chosen
   if mode == 'named' then
     local c = sample(1)[1]
-    if c.active >= c.cap then return { 'proxy-full' } end
+    if c.active >= c.cap and not shares(c.proxy, slot) then return { 'proxy-full' } end
     local ends = cooling_until(c.proxy, target)
     if ends then return { 'proxy-cooling', ends } end
     chosen = c
@@ -266,7 +289,7 @@ local function lease()
   redis.call('SET', KEYS[1], start, 'NX')
   local serial = id(redis.call('INCR', KEYS[1]))
   local exp = math.floor((now + ttl) / 1000) * 1000
-  local seq = add_lease(serial, chosen.proxy, target, owner, exp, chosen.endpoint, 0)
+  local seq = add_lease(serial, chosen.proxy, target, owner, exp, chosen.endpoint, 0, slot)
   redis.call('HSET', P .. 'last', chosen.proxy, seq)
   return { 'ok', serial, chosen.proxy, exp, chosen.endpoint }
 end
@@ -280,7 +303,8 @@ local function resolve(serial, owner, proxy, target, exp, healthy, endpoint)
   if released == '0' then return { 'revoked' } end
   if exp <= now then return { 'unknown' } end
   if healthy ~= '1' then return { 'revoked' } end
-  add_lease(serial, proxy, target, owner, exp, endpoint, 1)
+  -- An ID does not name its session: a lease taken over takes a slot of its own.
+  add_lease(serial, proxy, target, owner, exp, endpoint, 1, '')
   return nil
 end
 
@@ -440,20 +464,33 @@ local function report()
   return result
 end
 
--- Revoke: proxy keep. Revokes the newest leases of proxy until at most keep remain.
+-- Revoke: proxy keep. Revokes the newest slots of proxy (each with every lease sharing it) until at most keep
+-- remain.
 local function revoke()
   local proxy, keep = ARGV[3], num(ARGV[4])
-  local leases = {}
+  local slots, order = {}, {}
   for _, serial in ipairs(redis.call('ZRANGE', P .. 'p:' .. proxy, 0, -1)) do
-    table.insert(leases, { serial = serial, seq = num(redis.call('HGET', P .. 'l:' .. serial, 'seq')) or 0 })
+    local l = redis.call('HMGET', P .. 'l:' .. serial, 'seq', 'slot')
+    local key = l[2] or ('#' .. serial)
+    local slot = slots[key]
+    if not slot then
+      slot = { seq = 0, serials = {} }
+      slots[key] = slot
+      table.insert(order, slot)
+    end
+    slot.seq = math.max(slot.seq, num(l[1]) or 0)
+    table.insert(slot.serials, serial)
   end
-  table.sort(leases, function(a, b) return a.seq > b.seq end)
+  table.sort(order, function(a, b) return a.seq > b.seq end)
   local revoked = 0
-  for i = 1, #leases - keep do
-    local l = free(leases[i].serial)
-    if l then
-      ended(leases[i].serial, l.proxy, l.target, l.exp, 0, l.granted, l.reported)
-      revoked = revoked + 1
+  for _, slot in ipairs(order) do
+    if (num(redis.call('HGET', P .. 'active', proxy)) or 0) <= keep then break end
+    for _, serial in ipairs(slot.serials) do
+      local l = free(serial)
+      if l then
+        ended(serial, l.proxy, l.target, l.exp, 0, l.granted, l.reported)
+        revoked = revoked + 1
+      end
     end
   end
   return revoked
@@ -534,7 +571,7 @@ local function loads()
   local out = {}
   for i = 4, #ARGV do
     local proxy = ARGV[i]
-    table.insert(out, redis.call('ZCARD', P .. 'p:' .. proxy))
+    table.insert(out, num(redis.call('HGET', P .. 'active', proxy)) or 0)
     if target == '' then
       for _ = 1, 5 do table.insert(out, '') end
     else

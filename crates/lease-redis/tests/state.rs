@@ -206,6 +206,61 @@ async fn a_session_gets_the_same_proxy_at_every_replica_and_as_in_memory() {
     assert_eq!(stores[1].lease(&theirs, SystemTime::now()).await.expect("lease").proxy, expected);
 }
 
+/// Each gateway replica a session's requests reach leases for it: the session's leases for one site share one slot
+/// of their proxy's cap at every replica, concurrently, and the slot is free once the last of them ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_leases_at_every_replica_share_one_slot_of_the_cap() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies: Vec<ProxyInfo> = (0..3).map(|n| proxy(&format!("px-{n}"), 2, None)).collect();
+    let stores = replicas(&server, 3, &proxies).await;
+    let ask = |session: usize| LeaseRequest { session: Some(format!("s{session}")), ..request("example.com", "t1") };
+    // Six sessions fill the six slots; each replica then leases for every session at once.
+    let mut held: Vec<(usize, ProxyId, String)> = Vec::new();
+    for session in 0..6 {
+        let lease = stores[0].lease(&ask(session), SystemTime::now()).await.expect("a slot for each session");
+        held.push((session, lease.proxy, lease.id));
+    }
+    let asks = (0..18).map(|n| {
+        let store = stores[n % 3].clone();
+        async move { (n / 3, store.lease(&ask(n / 3), SystemTime::now()).await) }
+    });
+    for (session, outcome) in futures::future::join_all(asks).await {
+        let lease = outcome.unwrap_or_else(|error| panic!("session s{session}: {error}"));
+        assert_eq!(lease.proxy, held[session].1, "s{session} keeps its proxy though it is at its cap");
+        held.push((session, lease.proxy, lease.id));
+    }
+    assert_eq!(active(&stores[1], &proxies).await, vec![2, 2, 2], "one slot per session");
+    assert_eq!(stores[2].active_leases().await.expect("active"), 24);
+    let refused = stores[1].lease(&request("example.com", "t1"), SystemTime::now()).await;
+    assert!(matches!(refused, Err(LeaseError::AllAtCapacity { .. })), "{refused:?}");
+    let other_site = LeaseRequest { target: "other.org".into(), ..ask(0) };
+    let refused = stores[1].lease(&other_site, SystemTime::now()).await;
+    assert!(matches!(refused, Err(LeaseError::AllAtCapacity { .. })), "another site is another slot: {refused:?}");
+    // Session s0's slot stays taken until the last of its four leases ends, at whichever replica.
+    let mine: Vec<String> = held.iter().filter(|(session, ..)| *session == 0).map(|(.., id)| id.clone()).collect();
+    for (n, id) in mine.iter().enumerate() {
+        assert!(stores[2].lease(&request("example.com", "t2"), SystemTime::now()).await.is_err(), "lease {n}");
+        stores[n % 3].release(id, "t1", SystemTime::now()).await.expect("release");
+    }
+    let freed = stores[2].lease(&request("example.com", "t2"), SystemTime::now()).await.expect("s0's slot is free");
+    assert_eq!(freed.proxy, held[0].1);
+    held.retain(|(session, ..)| *session != 0);
+    // A lowered cap revokes the newest slots until they fit it: a session's leases go together.
+    let target = held[0].1.clone();
+    let index = proxies.iter().position(|info| info.id == target).expect("known");
+    stores[0].upsert_proxy(proxy(target.name(), 1, None)).await.expect("lower the cap");
+    let mut renewed: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+    for (session, _, id) in held.iter().filter(|(_, proxy, _)| *proxy == target) {
+        let ok = stores[1].renew(id, "t1", None, SystemTime::now()).await.is_ok();
+        let (kept, all) = renewed.entry(*session).or_default();
+        *kept += usize::from(ok);
+        *all += 1;
+    }
+    let kept: Vec<_> = renewed.iter().filter(|(_, (kept, _))| *kept > 0).collect();
+    assert!(kept.len() == 1 && kept[0].1.0 == kept[0].1.1, "one session's leases kept, all of them: {renewed:?}");
+    assert_eq!(active(&stores[2], &proxies).await[index], 1);
+}
+
 #[tokio::test]
 async fn leases_renew_release_and_report_at_any_replica_and_survive_a_server_that_lost_its_data() {
     let mut server = RedisServer::start(None).await.expect("redis");

@@ -152,7 +152,7 @@ impl LeaseStore for InMemoryLeaseStore {
                 lowered
             }
             None => {
-                let state = ProxyState { info: proxy, active: 0, last_leased: 0, leases: HashSet::new() };
+                let state = ProxyState::new(proxy);
                 if state.eligible() {
                     inner.available.insert(state.key());
                 }
@@ -196,6 +196,9 @@ impl LeaseStore for InMemoryLeaseStore {
             }
         }
 
+        // A session's leases for one site share one slot on their proxy.
+        let session_key = request.session.as_ref().map(|session| (session_key(owner, session), target.clone()));
+        let slot = session_key.as_ref().map(|(session, target)| slot_key(session, target));
         if let Some(name) = &request.proxy {
             let Some(proxy) = inner.proxies.get(name) else { return Err(LeaseError::UnknownProxy(name.clone())) };
             let unavailable = |why| Err(LeaseError::ProxyUnavailable { proxy: name.clone(), why });
@@ -211,21 +214,20 @@ impl LeaseStore for InMemoryLeaseStore {
             if proxy.info.max_leases == 0 {
                 return unavailable("it is drained (maxLeases 0)");
             }
-            if proxy.active >= proxy.info.max_leases {
+            if !proxy.admits_slot(slot.as_deref()) {
                 return unavailable("it is at its lease cap");
             }
             if let Some(until) = inner.cooling_until(name, &target, now) {
                 return Err(LeaseError::ProxyCoolingDown { proxy: name.clone(), until });
             }
             let name = name.clone();
-            return Ok(inner.grant(self, &name, &target, owner, ttl, now));
+            return Ok(inner.grant(self, &name, &target, owner, slot, ttl, now));
         }
 
         let usable = |inner: &Inner, id: &ProxyId| {
-            inner.proxies.get(id).is_some_and(|proxy| proxy.eligible() && request.admits(&proxy.info))
+            inner.proxies.get(id).is_some_and(|proxy| proxy.admits_slot(slot.as_deref()) && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
-        let session_key = request.session.as_ref().map(|session| (session_key(owner, session), target.clone()));
         let sticky = session_key
             .as_ref()
             .and_then(|key| inner.sessions.get(key))
@@ -243,7 +245,7 @@ impl LeaseStore for InMemoryLeaseStore {
             None => inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()),
         });
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
-        let lease = inner.grant(self, &proxy, &target, owner, ttl, now);
+        let lease = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
         if let Some(key) = session_key {
             let forget_at = lease.expires_at + self.config.max_ttl;
             if let Some((_, previous)) = inner.sessions.insert(key.clone(), (proxy, forget_at)) {

@@ -5,13 +5,15 @@ use std::collections::{HashMap, HashSet};
 use super::{InMemoryLeaseStore, InvariantViolation};
 
 impl InMemoryLeaseStore {
-    /// Checks every internal invariant: no proxy above its cap, active counts equal the live leases, no lease on an
-    /// unhealthy proxy, no lease granted while its (proxy, target) cooled down, the eligibility index matches the
-    /// proxies.
+    /// Checks every internal invariant: no proxy above its cap, active counts equal the slots of the live leases (one
+    /// per lease without a session, one per session and site), no lease on an unhealthy proxy, no lease granted
+    /// while its (proxy, target) cooled down, the eligibility index matches the proxies.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let inner = self.lock();
         let violation = |text: String| Err(InvariantViolation(text));
         let mut counted: HashMap<&str, u32> = HashMap::new();
+        // The slots of each proxy's live leases: a lease's own (its serial), or its session's (after a newline).
+        let mut sharing: HashMap<&str, HashMap<String, u32>> = HashMap::new();
         for (serial, lease) in &inner.leases {
             let Some(proxy) = inner.proxies.get(&lease.proxy) else {
                 return violation(format!("lease {serial:x} is on unknown proxy {}", lease.proxy));
@@ -33,11 +35,29 @@ impl InMemoryLeaseStore {
                 ));
             }
             *counted.entry(lease.proxy.as_str()).or_default() += 1;
+            let slot = lease.slot.as_deref().map_or_else(|| format!("{serial}"), |slot| format!("\n{slot}"));
+            *sharing.entry(lease.proxy.as_str()).or_default().entry(slot).or_default() += 1;
         }
         for (id, proxy) in &inner.proxies {
             let live = counted.get(id.as_str()).copied().unwrap_or(0);
-            if proxy.active != live || proxy.leases.len() as u32 != live {
-                return violation(format!("proxy {id} counts {} active leases but has {live}", proxy.active));
+            let slots = sharing.get(id.as_str());
+            let taken = slots.map_or(0, HashMap::len) as u32;
+            if proxy.active != taken || proxy.leases.len() as u32 != live {
+                return violation(format!(
+                    "proxy {id} counts {} slots and {} leases but has {taken} and {live}",
+                    proxy.active,
+                    proxy.leases.len()
+                ));
+            }
+            let shared: HashMap<&str, u32> = slots
+                .into_iter()
+                .flatten()
+                .filter_map(|(slot, leases)| Some((slot.strip_prefix('\n')?, *leases)))
+                .collect();
+            if proxy.slots.len() != shared.len()
+                || proxy.slots.iter().any(|(slot, leases)| shared.get(slot.as_str()) != Some(leases))
+            {
+                return violation(format!("proxy {id} counts its sessions' shared slots wrongly"));
             }
             if proxy.active > proxy.info.max_leases {
                 return violation(format!(

@@ -5,15 +5,62 @@ use super::*;
 
 pub(super) struct ProxyState {
     pub(super) info: ProxyInfo,
+    /// The slots its live leases take, the number its cap bounds: one per lease without a session, one per
+    /// (session, target) however many leases share it.
     pub(super) active: u32,
     pub(super) last_leased: u64,
     /// Serials of its live leases.
     pub(super) leases: HashSet<u64>,
+    /// The live leases sharing each session's slot, by [`slot_key`].
+    pub(super) slots: HashMap<String, u32>,
 }
 
 impl ProxyState {
+    pub(super) fn new(info: ProxyInfo) -> Self {
+        Self { info, active: 0, last_leased: 0, leases: HashSet::new(), slots: HashMap::new() }
+    }
+    /// Whether a lease in `slot` may be granted here: the proxy is eligible, or it is healthy and the session
+    /// already holds a slot here (each gateway replica the session's requests reach holds a lease of its own, and
+    /// they are one user of the proxy).
+    pub(super) fn admits_slot(&self, slot: Option<&str>) -> bool {
+        self.eligible() || (self.info.healthy && slot.is_some_and(|slot| self.slots.contains_key(slot)))
+    }
     pub(super) fn eligible(&self) -> bool {
         self.info.healthy && self.active < self.info.max_leases
+    }
+    /// Counts the live lease `serial`: a slot of its own, or a share of its session's `slot`.
+    pub(super) fn hold(&mut self, serial: u64, slot: Option<&str>) {
+        self.leases.insert(serial);
+        let shared = slot.is_some_and(|slot| match self.slots.get_mut(slot) {
+            Some(sharing) => {
+                *sharing += 1;
+                true
+            }
+            None => {
+                self.slots.insert(slot.to_owned(), 1);
+                false
+            }
+        });
+        if !shared {
+            self.active += 1;
+        }
+    }
+    /// Stops counting the lease `serial` ([`Self::hold`]): its slot is free once no other lease shares it.
+    pub(super) fn let_go(&mut self, serial: u64, slot: Option<&str>) {
+        self.leases.remove(&serial);
+        let shared = slot.is_some_and(|slot| match self.slots.get_mut(slot) {
+            Some(sharing) if *sharing > 1 => {
+                *sharing -= 1;
+                true
+            }
+            _ => {
+                self.slots.remove(slot);
+                false
+            }
+        });
+        if !shared {
+            self.active -= 1;
+        }
     }
     pub(super) fn key(&self) -> (u32, u64, ProxyId) {
         (self.active, self.last_leased, self.info.id.clone())
@@ -39,6 +86,10 @@ pub(super) struct LeaseState {
     pub(super) reported: u64,
     /// Who holds it (the owner its IDs are bound to).
     pub(super) owner: String,
+    /// The session's slot ([`slot_key`]) it shares with the session's other leases on the proxy; `None` for a
+    /// lease without a session (or taken over from an ID, which does not name its session), which takes a slot
+    /// of its own.
+    pub(super) slot: Option<String>,
 }
 
 /// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
@@ -111,6 +162,12 @@ pub(super) struct Inner {
 /// The key of an owner's session: sessions of different owners never meet, whatever they are called.
 pub(super) fn session_key(owner: &str, session: &str) -> String {
     format!("{owner}\n{session}")
+}
+
+/// The slot a session's leases for `target` share on a proxy: every lease of one owner's session for one site
+/// counts once toward the proxy's cap, so a session that two gateway replicas each lease for is one user of it.
+pub(super) fn slot_key(session_key: &str, target: &str) -> String {
+    format!("{session_key}\n{target}")
 }
 
 /// A session's weight for a proxy (rendezvous hashing): the session's first proxy is the eligible one with the
@@ -223,10 +280,7 @@ impl Inner {
         self.sequence += 1;
         self.live_generation += 1;
         let sequence = self.sequence;
-        self.reindex(&proxy, |state| {
-            state.active += 1;
-            state.leases.insert(serial);
-        });
+        self.reindex(&proxy, |state| state.hold(serial, None));
         self.lease_expiries.insert((expires_at, serial));
         self.owners.entry(owner.clone()).or_default().insert(serial);
         let unconfirmed = target.is_none();
@@ -241,6 +295,7 @@ impl Inner {
             unconfirmed,
             reported: 0,
             owner,
+            slot: None,
         };
         self.leases.insert(serial, lease);
     }
@@ -261,11 +316,7 @@ impl Inner {
                 self.owners.remove(&lease.owner);
             }
         }
-        let proxy = lease.proxy.clone();
-        self.reindex(&proxy, |state| {
-            state.active -= 1;
-            state.leases.remove(&serial);
-        });
+        self.reindex(&lease.proxy, |state| state.let_go(serial, lease.slot.as_deref()));
         Some(lease)
     }
 
@@ -300,20 +351,40 @@ impl Inner {
         self.revoke_above(proxy, 0);
     }
 
-    /// Revokes the newest leases of `proxy` until at most `keep` remain.
+    /// Revokes the newest slots of `proxy` (each with every lease sharing it) until at most `keep` remain.
     pub(super) fn revoke_above(&mut self, proxy: &ProxyId, keep: u32) {
-        let mut serials: Vec<(u64, u64)> = self
-            .proxies
-            .get(proxy)
-            .map(|state| {
-                state.leases.iter().filter_map(|serial| Some((self.leases.get(serial)?.sequence, *serial))).collect()
+        let Some(state) = self.proxies.get(proxy) else { return };
+        if state.active <= keep {
+            return;
+        }
+        // Each slot's leases, newest slot (by its newest lease) first.
+        let mut slots: HashMap<Option<&str>, (u64, Vec<u64>)> = HashMap::new();
+        for serial in &state.leases {
+            let Some(lease) = self.leases.get(serial) else { continue };
+            let (newest, serials) = slots.entry(lease.slot.as_deref()).or_default();
+            *newest = (*newest).max(lease.sequence);
+            serials.push(*serial);
+        }
+        let mut groups: Vec<(u64, Vec<u64>)> = slots
+            .into_iter()
+            .flat_map(|(slot, (newest, serials))| match slot {
+                Some(_) => vec![(newest, serials)],
+                // Leases without a session take a slot each.
+                None => serials
+                    .into_iter()
+                    .map(|serial| (self.leases.get(&serial).map_or(0, |lease| lease.sequence), vec![serial]))
+                    .collect(),
             })
-            .unwrap_or_default();
-        serials.sort_unstable();
-        let excess = serials.len().saturating_sub(keep as usize);
-        for (_, serial) in serials.into_iter().rev().take(excess) {
-            if let Some(lease) = self.free(serial) {
-                self.end(serial, EndedLease::of(lease, false));
+            .collect();
+        groups.sort_unstable_by_key(|group| std::cmp::Reverse(group.0));
+        for (_, serials) in groups {
+            if self.proxies.get(proxy).is_none_or(|state| state.active <= keep) {
+                break;
+            }
+            for serial in serials {
+                if let Some(lease) = self.free(serial) {
+                    self.end(serial, EndedLease::of(lease, false));
+                }
             }
         }
     }
@@ -332,12 +403,16 @@ impl Inner {
         }
     }
 
+    /// Grants a lease on `proxy` (which admits it: [`ProxyState::admits_slot`]), sharing `slot` when the session
+    /// holds it there already.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn grant(
         &mut self,
         store: &InMemoryLeaseStore,
         proxy: &ProxyId,
         target: &str,
         owner: &str,
+        slot: Option<String>,
         ttl: Duration,
         now: SystemTime,
     ) -> Lease {
@@ -349,9 +424,8 @@ impl Inner {
         let expires_at = whole_seconds(now + ttl);
         let mut endpoint = String::new();
         self.reindex(proxy, |state| {
-            state.active += 1;
+            state.hold(serial, slot.as_deref());
             state.last_leased = sequence;
-            state.leases.insert(serial);
             endpoint.clone_from(&state.info.endpoint);
         });
         let lease = LeaseState {
@@ -365,6 +439,7 @@ impl Inner {
             unconfirmed: false,
             reported: 0,
             owner: owner.to_owned(),
+            slot,
         };
         self.owners.entry(owner.to_owned()).or_default().insert(serial);
         let granted = store.sign(serial, &lease, owner);

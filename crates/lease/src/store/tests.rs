@@ -123,6 +123,54 @@ fn sticky_sessions_keep_their_proxy_while_it_is_eligible() {
     assert_ne!(moved, first, "an unhealthy proxy is not sticky");
 }
 
+/// Every gateway replica a session's requests reach holds a lease of its own for it: they share one slot, so a
+/// proxy at its cap still takes the session's next lease, and the slot is free again only when the last one ends.
+#[test]
+fn a_sessions_leases_for_one_site_share_one_slot_of_the_cap() {
+    let store = store_with(&[proxy("a", 1), proxy("b", 1)]);
+    let session = LeaseRequest { session: Some("crawl-7".into()), owner: "team".into(), ..request("shop.example") };
+    let first = store.lease(&session, t(0)).expect("lease");
+    let second = store.lease(&session, t(0)).expect("the session's second lease shares its slot");
+    assert_eq!(second.proxy, first.proxy, "the session's proxy, though it is at its cap");
+    let named = LeaseRequest { proxy: Some(first.proxy.clone()), ..session.clone() };
+    let third = store.lease(&named, t(0)).expect("named, the session's slot admits it too");
+    let loads = store.loads(None, t(0)).expect("loads");
+    let load = loads.iter().find(|load| load.id == first.proxy).expect("known");
+    assert_eq!((load.active_leases, store.active_leases()), (1, 3), "one slot, three leases");
+    // Another session, another site of this one, and a lease without a session each take a slot of their own.
+    let other = LeaseRequest { session: Some("crawl-8".into()), ..session.clone() };
+    let elsewhere = LeaseRequest { target: "news.example".into(), ..session.clone() };
+    let taken = store.lease(&other, t(0)).expect("the other proxy").proxy;
+    assert_ne!(taken, first.proxy);
+    assert!(matches!(store.lease(&elsewhere, t(0)), Err(LeaseError::AllAtCapacity { .. })));
+    assert!(matches!(store.lease(&request("shop.example"), t(0)), Err(LeaseError::AllAtCapacity { .. })));
+    let foreign = LeaseRequest { owner: "other-team".into(), ..session.clone() };
+    assert!(matches!(store.lease(&foreign, t(0)), Err(LeaseError::AllAtCapacity { .. })), "owners' sessions differ");
+    store.check_invariants().expect("invariants");
+    // The slot is held until the last of the session's leases ends.
+    store.release(&first.id, "team", t(1)).expect("release");
+    store.release(&third.id, "team", t(1)).expect("release");
+    assert!(matches!(store.lease(&request("shop.example"), t(1)), Err(LeaseError::AllAtCapacity { .. })));
+    store.release(&second.id, "team", t(1)).expect("release");
+    assert_eq!(store.lease(&request("shop.example"), t(1)).expect("the slot is free").proxy, first.proxy);
+    store.check_invariants().expect("invariants");
+}
+
+/// A lowered cap revokes the newest slots until they fit it: a session's leases go together.
+#[test]
+fn a_lowered_cap_counts_a_sessions_leases_once() {
+    let store = store_with(&[proxy("a", 3)]);
+    let session = LeaseRequest { session: Some("s".into()), ..request("shop.example") };
+    let shared: Vec<Lease> = (0..2).map(|_| store.lease(&session, t(0)).expect("lease")).collect();
+    let alone = store.lease(&request("shop.example"), t(0)).expect("lease");
+    store.upsert_proxy(proxy("a", 1));
+    assert!(matches!(store.renew(&alone.id, "", None, t(1)), Err(LeaseError::Revoked(_))), "the newest slot goes");
+    for lease in &shared {
+        store.renew(&lease.id, "", None, t(1)).expect("the session's slot fits the cap");
+    }
+    store.check_invariants().expect("invariants");
+}
+
 /// A session's first proxy does not depend on the store's history: a fresh store (a new leader) with the same
 /// proxies gives it the same one, whatever the loads; and sessions spread over the proxies.
 #[test]
@@ -762,7 +810,7 @@ fn random_step(
             if rng.below(4) == 0 {
                 request.proxy = Some(p(&proxy_id));
             }
-            if rng.below(4) == 0 {
+            if rng.below(2) == 0 {
                 request.session = Some(format!("s{}", rng.below(3)));
             }
             request.ttl = Some(Duration::from_secs(1 + rng.below(30)));
