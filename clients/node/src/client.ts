@@ -95,6 +95,10 @@ export interface LeaseOptions {
    * `Unavailable` with reason `scaling-up` and `retryAfter`.
    */
   pool?: string;
+  /** Only proxies in this zone (a Proxy's `placement.zone`, as `proxies()` lists it). */
+  zone?: string;
+  /** Only proxies on this provider (a Managed Proxy's `provider`, as `proxies()` lists it). */
+  provider?: string;
 }
 
 export interface Report {
@@ -559,6 +563,14 @@ export class DiscoveryClient {
         throw new TypeError(`lease: pool ${JSON.stringify(options.pool)} must be a ProxyPool's name or namespace/name`);
       }
       body.pool = options.pool;
+    }
+    for (const key of ['zone', 'provider'] as const) {
+      const value = options[key];
+      if (value === undefined) continue;
+      if (typeof value !== 'string' || value.length < 1 || value.length > 253) {
+        throw new TypeError(`lease: ${key} ${JSON.stringify(value)} must be 1 to 253 characters`);
+      }
+      body[key] = value;
     }
     return new Lease(this, leaseState(await this.call('POST', '/v1/leases', body)));
   }

@@ -115,7 +115,14 @@ def test_an_answer_type_reads_every_property_and_needs_only_the_required_ones(
 
 def test_the_lease_and_report_bodies_use_only_and_every_key_the_server_takes() -> None:
     lease = _models.lease_body(
-        "https://example.com/", selector="region=eu", ttl=60, proxy="crawl/eu-1", session="s1", pool="eu"
+        "https://example.com/",
+        selector="region=eu",
+        ttl=60,
+        proxy="crawl/eu-1",
+        session="s1",
+        pool="eu",
+        zone="eu-west-1a",
+        provider="gcp-eu",
     )
     assert set(lease) == set(SCHEMAS["LeaseRequest"]["properties"])
     assert SCHEMAS["LeaseRequest"]["additionalProperties"] is False

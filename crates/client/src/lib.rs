@@ -131,6 +131,8 @@ pub struct LeaseOptions {
     proxy: Option<String>,
     session: Option<String>,
     pool: Option<String>,
+    zone: Option<String>,
+    provider: Option<String>,
 }
 
 impl LeaseOptions {
@@ -162,6 +164,16 @@ impl LeaseOptions {
     /// first members answers [`ClientError::Unavailable`] with reason `scaling-up` and a `retry_after`.
     pub fn pool(mut self, pool: impl Into<String>) -> Self {
         self.pool = Some(pool.into());
+        self
+    }
+    /// Only proxies in this zone (a Proxy's `placement.zone`, as [`ProxyInfo::zone`] lists it).
+    pub fn zone(mut self, zone: impl Into<String>) -> Self {
+        self.zone = Some(zone.into());
+        self
+    }
+    /// Only proxies on this provider (a Managed Proxy's `provider`, as [`ProxyInfo::provider`] lists it).
+    pub fn provider(mut self, provider: impl Into<String>) -> Self {
+        self.provider = Some(provider.into());
         self
     }
 }
@@ -529,6 +541,12 @@ impl DiscoveryClient {
         }
         if let Some(pool) = options.pool {
             body["pool"] = json!(pool);
+        }
+        if let Some(zone) = options.zone {
+            body["zone"] = json!(zone);
+        }
+        if let Some(provider) = options.provider {
+            body["provider"] = json!(provider);
         }
         let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
         let lease: OwnedLease =

@@ -321,6 +321,8 @@ impl Discovery {
                 || previous.endpoint() != endpoint
                 || previous.egress_ip != record.egress_ip
                 || previous.pool != record.pool
+                || previous.zone != record.zone
+                || previous.provider != record.provider
                 || previous.cooldown != record.cooldown
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
@@ -332,6 +334,8 @@ impl Discovery {
             endpoint,
             egress_ip: record.egress_ip.clone(),
             pool: record.pool.clone(),
+            zone: record.zone.clone(),
+            provider: record.provider.clone(),
             cooldown: record.cooldown,
         });
         // Our own writes come back here too; the store keeps whichever ends later, so they change nothing.

@@ -72,6 +72,8 @@ struct SessionKey {
     session: String,
     host: String,
     pool: Option<String>,
+    zone: Option<String>,
+    provider: Option<String>,
     selector: Option<String>,
 }
 
@@ -250,6 +252,12 @@ impl LeaseRouter {
         if let Some(selector) = request.options.selector() {
             options = options.selector(selector);
         }
+        if let Some(zone) = &request.options.zone {
+            options = options.zone(zone.clone());
+        }
+        if let Some(provider) = &request.options.provider {
+            options = options.provider(provider.clone());
+        }
         let client = self.client(request.token, request.tenant)?;
         let deadline = tokio::time::Instant::now() + self.config.max_wait;
         let lease = loop {
@@ -297,6 +305,8 @@ impl LeaseRouter {
             session,
             host: request.host.to_ascii_lowercase(),
             pool: request.options.pool.clone(),
+            zone: request.options.zone.clone(),
+            provider: request.options.provider.clone(),
             selector: request.options.selector(),
         })
     }

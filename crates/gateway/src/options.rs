@@ -9,8 +9,8 @@
 //! | `session-<id>` | 1–128 of `A-Z a-z 0-9 . _ ~ -` | requests of one session and site go through one proxy |
 //! | `sticky-<seconds>` | 1–86400 | how long an idle session keeps its proxy (needs `session`) |
 //! | `pool-<name>` | a ProxyPool, `name` or `namespace.name` | only that pool's members |
-//! | `zone-<zone>` | a label value | only proxies labelled `zone=<zone>` |
-//! | `provider-<name>` | a label value | only proxies labelled `provider=<name>` |
+//! | `zone-<zone>` | a zone | only proxies in that zone (a Proxy's `placement.zone`, listed as `zone`) |
+//! | `provider-<name>` | a provider's name | only proxies on that provider (a Proxy's `provider`) |
 //! | `label-<key>=<value>` | a label key and value | only proxies with that label (repeatable) |
 //!
 //! An unknown key, a key given twice (other than `label`), a malformed value or an option without a value is an
@@ -37,7 +37,11 @@ pub struct Options {
     pub sticky: Option<Duration>,
     /// Only members of this ProxyPool (`name`, or `namespace/name` written `namespace.name`).
     pub pool: Option<String>,
-    /// Labels the proxy must have (`zone`, `provider` and each `label-k=v`).
+    /// Only proxies in this zone (a Proxy's `placement.zone`).
+    pub zone: Option<String>,
+    /// Only proxies on this provider (a Managed Proxy's `provider`).
+    pub provider: Option<String>,
+    /// Labels the proxy must have (each `label-k=v`).
     pub labels: BTreeMap<String, String>,
 }
 
@@ -111,9 +115,13 @@ impl Options {
                 }
                 "zone" | "provider" => {
                     if !is_label_value(value) {
-                        return Err(OptionError::new(option, "is not a label value (63 of A-Z a-z 0-9 . _ -)"));
+                        return Err(OptionError::new(
+                            option,
+                            format!("is not a {key} name (63 of A-Z a-z 0-9 . _ -, alphanumeric at both ends)"),
+                        ));
                     }
-                    if options.labels.insert(key.to_owned(), value.to_owned()).is_some() {
+                    let slot = if key == "zone" { &mut options.zone } else { &mut options.provider };
+                    if slot.replace(value.to_owned()).is_some() {
                         return Err(OptionError::new(option, format!("{key} is given twice")));
                     }
                 }
@@ -194,12 +202,12 @@ mod tests {
         assert_eq!(options.session.as_deref(), Some("a1.B_~-x"));
         assert_eq!(options.sticky, Some(Duration::from_secs(600)));
         assert_eq!(options.pool.as_deref(), Some("crawl/eu-west"));
-        assert_eq!(options.selector().as_deref(), Some("tier=gold,zone=eu"));
+        assert_eq!(options.selector().as_deref(), Some("tier=gold"));
+        assert_eq!(options.zone.as_deref(), Some("eu"), "the zone is the Proxy's, not a label");
         assert_eq!(Options::parse("pool-eu").expect("a bare pool").pool.as_deref(), Some("eu"));
-        assert_eq!(
-            Options::parse("label-example.com/team=search,provider-gcp").expect("prefixed").selector().as_deref(),
-            Some("example.com/team=search,provider=gcp")
-        );
+        let prefixed = Options::parse("label-example.com/team=search,provider-gcp").expect("prefixed");
+        assert_eq!(prefixed.selector().as_deref(), Some("example.com/team=search"));
+        assert_eq!(prefixed.provider.as_deref(), Some("gcp"));
     }
 
     #[test]
@@ -218,8 +226,9 @@ mod tests {
             ("pool-a.b.c", "a pool is"),
             ("pool-a,pool-b", "is given twice"),
             ("zone-eu,zone-us", "zone is given twice"),
-            ("zone-eu west", "is not a label value"),
-            ("provider--gcp", "is not a label value"),
+            ("provider-a,provider-b", "provider is given twice"),
+            ("zone-eu west", "is not a zone name"),
+            ("provider--gcp", "is not a provider name"),
             ("label-tier", "expected label-<key>=<value>"),
             ("label-=gold", "is not a label key"),
             ("label-tier=gold,label-tier=silver", "the label tier is given twice"),

@@ -719,3 +719,55 @@ async fn a_leased_proxy_that_takes_credentials_is_reached_with_them() {
         assert_eq!((status, proxy.as_str()), (200, "crawl/guarded"), "{user}");
     }
 }
+
+/// The documented `pool-eu,zone-eu-west-1a` (docs/gateway.md), and `zone-` and `provider-` alone, select by what
+/// `GET /v1/proxies` lists (a Proxy's `placement.zone` and `provider`), not by labels the operator never sets.
+/// Regression: they selected labels `zone` and `provider`, and the documented example answered `503 none-healthy`.
+#[tokio::test]
+async fn zone_and_provider_options_select_the_zone_and_provider_the_api_lists() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = two_squids().await;
+    let c = Squid::start(SquidOptions::default()).await.expect("Squid c");
+    let placed = |name: &str, squid: &Squid, zone: &str, provider: &str, pool: Option<&str>| ProxyRecord {
+        zone: Some(zone.to_owned()),
+        provider: Some(provider.to_owned()),
+        pool: pool.map(|pool| pool.parse().expect("a pool")),
+        ..record(name, squid)
+    };
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(store, Auth::Disabled, DiscoveryMetrics::default()));
+    state.upsert(placed("eu-a", &a, "eu-west-1a", "gcp-eu", Some("crawl/eu"))).await;
+    state.upsert(placed("eu-b", &b, "eu-west-1b", "gcp-eu", Some("crawl/eu"))).await;
+    state.upsert(placed("us-a", &c, "us-east-1a", "kvm-lab", None)).await;
+    state.upsert_pool(egress_discovery::PoolRecord {
+        id: "crawl/eu".parse().expect("a pool"),
+        replicas: 2,
+        ready: 2,
+        wakes: false,
+        provisioning: std::time::Duration::from_secs(30),
+    });
+    state.mark_synced();
+    let discovery = serve_discovery(router(state)).await;
+    let (gateway, _) = gateway(discovery, vec![503], 0).await;
+    let url = origin.ip_url();
+    for (user, expected) in [
+        ("pool-eu,zone-eu-west-1a", "crawl/eu-a"),
+        ("zone-eu-west-1b", "crawl/eu-b"),
+        ("provider-kvm-lab", "crawl/us-a"),
+        ("zone-us-east-1a,provider-kvm-lab", "crawl/us-a"),
+    ] {
+        for _ in 0..3 {
+            assert_eq!(get(gateway, &url, user).await, (200, expected.to_owned()), "{user}");
+        }
+    }
+    let mut providers = BTreeSet::new();
+    for _ in 0..6 {
+        let (status, proxy) = get(gateway, &url, "provider-gcp-eu").await;
+        assert_eq!(status, 200);
+        providers.insert(proxy);
+    }
+    assert_eq!(providers, BTreeSet::from(["crawl/eu-a".to_owned(), "crawl/eu-b".to_owned()]));
+    // A zone with no proxy is no proxy at all, and says so.
+    let answer = through_proxy(gateway, "GET", &url, Some(("pool-eu,zone-us-east-1a", TOKEN))).await.expect("answer");
+    assert_eq!(answer.status, 503, "{answer:?}");
+}

@@ -26,6 +26,8 @@ async fn fill(state: &dyn LeaseState) {
             endpoint: format!("10.0.0.{index}:3128"),
             egress_ip: None,
             pool: None,
+            zone: None,
+            provider: None,
             cooldown: None,
         };
         state.upsert_proxy(info).await.expect("upsert");

@@ -23,6 +23,8 @@ fn proxy(name: &str, cap: u32, egress_ip: Option<&str>) -> ProxyInfo {
         endpoint: format!("{name}.crawl:3128"),
         egress_ip: egress_ip.map(str::to_owned),
         pool: None,
+        zone: None,
+        provider: None,
         cooldown: None,
     }
 }

@@ -20,6 +20,8 @@ fn run(proxies: usize) -> Duration {
             endpoint: format!("10.0.{}.{}:3128", index / 256, index % 256),
             egress_ip: None,
             pool: None,
+            zone: None,
+            provider: None,
             cooldown: None,
         });
     }

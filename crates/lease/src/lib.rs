@@ -48,6 +48,10 @@ pub struct ProxyInfo {
     pub egress_ip: Option<String>,
     /// The pool it is a member of, when it has one.
     pub pool: Option<PoolId>,
+    /// The zone it runs in (the Proxy's `placement.zone`), when set.
+    pub zone: Option<String>,
+    /// The provider it runs on (the Proxy's `provider`), for Managed proxies.
+    pub provider: Option<String>,
     /// How long a site's ban cools it down; `None`: the store's ([`LeaseConfig::cooldown`]).
     pub cooldown: Option<CooldownPolicy>,
 }
@@ -121,6 +125,10 @@ pub struct LeaseRequest {
     pub session: Option<String>,
     /// Only members of this pool.
     pub pool: Option<PoolId>,
+    /// Only proxies in this zone ([`ProxyInfo::zone`]).
+    pub zone: Option<String>,
+    /// Only proxies on this provider ([`ProxyInfo::provider`]).
+    pub provider: Option<String>,
     /// Who asks (the operator: the caller's tenant): the lease is usable only with the same owner.
     pub owner: String,
     /// The most leases `owner` may hold at once, this one included; `None` for no limit.
@@ -129,9 +137,12 @@ pub struct LeaseRequest {
 
 impl LeaseRequest {
     /// Whether a proxy is one this request may be given: it matches the selector and, when the request names a
-    /// pool, is a member of it.
+    /// pool, a zone or a provider, is a member of that pool, in that zone and on that provider.
     pub fn admits(&self, proxy: &ProxyInfo) -> bool {
-        self.selector.matches(&proxy.labels) && self.pool.as_ref().is_none_or(|pool| proxy.pool.as_ref() == Some(pool))
+        self.selector.matches(&proxy.labels)
+            && self.pool.as_ref().is_none_or(|pool| proxy.pool.as_ref() == Some(pool))
+            && self.zone.as_ref().is_none_or(|zone| proxy.zone.as_ref() == Some(zone))
+            && self.provider.as_ref().is_none_or(|provider| proxy.provider.as_ref() == Some(provider))
     }
 }
 

@@ -243,12 +243,17 @@ class DiscoveryClient:
         proxy: Optional[str] = None,
         session: Optional[str] = None,
         pool: Optional[str] = None,
+        zone: Optional[str] = None,
+        provider: Optional[str] = None,
     ) -> Lease:
         """Leases a proxy for `target` (a host, an IP address or a URL). Use the result with `with` to release it.
 
         With `pool` (a ProxyPool's name, or namespace/name) only its members are leased; a pool getting its first
-        members raises `Unavailable` with reason `scaling-up` and `retry_after`."""
-        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool)
+        members raises `Unavailable` with reason `scaling-up` and `retry_after`. `zone` and `provider` keep to
+        proxies with that zone or provider (as `proxies()` lists them: a Proxy's placement.zone and provider)."""
+        body = lease_body(
+            target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool, zone=zone, provider=provider
+        )
         return Lease(self, LeaseState.from_json(self._call("POST", "/v1/leases", body)))
 
     def resume(self, lease_id: str, ttl: Optional[float] = None) -> Lease:
@@ -420,10 +425,14 @@ class AsyncDiscoveryClient:
         proxy: Optional[str] = None,
         session: Optional[str] = None,
         pool: Optional[str] = None,
+        zone: Optional[str] = None,
+        provider: Optional[str] = None,
     ) -> _PendingLease:
-        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit. `pool` as for the sync
-        client."""
-        body = lease_body(target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool)
+        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit. `pool`, `zone` and
+        `provider` as for the sync client."""
+        body = lease_body(
+            target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool, zone=zone, provider=provider
+        )
         return _PendingLease(self, body)
 
     async def resume(self, lease_id: str, ttl: Optional[float] = None) -> AsyncLease:

@@ -227,6 +227,8 @@ def lease_body(
     proxy: Optional[str],
     session: Optional[str],
     pool: Optional[str] = None,
+    zone: Optional[str] = None,
+    provider: Optional[str] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"target": check_target(target)}
     if selector:
@@ -240,6 +242,11 @@ def lease_body(
         if not pool or pool.count("/") > 1 or any(character.isspace() for character in pool):
             raise ValueError(f"pool {pool!r} must be a ProxyPool's name or namespace/name")
         body["pool"] = pool
+    for key, value in (("zone", zone), ("provider", provider)):
+        if value is not None:
+            if not value or len(value) > 253:
+                raise ValueError(f"{key} {value!r} must be 1 to 253 characters")
+            body[key] = value
     return body
 
 

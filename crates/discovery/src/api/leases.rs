@@ -25,6 +25,12 @@ pub(super) struct LeaseBody {
     /// Only members of this ProxyPool: `namespace/name`, or a name only one namespace has; a pool with no members
     /// that autoscales answers 503 `scaling-up` and grows.
     pool: Option<String>,
+    /// Only proxies in this zone (a Proxy's `placement.zone`, listed as `zone`).
+    #[schemars(length(min = 1, max = 253))]
+    zone: Option<String>,
+    /// Only proxies on this provider (a Managed Proxy's `provider`, listed as `provider`).
+    #[schemars(length(min = 1, max = 253))]
+    provider: Option<String>,
 }
 
 /// The proxy a request names, which must be `namespace/name`.
@@ -135,6 +141,11 @@ pub(super) async fn create_lease(
     if body.session.as_ref().is_some_and(|session| session.is_empty() || session.len() > 256) {
         return Err(Problem::bad_request("session must be 1 to 256 characters"));
     }
+    for (field, value) in [("zone", &body.zone), ("provider", &body.provider)] {
+        if value.as_ref().is_some_and(|value| value.is_empty() || value.len() > 253) {
+            return Err(Problem::bad_request(format!("{field} must be 1 to 253 characters")));
+        }
+    }
     let proxy = body.proxy.as_deref().map(parse_proxy).transpose()?;
     let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
         .map_err(|error| Problem::bad_request(error.to_string()))?;
@@ -169,6 +180,8 @@ pub(super) async fn create_lease(
         owner: caller.owner().to_owned(),
         owner_quota: caller.quota.max_leases,
         pool: pool.as_ref().map(|pool| pool.id.clone()),
+        zone: body.zone,
+        provider: body.provider,
     };
     match state.store.lease(&request, now).await {
         Ok(lease) => {

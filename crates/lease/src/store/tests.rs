@@ -30,6 +30,8 @@ fn proxy(id: &str, max: u32) -> ProxyInfo {
         endpoint: format!("{id}:3128"),
         egress_ip: None,
         pool: None,
+        zone: None,
+        provider: None,
         cooldown: None,
     }
 }
