@@ -91,7 +91,8 @@ export function gatewayProxyUrl(gateway: string, token: string, options: Gateway
     }
     parts.push(`label-${key}=${value}`);
   }
-  return `http://${encodeURIComponent(parts.join(','))}:${encodeURIComponent(token)}@${url.host}`;
+  // No options is the user name `rotate`: many clients send no credentials for an empty one.
+  return `http://${encodeURIComponent(parts.join(',') || 'rotate')}:${encodeURIComponent(token)}@${url.host}`;
 }
 
 /**

@@ -8,7 +8,8 @@ import { test } from 'node:test';
 import { GatewayError, gatewayProxyUrl, reportToGateway } from '../dist/index.js';
 
 test('the proxy URL carries the options and an encoded token', () => {
-  assert.equal(gatewayProxyUrl('http://gw:8088', 't0ken'), 'http://:t0ken@gw:8088');
+  // No options: the user name `rotate` (many clients send no credentials for an empty one).
+  assert.equal(gatewayProxyUrl('http://gw:8088', 't0ken'), 'http://rotate:t0ken@gw:8088');
   const url = new URL(
     gatewayProxyUrl('gw.example:8088', 'a/b:c@d', { session: 's-1', sticky: 60, pool: 'crawl.eu', zone: 'eu-1a', labels: { tier: 'dc' } }),
   );

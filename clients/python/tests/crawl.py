@@ -7,7 +7,9 @@ With `CRAWL_PROXY` set (a proxy URL with `{session}` in it, such as the gateway'
 settings, and each request's `meta["proxy"]` that URL for its session; several URLs separated by spaces (the
 gateway's replicas) take the requests in turn. With `CRAWL_GATEWAY` set (the gateway's
 host:port), the crawl uses the gateway middleware, `egress_client.scrapy.EgressGatewayMiddleware`, instead: each
-request's session in `meta["egress_session"]`, refusals inside tunnels reported to the gateway."""
+request's session in `meta["egress_session"]`, refusals inside tunnels reported to the gateway. With `CRAWL_PLAIN`
+set, the crawl is plain Scrapy with no proxy of its own: the caller sets `http_proxy` in its environment, which
+Scrapy's `HttpProxyMiddleware` reads."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ PROXY = os.environ.get("CRAWL_PROXY", "")
 PROXIES = PROXY.split()
 TURNS = itertools.count()
 GATEWAY = os.environ.get("CRAWL_GATEWAY", "")
+PLAIN = bool(os.environ.get("CRAWL_PLAIN"))
 
 
 class SiteSpider(scrapy.Spider):
@@ -54,6 +57,8 @@ class SiteSpider(scrapy.Spider):
         self.closed, self.reason = time.monotonic(), reason
 
     def meta(self, session: str) -> dict:
+        if PLAIN:
+            return {}
         if PROXY:
             proxy = PROXIES[next(TURNS) % len(PROXIES)]
             return {"proxy": proxy.format(session=session), "session": session}
@@ -90,7 +95,7 @@ def main() -> None:
         "LOG_LEVEL": "INFO",
         "TELNETCONSOLE_ENABLED": False,
     }
-    if PROXY:
+    if PROXY or PLAIN:
         # Plain Scrapy: the proxy URL is all it knows.
         for key in ("ADDONS", "EGRESS_URL", "EGRESS_TOKEN", "EGRESS_REPORT_EVERY", "RETRY_HTTP_CODES"):
             del settings[key]

@@ -17,7 +17,8 @@ from egress_client import GatewayError, areport_to_gateway, gateway_proxy_url, r
 
 
 def test_the_proxy_url_carries_the_options_and_an_encoded_token() -> None:
-    assert gateway_proxy_url("http://gw:8088", "t0ken") == "http://:t0ken@gw:8088"
+    # No options: the user name `rotate` (requests and Scrapy send no credentials for an empty one).
+    assert gateway_proxy_url("http://gw:8088", "t0ken") == "http://rotate:t0ken@gw:8088"
     url = gateway_proxy_url(
         "gw.example:8088", "a/b:c@d", session="s-1", sticky=60, pool="crawl.eu", zone="eu-1a", labels={"tier": "dc"}
     )
@@ -135,7 +136,8 @@ def test_the_scrapy_gateway_middleware_reports_refusals_in_tunnels_and_schedules
     for request in (tunnelled, plain, rotating, own):
         middleware.process_request(request)
     assert urllib.parse.unquote(urllib.parse.urlsplit(tunnelled.meta["proxy"]).username or "") == "session-s1"
-    assert urllib.parse.urlsplit(rotating.meta["proxy"]).username == ""
+    # Without a session: `rotate`, for which Scrapy sends the token (for an empty user name it sends nothing).
+    assert urllib.parse.urlsplit(rotating.meta["proxy"]).username == "rotate"
     assert own.meta["proxy"] == "http://elsewhere:3128", "a request's own proxy is left alone"
 
     async def answer(request: Request, status: int) -> Any:

@@ -92,6 +92,34 @@ def test_a_plain_scrapy_crawl_through_the_gateway_fetches_every_page_and_session
     print(f"scrapy through the gateway: Scrapy retries {stats.get('retry/count', 0)}")
 
 
+def test_scrapy_with_http_proxy_and_requests_rotate_through_the_gateway_as_rotate() -> None:
+    """The rotating form as plain Scrapy (`http_proxy` in the environment, nothing else) and python-requests use it:
+    the user name `rotate`. Regression: both send no credentials for `http://:TOKEN@gateway` and got 407."""
+    import requests
+
+    proxy = f"http://rotate:{TOKEN}@{GATEWAY}"
+    site = Site(banned=fleet_addresses()[0])
+    try:
+        answers = [requests.get(site.url, proxies={"http": proxy}, timeout=30) for _ in range(6)]
+        assert [answer.status_code for answer in answers] == [200] * 6, [answer.status_code for answer in answers]
+        bare = requests.get(site.url, proxies={"http": f"http://:{TOKEN}@{GATEWAY}"}, timeout=30)
+        assert bare.status_code == 407, "requests sends no credentials for an empty user name"
+        result = crawl(site.url, {"CONCURRENT_REQUESTS": 8}, env={"CRAWL_PLAIN": "1", "http_proxy": proxy})
+    finally:
+        site.server.shutdown()
+    pages = [page for page in result["pages"] if page["status"] == 200]
+    assert len({page["url"] for page in pages}) == PAGES + 1, f"{len(pages)} pages; stats {result['stats']}"
+    rotated = {page["proxy"] for page in pages}
+    violations = cooling_violations(site.log, site.banned)
+    print(
+        f"scrapy with http_proxy as rotate: {len(pages)} pages over {len(rotated)} proxies, {len(site.log)} requests "
+        f"at the site, through a cooling proxy {len(violations)}; requests 6/6"
+    )
+    assert len(rotated) >= 2, f"requests without a session rotate: {rotated}"
+    assert not violations, f"{len(violations)} requests through a proxy cooling down for the site: {violations[:5]}"
+    leases_come_back()
+
+
 def test_an_https_scrapy_crawl_through_the_gateway_middleware_reports_what_it_sees_in_tunnels() -> None:
     pages, stats, refusals = crawl_through_gateway(
         "scrapy through the gateway over CONNECT", {"CRAWL_GATEWAY": GATEWAY}, tls=True

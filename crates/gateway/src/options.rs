@@ -1,8 +1,8 @@
 //! The options a crawler puts in the gateway's proxy user name.
 //!
 //! The user name is a comma-separated list of `key-value` options (the value is everything after the key's first
-//! dash), the password a tenant token: `http://session-a1,pool-eu-west:TOKEN@egress-gateway:8088`. An empty user
-//! name means no options. Keys:
+//! dash), the password a tenant token: `http://session-a1,pool-eu-west:TOKEN@egress-gateway:8088`. [`ROTATE`] (or
+//! an empty user name, which python-requests and Scrapy do not send at all) means no options. Keys:
 //!
 //! | option | value | meaning |
 //! | --- | --- | --- |
@@ -21,6 +21,10 @@ use std::fmt;
 use std::time::Duration;
 
 use egress_fleet::{PoolId, is_dns_label};
+
+/// The user name that means no options: every request rotates. An empty one means the same, but python-requests
+/// and Scrapy send no credentials at all for a proxy URL whose user name is empty (`http://:TOKEN@gateway`).
+pub const ROTATE: &str = "rotate";
 
 /// The longest session ID.
 pub const MAX_SESSION_CHARS: usize = 128;
@@ -68,7 +72,7 @@ impl Options {
     /// The first option that is unknown, repeated, malformed or without a value.
     pub fn parse(user: &str) -> Result<Self, OptionError> {
         let mut options = Self::default();
-        if user.is_empty() {
+        if user.is_empty() || user == ROTATE {
             return Ok(options);
         }
         for option in user.split(',') {
@@ -197,6 +201,7 @@ mod tests {
     #[test]
     fn options_parse() {
         assert_eq!(Options::parse("").expect("empty"), Options::default());
+        assert_eq!(Options::parse("rotate").expect("the option-less user name"), Options::default());
         let options =
             Options::parse("session-a1.B_~-x,sticky-600,pool-crawl.eu-west,zone-eu,label-tier=gold").expect("parses");
         assert_eq!(options.session.as_deref(), Some("a1.B_~-x"));
@@ -234,6 +239,7 @@ mod tests {
             ("label-tier=gold,label-tier=silver", "the label tier is given twice"),
             ("country-de", "unknown option \"country\""),
             ("session-a,", "expected key-value"),
+            ("rotate,session-a", "expected key-value"),
             (",session-a", "expected key-value"),
         ];
         for (user, expected) in cases {

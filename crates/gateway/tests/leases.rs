@@ -169,6 +169,14 @@ async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
         rotated.insert(proxy);
     }
     assert_eq!(rotated.len(), 2, "requests without a session rotate: {rotated:?}");
+    // The user name `rotate` means the same: python-requests and Scrapy send no credentials for an empty one.
+    let mut rotated = BTreeSet::new();
+    for _ in 0..6 {
+        let (status, proxy) = get(gateway, &url, "rotate").await;
+        assert_eq!(status, 200);
+        rotated.insert(proxy);
+    }
+    assert_eq!(rotated.len(), 2, "requests as `rotate` rotate: {rotated:?}");
 
     // One session, one proxy.
     let mut seen = BTreeSet::new();

@@ -73,7 +73,8 @@ def gateway_proxy_url(
         if not key or not value or "," in key + value or "=" in key:
             raise ValueError(f"label {key}={value}: a label key and value, without commas")
         options.append(f"label-{key}={value}")
-    user = urllib.parse.quote(",".join(options), safe="")
+    # No options is the user name `rotate`: for an empty one, requests and Scrapy send no credentials at all.
+    user = urllib.parse.quote(",".join(options) or "rotate", safe="")
     password = urllib.parse.quote(token, safe="")
     return f"http://{user}:{password}@{split.netloc}"
 
