@@ -666,6 +666,8 @@ fn refusal(error: ClientError) -> GatewayError {
         ClientError::Unauthorized(detail) => GatewayError::credentials(format!("the token is not valid: {detail}")),
         ClientError::Forbidden(detail) => GatewayError::credentials(format!("the token may not lease: {detail}")),
         ClientError::BadRequest(detail) => GatewayError::bad_request(detail),
+        // An unknown pool (or proxy): asking again gets the same answer, so no Retry-After.
+        ClientError::NotFound(detail) => GatewayError::bad_request(detail),
         other => GatewayError::discovery(other.to_string()),
     }
 }

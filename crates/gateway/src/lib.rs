@@ -25,7 +25,8 @@ pub use leases::{LeaseRouter, LeaseRouterConfig};
 pub use metrics::GatewayMetrics;
 pub use options::{OptionError, Options};
 pub use route::{
-    Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, StaticRouter, StaticTokens, Upstream, Verdict,
+    Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, StaticRouter, StaticTokens, TokenRefused,
+    Upstream, Verdict,
 };
 pub use server::{Gateway, GatewayLimits};
 pub use status::GatewayError;

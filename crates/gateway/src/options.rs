@@ -59,9 +59,16 @@ pub struct OptionError {
     pub reason: String,
 }
 
+/// How much of an option an error repeats: a user name of any length is not echoed back whole.
+const ECHOED_CHARS: usize = 64;
+
 impl OptionError {
     fn new(option: &str, reason: impl fmt::Display) -> Self {
-        Self { option: option.to_owned(), reason: reason.to_string() }
+        let option = match option.char_indices().nth(ECHOED_CHARS) {
+            Some((end, _)) => format!("{}… ({} characters)", &option[..end], option.chars().count()),
+            None => option.to_owned(),
+        };
+        Self { option, reason: reason.to_string() }
     }
 }
 
@@ -242,6 +249,10 @@ mod tests {
             ("rotate,session-a", "expected key-value"),
             (",session-a", "expected key-value"),
         ];
+        // A user name of any length is not echoed back whole (regression: 100,000 characters came back, twice).
+        let long = format!("session-{}", "a".repeat(100_000));
+        let error = Options::parse(&long).expect_err("too long").to_string();
+        assert!(error.len() < 300 && error.contains("(100008 characters)"), "{} bytes: {error:.200}", error.len());
         for (user, expected) in cases {
             let error = Options::parse(user).expect_err(user);
             assert!(error.to_string().contains(expected), "{user}: {error}");

@@ -190,8 +190,32 @@ pub trait Router: Send + Sync + 'static {
 
 /// Tells tenants from tokens.
 pub trait Authenticator: Send + Sync + 'static {
-    /// The tenant `token` belongs to, when it may use the gateway.
-    fn tenant(&self, token: &str) -> Option<String>;
+    /// The tenant `token` belongs to, when it may use the gateway; else why not.
+    ///
+    /// # Errors
+    /// The token is unknown, or known without the scope the gateway needs.
+    fn tenant(&self, token: &str) -> Result<String, TokenRefused>;
+}
+
+/// Why a token may not use the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenRefused {
+    /// No such token.
+    Unknown,
+    /// A valid token whose scope (named) does not include `lease`.
+    Scope(&'static str),
+}
+
+impl TokenRefused {
+    /// What the crawler is told.
+    pub fn explain(self) -> String {
+        match self {
+            Self::Unknown => "the password is not a valid token".to_owned(),
+            Self::Scope(scope) => {
+                format!("the token is valid but has the {scope} scope: the gateway needs a token with the lease scope")
+            }
+        }
+    }
 }
 
 /// Every request through one upstream (for benchmarks, tests and a single proxy).
@@ -224,7 +248,7 @@ impl StaticTokens {
 }
 
 impl Authenticator for StaticTokens {
-    fn tenant(&self, token: &str) -> Option<String> {
+    fn tenant(&self, token: &str) -> Result<String, TokenRefused> {
         use subtle::ConstantTimeEq;
         let mut found = None;
         for (known, tenant) in &self.0 {
@@ -232,6 +256,6 @@ impl Authenticator for StaticTokens {
                 found = Some(tenant.clone());
             }
         }
-        found
+        found.ok_or(TokenRefused::Unknown)
     }
 }

@@ -391,6 +391,8 @@ impl Gateway {
             }
         });
         let mut response = Response::new(full(Bytes::new()));
+        // What proxies (and RFC 9110's examples) answer a CONNECT with, and what the docs show.
+        response.extensions_mut().insert(hyper::ext::ReasonPhrase::from_static(b"Connection established"));
         identify(response.headers_mut(), &upstream);
         Ok(response)
     }
@@ -616,7 +618,7 @@ fn credentials(headers: &HeaderMap, auth: &dyn Authenticator) -> Result<(String,
     let (user, token) = decoded
         .split_once(':')
         .ok_or_else(|| GatewayError::credentials("Proxy-Authorization: Basic has no password"))?;
-    let tenant = auth.tenant(token).ok_or_else(|| GatewayError::credentials("the password is not a valid token"))?;
+    let tenant = auth.tenant(token).map_err(|refused| GatewayError::credentials(refused.explain()))?;
     let options = Options::parse(user).map_err(|error| GatewayError::bad_request(error.to_string()))?;
     Ok((tenant, token.to_owned(), options))
 }

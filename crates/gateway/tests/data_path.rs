@@ -46,7 +46,8 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     // A tunnel: CONNECT, then a request inside it.
     let target = origin.address();
     let (mut stream, head) = open_tunnel(gateway, target).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // As the docs show it (regression: `200 OK`).
+    assert!(head.starts_with("HTTP/1.1 200 Connection established\r\n"), "{head}");
     assert!(head.to_ascii_lowercase().contains("x-egress-proxy: crawl/squid-1"), "{head}");
     stream.write_all(format!("GET /ip HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes()).await.expect("GET inside");
     let mut rest = String::new();

@@ -778,4 +778,10 @@ async fn zone_and_provider_options_select_the_zone_and_provider_the_api_lists() 
     // A zone with no proxy is no proxy at all, and says so.
     let answer = through_proxy(gateway, "GET", &url, Some(("pool-eu,zone-us-east-1a", TOKEN))).await.expect("answer");
     assert_eq!(answer.status, 503, "{answer:?}");
+    // A pool that does not exist is the crawler's mistake: 400, and nothing invites a retry (regression: 503
+    // proxy_internal_error with Retry-After: 1, retried forever).
+    let answer = through_proxy(gateway, "GET", &url, Some(("pool-nosuch", TOKEN))).await.expect("answer");
+    assert_eq!(answer.status, 400, "{answer:?}");
+    assert!(answer.header("retry-after").is_none(), "{answer:?}");
+    assert!(answer.header("proxy-status").is_some_and(|status| status.contains("nosuch")), "{answer:?}");
 }

@@ -21,7 +21,9 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use clap::Args;
 use egress_discovery::{Scope, ServerLimits, ServerMetrics, TokenFile};
-use egress_gateway::{Authenticator, Buffers, Gateway, GatewayLimits, GatewayMetrics, LeaseRouter, LeaseRouterConfig};
+use egress_gateway::{
+    Authenticator, Buffers, Gateway, GatewayLimits, GatewayMetrics, LeaseRouter, LeaseRouterConfig, TokenRefused,
+};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -294,11 +296,12 @@ impl GatewayCli {
 struct LeaseTokens(TokenFile);
 
 impl Authenticator for LeaseTokens {
-    fn tenant(&self, token: &str) -> Option<String> {
-        self.0
-            .identify(token)
-            .filter(|identity| identity.scope >= Scope::Lease)
-            .map(|identity| identity.tenant.to_string())
+    fn tenant(&self, token: &str) -> Result<String, TokenRefused> {
+        let identity = self.0.identify(token).ok_or(TokenRefused::Unknown)?;
+        if identity.scope < Scope::Lease {
+            return Err(TokenRefused::Scope(identity.scope.name()));
+        }
+        Ok(identity.tenant.to_string())
     }
 }
 
@@ -489,9 +492,12 @@ mod tests {
         )
         .expect("write");
         let tokens = LeaseTokens(TokenFile::load(file.path()).expect("tokens"));
-        assert_eq!(tokens.tenant("read-token-0000000001"), None);
-        assert_eq!(tokens.tenant("lease-token-000000001").as_deref(), Some("b"));
-        assert!(tokens.tenant("admin-token-000000001").is_some());
-        assert_eq!(tokens.tenant("unknown"), None);
+        // A valid read token is told it lacks the lease scope, not that it is no token (regression).
+        let refused = tokens.tenant("read-token-0000000001").expect_err("read may not");
+        assert_eq!(refused, TokenRefused::Scope("read"));
+        assert!(refused.explain().contains("has the read scope"), "{}", refused.explain());
+        assert_eq!(tokens.tenant("lease-token-000000001").as_deref(), Ok("b"));
+        assert!(tokens.tenant("admin-token-000000001").is_ok());
+        assert_eq!(tokens.tenant("unknown"), Err(TokenRefused::Unknown));
     }
 }
