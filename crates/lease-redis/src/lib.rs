@@ -528,9 +528,11 @@ impl LeaseState for RedisLeaseState {
                 retry_at: time(retry, what)?,
             }),
             ["none"] => Err(LeaseError::NoneHealthy),
-            ["cooling", until] => {
-                Err(LeaseError::AllCoolingDown { until: time(until, what)?.ok_or_else(|| malformed(what))? })
-            }
+            ["cooling", until, cooling, at_capacity] => Err(LeaseError::AllCoolingDown {
+                until: time(until, what)?.ok_or_else(|| malformed(what))?,
+                cooling: number(cooling, what)?,
+                at_capacity: number(at_capacity, what)?,
+            }),
             ["capacity", retry] => Err(LeaseError::AllAtCapacity { retry_at: time(retry, what)? }),
             ["proxy-cooling", until] => Err(LeaseError::ProxyCoolingDown {
                 proxy: candidates[0].id.clone(),

@@ -267,14 +267,19 @@ local function lease()
         local _
         _, k = sample(k)
       end
-      local first
+      local first, cooling, full = nil, 0, 0
       for _, c in ipairs(candidates) do
         if c.active < c.cap then
           local ends = cooling_until(c.proxy, target)
-          if ends and (not first or ends < first) then first = ends end
+          if ends then
+            cooling = cooling + 1
+            if not first or ends < first then first = ends end
+          end
+        else
+          full = full + 1
         end
       end
-      if first then return { 'cooling', first } end
+      if first then return { 'cooling', first, cooling, full } end
       local retry
       for _, c in ipairs(candidates) do
         local soonest = redis.call('ZRANGE', P .. 'p:' .. c.proxy, 0, 0, 'WITHSCORES')[2]

@@ -501,3 +501,19 @@ async fn behind_a_forwarder_that_closes_connections_while_the_store_is_away_the_
     .await;
     eprintln!("used again {took:?} after the store returned");
 }
+
+/// Some proxies cooling down and the others at their cap: the refusal counts each, as in memory.
+#[tokio::test]
+async fn a_refusal_counts_the_proxies_cooling_down_and_those_at_their_cap() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies = vec![proxy("a", 1, None), proxy("b", 1, None)];
+    let stores = replicas(&server, 2, &proxies).await;
+    let now = SystemTime::now();
+    let held = stores[0].lease(&request("other.org", "t1"), now).await.expect("lease");
+    let free = if held.proxy.name() == "a" { "b" } else { "a" };
+    let named = LeaseRequest { proxy: Some(ProxyId::new("crawl", free)), ..request("example.com", "t1") };
+    let lease = stores[0].lease(&named, now).await.expect("lease");
+    stores[0].report(&lease.id, "t1", &Report::of(Outcome::Banned).and_release(), now).await.expect("ban");
+    let refused = stores[1].lease(&request("example.com", "t2"), SystemTime::now()).await.expect_err("none eligible");
+    assert!(matches!(refused, LeaseError::AllCoolingDown { cooling: 1, at_capacity: 1, .. }), "{refused:?}: {refused}");
+}

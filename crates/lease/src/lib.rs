@@ -284,6 +284,19 @@ pub struct ProxyLoad {
     pub outcomes: Option<Outcomes>,
 }
 
+/// [`LeaseError::AllCoolingDown`]'s message: how many proxies cool down, and how many are at their cap instead.
+fn cooling_down(cooling: u32, at_capacity: u32) -> String {
+    let cooling = match cooling {
+        1 => "1 matching proxy is cooling down for this target".to_owned(),
+        count => format!("{count} matching proxies are cooling down for this target"),
+    };
+    match at_capacity {
+        0 => cooling,
+        1 => format!("{cooling} and 1 is at its lease cap"),
+        count => format!("{cooling} and {count} are at their lease cap"),
+    }
+}
+
 /// Why a request to the store failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseError {
@@ -299,11 +312,15 @@ pub enum LeaseError {
         /// When the first lease on them expires, as a hint for retrying.
         retry_at: Option<SystemTime>,
     },
-    /// Every matching healthy proxy with room is cooling down for this target.
-    #[error("every matching proxy is cooling down for this target")]
+    /// Every matching healthy proxy with room is cooling down for this target; the others are at their cap.
+    #[error("{}", cooling_down(*.cooling, *.at_capacity))]
     AllCoolingDown {
         /// When the first of those cooldowns ends.
         until: SystemTime,
+        /// How many are cooling down (and have room).
+        cooling: u32,
+        /// How many of the others are at their lease cap (cooling down or not).
+        at_capacity: u32,
     },
     /// The named proxy is cooling down for this target.
     #[error("proxy {proxy:?} is cooling down for this target")]

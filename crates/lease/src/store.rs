@@ -724,7 +724,12 @@ fn explain_refusal(inner: &Inner, request: &LeaseRequest, target: &str, now: Sys
         .filter_map(|proxy| inner.cooling_until(&proxy.info.id, target, now))
         .collect();
     if let Some(until) = cooling.iter().min() {
-        return LeaseError::AllCoolingDown { until: *until };
+        let at_capacity = matching.iter().filter(|proxy| proxy.active >= proxy.info.max_leases).count();
+        return LeaseError::AllCoolingDown {
+            until: *until,
+            cooling: u32::try_from(cooling.len()).unwrap_or(u32::MAX),
+            at_capacity: u32::try_from(at_capacity).unwrap_or(u32::MAX),
+        };
     }
     let retry_at = matching
         .iter()

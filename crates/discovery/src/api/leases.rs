@@ -243,7 +243,7 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
         LeaseError::AllAtCapacity { retry_at } => {
             unavailable("all-at-capacity", detail).with_retry_after(retry_at.map_or(Duration::from_secs(5), until))
         }
-        LeaseError::AllCoolingDown { until: first } => {
+        LeaseError::AllCoolingDown { until: first, .. } => {
             unavailable("all-cooling-down", format!("{detail}; the first cooldown ends at {}", timestamp(first)))
                 .with_retry_after(until(first))
         }

@@ -341,8 +341,31 @@ fn refusal_reasons() {
     let store = store_with(&[proxy("a", 1)]);
     let lease = store.lease(&request("example.com"), t(0)).expect("lease");
     store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
-    assert_eq!(store.lease(&request("example.com"), t(1)), Err(LeaseError::AllCoolingDown { until: t(600) }));
+    let cooling = LeaseError::AllCoolingDown { until: t(600), cooling: 1, at_capacity: 0 };
+    assert_eq!(store.lease(&request("example.com"), t(1)), Err(cooling));
     assert!(matches!(store.lease(&request("not a host"), t(1)), Err(LeaseError::InvalidTarget(_))));
+}
+
+/// Some proxies cooling down and the others at their cap: the refusal says how many of each (regression: it said
+/// every matching proxy was cooling down when 8 of them were only at their cap).
+#[test]
+fn a_refusal_says_how_many_proxies_cool_down_and_how_many_are_at_their_cap() {
+    let store = store_with(&[proxy("a", 1), proxy("b", 1), proxy("c", 1)]);
+    let held = store.lease(&request("other.example"), t(0)).expect("lease");
+    let _also = store.lease(&request("other.example"), t(0)).expect("lease");
+    let free = ["a", "b", "c"]
+        .into_iter()
+        .map(p)
+        .find(|id| store.loads(None, t(0)).expect("loads").iter().any(|l| &l.id == id && l.active_leases == 0))
+        .expect("one proxy with room");
+    let named = LeaseRequest { proxy: Some(free), ..request("example.com") };
+    let lease = store.lease(&named, t(0)).expect("lease");
+    store.report(&lease.id, "", &Report::of(Outcome::Banned).and_release(), t(0)).expect("ban");
+    let refused = store.lease(&request("example.com"), t(1)).expect_err("nothing eligible");
+    assert_eq!(refused, LeaseError::AllCoolingDown { until: t(600), cooling: 1, at_capacity: 2 });
+    assert_eq!(refused.to_string(), "1 matching proxy is cooling down for this target and 2 are at their lease cap");
+    drop(held);
+    store.check_invariants().expect("invariants");
 }
 
 #[test]
