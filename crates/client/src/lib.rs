@@ -89,6 +89,14 @@ pub enum ClientError {
     /// 400: the request was invalid.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// 400 `ttl-above-tenant-max`: the TTL asked for is above the tenant's `maxLeaseSeconds`; ask within `max`.
+    #[error("bad request: {detail}")]
+    TtlAboveTenantMax {
+        /// The longest lease the tenant may ask for.
+        max: Duration,
+        /// The server's words.
+        detail: String,
+    },
     /// Any other status.
     #[error("unexpected status {status}: {detail}")]
     Status {
@@ -366,7 +374,12 @@ fn error_of(status: StatusCode, bytes: &[u8], retry_after: Option<Duration>) -> 
         StatusCode::GONE => ClientError::Gone(detail),
         StatusCode::UNAUTHORIZED => ClientError::Unauthorized(detail),
         StatusCode::FORBIDDEN => ClientError::Forbidden(detail),
-        StatusCode::BAD_REQUEST => ClientError::BadRequest(detail),
+        StatusCode::BAD_REQUEST => match problem["maxLeaseSeconds"].as_u64() {
+            Some(max) if reason == "ttl-above-tenant-max" => {
+                ClientError::TtlAboveTenantMax { max: Duration::from_secs(max), detail }
+            }
+            _ => ClientError::BadRequest(detail),
+        },
         other => ClientError::Status { status: other.as_u16(), detail },
     };
     (error, retry)

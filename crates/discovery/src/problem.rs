@@ -16,19 +16,22 @@ pub struct Problem {
     #[serde(rename = "type")]
     pub type_: String,
     /// A short, stable summary of the kind.
-    pub title: String,
+    pub title: &'static str,
     /// The HTTP status.
     pub status: u16,
     /// What went wrong this time, for a human.
     pub detail: String,
     /// A stable machine-readable reason: none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is
     /// getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable,
-    /// unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute.
+    /// unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute, ttl-above-tenant-max.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// When to try again, in seconds (also sent as `Retry-After`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_seconds: Option<u64>,
+    /// With reason `ttl-above-tenant-max`: the longest lease the tenant may ask for, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_lease_seconds: Option<u32>,
     #[serde(skip)]
     authenticate: bool,
     #[serde(skip)]
@@ -37,14 +40,15 @@ pub struct Problem {
 
 impl Problem {
     /// A problem of the given status; `kind` becomes the type URI's last part.
-    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, kind: &str, title: &'static str, detail: impl Into<String>) -> Self {
         Self {
             type_: format!("urn:egress-operator:problem:{kind}"),
-            title: title.to_owned(),
+            title,
             status: status.as_u16(),
             detail: detail.into(),
             reason: None,
             retry_after_seconds: None,
+            max_lease_seconds: None,
             authenticate: false,
             close: false,
         }

@@ -1073,6 +1073,8 @@ async fn tenants_have_their_own_leases_sessions_cooldowns_and_quotas() {
     let (status, _, body) = lease(A_LEASE, json!({ "target": "x.example.com", "ttlSeconds": 120 })).await;
     assert_eq!(status, 400, "{body}");
     assert!(body["detail"].as_str().is_some_and(|detail| detail.contains("maxLeaseSeconds (60)")), "{body}");
+    // Named, with the limit, so a client can ask again within it (the gateway does).
+    assert_eq!((body["reason"].as_str(), body["maxLeaseSeconds"].as_u64()), (Some("ttl-above-tenant-max"), Some(60)));
 
     // maxLeases: A's third lease is its last; the fourth is 429 quota-exceeded with Retry-After. B is unaffected.
     let (status, _, a_other) = lease(A_LEASE, json!({ "target": "other.example.org" })).await;

@@ -34,7 +34,8 @@ use crate::status::GatewayError;
 pub struct LeaseRouterConfig {
     /// The discovery API, `http://host:port`.
     pub discovery_url: String,
-    /// How long each lease lasts unless renewed; a session's lease is renewed at half of it.
+    /// How long each lease lasts unless renewed; a session's lease is renewed at half of it. A tenant whose
+    /// `maxLeaseSeconds` is shorter gets leases of that length instead.
     pub lease_ttl: Duration,
     /// How long an idle session keeps its proxy when its user name gives no `sticky`.
     pub default_sticky: Duration,
@@ -179,6 +180,9 @@ pub struct LeaseRouter {
     config: LeaseRouterConfig,
     clients: Mutex<HashMap<String, DiscoveryClient>>,
     sessions: Mutex<HashMap<SessionKey, Arc<Session>>>,
+    /// Tenants whose `maxLeaseSeconds` is below [`LeaseRouterConfig::lease_ttl`], with it (as the discovery API
+    /// said when asked for more).
+    tenant_ttls: Mutex<HashMap<String, Duration>>,
     /// The refusals being reported now: the discovery API cools a proxy down when a report arrives, but answers
     /// only once the cooldown is written down (the operator's apiserver), so until then a lease may still be on it.
     reporting: watch::Sender<Vec<Arc<Refused>>>,
@@ -201,6 +205,7 @@ impl LeaseRouter {
             config,
             clients: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
+            tenant_ttls: Mutex::new(HashMap::new()),
             reporting: watch::Sender::new(Vec::new()),
             following: watch::Sender::new(0),
             alive: watch::Sender::new(()),
@@ -209,6 +214,11 @@ impl LeaseRouter {
         let weak = Arc::downgrade(&router);
         tokio::spawn(sweep(weak));
         Ok(router)
+    }
+
+    /// How long `tenant`'s leases last: the configured TTL, or the tenant's `maxLeaseSeconds` when shorter.
+    fn ttl_for(&self, tenant: &str) -> Duration {
+        lock(&self.tenant_ttls).get(tenant).copied().unwrap_or(self.config.lease_ttl)
     }
 
     /// The number of sessions holding (or about to hold) a proxy.
@@ -242,7 +252,8 @@ impl LeaseRouter {
     }
 
     async fn lease(&self, request: &RouteRequest<'_>) -> Result<(LeaseGuard, Upstream), GatewayError> {
-        let mut options = LeaseOptions::for_target(request.host).ttl(self.config.lease_ttl);
+        let mut ttl = self.ttl_for(request.tenant);
+        let mut options = LeaseOptions::for_target(request.host).ttl(ttl);
         if let Some(session) = &request.options.session {
             options = options.session(session.clone());
         }
@@ -288,6 +299,17 @@ impl LeaseRouter {
                 ) if tokio::time::Instant::now() + wait <= deadline => {
                     debug!(host = request.host, ?wait, "no proxy can take the request yet; waiting");
                     tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
+                }
+                // The tenant may not hold leases that long: its leases last as long as it may, from now on.
+                Err(ClientError::TtlAboveTenantMax { max, .. }) if max >= Duration::from_secs(1) && max < ttl => {
+                    debug!(
+                        tenant = request.tenant,
+                        ?max,
+                        "the tenant's leases are shorter than --lease-ttl; leasing for its maxLeaseSeconds"
+                    );
+                    lock(&self.tenant_ttls).insert(request.tenant.to_owned(), max);
+                    ttl = max;
+                    options = options.ttl(ttl);
                 }
                 Err(error) => return Err(refusal(error)),
             }
@@ -443,12 +465,13 @@ impl LeaseRouter {
             }
             let mut guard = session.held.lock().await;
             let held = &mut *guard;
-            let due = held.renewed.is_some_and(|renewed| renewed.elapsed() >= self.config.lease_ttl / 2);
+            let ttl = self.ttl_for(&key.tenant);
+            let due = held.renewed.is_some_and(|renewed| renewed.elapsed() >= ttl / 2);
             if !due {
                 continue;
             }
             let Some(lease) = held.lease.as_mut() else { continue };
-            match lease.renew(Some(self.config.lease_ttl)).await {
+            match lease.renew(Some(ttl)).await {
                 Ok(replaced) => {
                     if replaced {
                         info!(lease = lease.id(), "the session's proxy was replaced; moving to its new instance");
@@ -665,7 +688,9 @@ fn refusal(error: ClientError) -> GatewayError {
         }
         ClientError::Unauthorized(detail) => GatewayError::credentials(format!("the token is not valid: {detail}")),
         ClientError::Forbidden(detail) => GatewayError::credentials(format!("the token may not lease: {detail}")),
-        ClientError::BadRequest(detail) => GatewayError::bad_request(detail),
+        ClientError::BadRequest(detail) | ClientError::TtlAboveTenantMax { detail, .. } => {
+            GatewayError::bad_request(detail)
+        }
         // An unknown pool (or proxy): asking again gets the same answer, so no Retry-After.
         ClientError::NotFound(detail) => GatewayError::bad_request(detail),
         other => GatewayError::discovery(other.to_string()),

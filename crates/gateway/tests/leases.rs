@@ -785,3 +785,41 @@ async fn zone_and_provider_options_select_the_zone_and_provider_the_api_lists() 
     assert!(answer.header("retry-after").is_none(), "{answer:?}");
     assert!(answer.header("proxy-status").is_some_and(|status| status.contains("nosuch")), "{answer:?}");
 }
+
+/// A tenant whose `maxLeaseSeconds` (60) is below the gateway's lease TTL (120 s) uses the gateway all the same, on
+/// leases as long as it may hold. Regression: every request answered `400 ttlSeconds 120 is above this tenant's
+/// maxLeaseSeconds (60)`.
+#[tokio::test]
+async fn a_tenant_whose_leases_are_shorter_than_the_gateways_ttl_is_served() {
+    const SHORT: &str = "short-lived-tenant-token-01";
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = two_squids().await;
+    let tokens = tempfile::NamedTempFile::new().expect("token file");
+    std::fs::write(tokens.path(), format!("lease {SHORT} tenant=brief maxLeaseSeconds=60\n")).expect("write");
+    let auth = Auth::Tokens(egress_discovery::TokenFile::load(tokens.path()).expect("tokens"));
+    let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));
+    let state = Arc::new(Discovery::new(store.clone(), auth, DiscoveryMetrics::default()));
+    for (name, squid) in [("squid-a", &a), ("squid-b", &b)] {
+        state.upsert(record(name, squid)).await;
+    }
+    state.mark_synced();
+    let discovery = serve_discovery(router(state)).await;
+    let config = LeaseRouterConfig::new(format!("http://{discovery}"));
+    assert_eq!(config.lease_ttl, std::time::Duration::from_secs(120), "the default is above the tenant's limit");
+    let router = LeaseRouter::start(config).expect("router");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let gateway = listener.local_addr().expect("address");
+    let tenants = Arc::new(StaticTokens::new().with(SHORT, "brief"));
+    tokio::spawn(Gateway::new(router, tenants, GatewayLimits::default()).serve(listener, std::future::pending()));
+    for user in ["session-s1", "rotate", "session-s1"] {
+        let answer = through_proxy(gateway, "GET", &origin.ip_url(), Some((user, SHORT))).await.expect("answer");
+        assert_eq!(answer.status, 200, "{user}: {answer:?}");
+    }
+    let now = std::time::SystemTime::now();
+    let (_, live) = store.live_leases(10, now);
+    assert!(!live.is_empty(), "the session holds its lease");
+    for lease in live {
+        let left = lease.until.duration_since(now).unwrap_or_default();
+        assert!(left <= std::time::Duration::from_secs(61), "a lease of {left:?}, above the tenant's 60 s");
+    }
+}

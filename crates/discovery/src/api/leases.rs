@@ -88,10 +88,15 @@ pub(super) fn ttl(seconds: Option<u64>, caller: &Caller) -> Result<Option<Durati
         Some(seconds) if !(1..=MAX_TTL_SECONDS).contains(&seconds) => {
             Err(Problem::bad_request(format!("ttlSeconds {seconds} is out of range (1 to {MAX_TTL_SECONDS})")))
         }
-        Some(seconds) if tenant_max.is_some_and(|max| seconds > max) => Err(Problem::bad_request(format!(
-            "ttlSeconds {seconds} is above this tenant's maxLeaseSeconds ({})",
-            tenant_max.unwrap_or_default()
-        ))),
+        Some(seconds) if tenant_max.is_some_and(|max| seconds > max) => {
+            let max = tenant_max.unwrap_or_default();
+            // Named, so a client (the gateway) can ask again within it.
+            let mut problem =
+                Problem::bad_request(format!("ttlSeconds {seconds} is above this tenant's maxLeaseSeconds ({max})"))
+                    .with_reason("ttl-above-tenant-max");
+            problem.max_lease_seconds = u32::try_from(max).ok();
+            Err(problem)
+        }
         Some(seconds) => Ok(Some(Duration::from_secs(seconds))),
     }
 }
