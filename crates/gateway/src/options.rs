@@ -222,6 +222,27 @@ mod tests {
         assert_eq!(prefixed.provider.as_deref(), Some("gcp"));
     }
 
+    /// Every example user name in docs/gateway.md's options table parses, as a client sends it (percent-decoded).
+    #[test]
+    fn the_documented_examples_parse() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/gateway.md");
+        let text = std::fs::read_to_string(path).expect("docs/gateway.md");
+        let block = text
+            .split("Examples:\n\n```\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("the examples block after the options table");
+        let mut parsed = 0;
+        for line in block.lines().filter(|line| !line.trim().is_empty()) {
+            let user = line.split_whitespace().next().expect("a user name");
+            let decoded = percent_encoding::percent_decode_str(user).decode_utf8().expect("UTF-8");
+            let options = Options::parse(&decoded).unwrap_or_else(|error| panic!("{user}: {error}"));
+            assert_ne!(options, Options::default(), "{user} asks for something");
+            parsed += 1;
+        }
+        assert!(parsed >= 5, "{parsed} examples");
+    }
+
     #[test]
     fn every_malformed_option_is_refused_with_its_reason() {
         let cases = [
