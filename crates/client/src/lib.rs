@@ -552,14 +552,10 @@ impl DiscoveryClient {
         if let Some(session) = options.session {
             body["session"] = json!(session);
         }
-        if let Some(pool) = options.pool {
-            body["pool"] = json!(pool);
-        }
-        if let Some(zone) = options.zone {
-            body["zone"] = json!(zone);
-        }
-        if let Some(provider) = options.provider {
-            body["provider"] = json!(provider);
+        for (key, value) in [("pool", options.pool), ("zone", options.zone), ("provider", options.provider)] {
+            if let Some(value) = value {
+                body[key] = json!(value);
+            }
         }
         let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
         let lease: OwnedLease =
