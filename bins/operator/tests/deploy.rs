@@ -110,6 +110,20 @@ fn the_deployment_is_hardened() {
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/livez");
 }
 
+/// The gateway runs as a uid of its own: on a node it cannot read the operator's files (its ServiceAccount token).
+/// Regression: both ran as 65532.
+#[test]
+fn the_gateway_and_the_operator_run_as_different_users() {
+    let user = |file: &str| {
+        let documents = documents(&deploy().join(file));
+        let context = find(&documents, "Deployment")["spec"]["template"]["spec"]["securityContext"].clone();
+        assert_eq!(context["runAsNonRoot"], true, "{file}");
+        (context["runAsUser"].as_u64().expect("runAsUser"), context["runAsGroup"].as_u64().expect("runAsGroup"))
+    };
+    let (operator, gateway) = (user("default/deployment.yaml"), user("default/gateway.yaml"));
+    assert!(operator.0 != gateway.0 && operator.1 != gateway.1, "operator {operator:?}, gateway {gateway:?}");
+}
+
 /// Discovery reaches the leader only: the Service selects the label the leader sets on its own Pod.
 #[test]
 fn the_discovery_service_selects_the_leader() {

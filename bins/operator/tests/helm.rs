@@ -280,6 +280,12 @@ fn the_other_values_render_what_they_say() {
     assert_eq!(gateway["spec"]["replicas"], 4);
     assert_eq!(pod["containers"][0]["image"], "egress-operator:v9");
     assert_eq!(pod["automountServiceAccountToken"], false, "the gateway needs no Kubernetes API access");
+    let operator_user = &deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"];
+    assert_eq!(
+        (&pod["securityContext"]["runAsUser"], operator_user),
+        (&serde_json::json!(65533), &serde_json::json!(65532)),
+        "uids of their own"
+    );
     let args: Vec<&str> =
         pod["containers"][0]["args"].as_array().expect("args").iter().flat_map(Value::as_str).collect();
     assert_eq!(args.first(), Some(&"gateway"), "{args:?}");
