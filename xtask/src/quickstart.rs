@@ -346,8 +346,9 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         ),
         proxy_namespaces: vec![PROXY_NAMESPACE.into()],
         default_probe_url: origin.ip_url(),
-        // One tenant, so the read token sees the cooldowns the lease token's reports make.
-        discovery_tokens: Some(format!("lease {token} tenant=demo\nread {read_token} tenant=demo\n")),
+        // One tenant, so the read token sees the cooldowns the lease token's reports make; at most 10 of the
+        // demo fleet's 15 lease slots, so a second tenant added to the Secret still gets proxies.
+        discovery_tokens: Some(format!("lease {token} tenant=demo maxLeases=10\nread {read_token} tenant=demo\n")),
         shared_state: false,
     };
     println!("[quickstart] kubectl apply -k deploy/default (the operator's image runs as {})", binary.display());

@@ -110,6 +110,17 @@ fn the_deployment_is_hardened() {
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/livez");
 }
 
+/// The example lease token has a quota: one tenant cannot take a whole shared fleet (regression: none, and one
+/// token took 14 of 14 leases while a second tenant got 503).
+#[test]
+fn the_example_lease_token_has_a_quota() {
+    let config = documents(&deploy().join("default/config.yaml"));
+    let secret = config.iter().find(|document| document["kind"] == "Secret").expect("the tokens Secret");
+    let tokens = secret["stringData"]["tokens"].as_str().expect("tokens");
+    let lease = tokens.lines().find(|line| line.trim_start().starts_with("lease ")).expect("a lease token");
+    assert!(lease.split_whitespace().any(|field| field == "maxLeases=100"), "{lease}");
+}
+
 /// The gateway runs as a uid of its own: on a node it cannot read the operator's files (its ServiceAccount token).
 /// Regression: both ran as 65532.
 #[test]

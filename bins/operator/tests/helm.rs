@@ -96,15 +96,17 @@ fn strip(metadata: &mut Value, field: &str, drop: impl Fn(&str) -> bool) {
     }
 }
 
-/// The generated tokens file: one read and one lease token of 32 letters and digits, tenant `crawlers`.
+/// The generated tokens file: one read and one lease token of 32 letters and digits, tenant `crawlers`, the lease
+/// token with a quota (regression: none, and one tenant took a whole fleet).
 fn assert_generated_tokens(tokens: &str) {
     let lines: Vec<Vec<&str>> = tokens.lines().map(|line| line.split_whitespace().collect()).collect();
     assert_eq!(lines.len(), 2, "{tokens}");
-    for (line, scope) in lines.iter().zip(["read", "lease"]) {
-        assert_eq!(line.len(), 3, "{line:?}");
+    for (line, (scope, quota)) in lines.iter().zip([("read", None), ("lease", Some("maxLeases=100"))]) {
+        assert_eq!(line.len(), 3 + usize::from(quota.is_some()), "{line:?}");
         assert_eq!(line[0], scope);
         assert!(line[1].len() == 32 && line[1].bytes().all(|byte| byte.is_ascii_alphanumeric()), "{line:?}");
         assert_eq!(line[2], "tenant=crawlers");
+        assert_eq!(line.get(3).copied(), quota);
     }
 }
 
