@@ -602,8 +602,8 @@ fn kubeconfig_yaml(server_url: &str, ca: &Path, cert: &Path, key: &Path) -> Stri
 /// default). A port from that range (what binding port 0 gives) may be handed out meanwhile as the local port of any
 /// outgoing connection, and the control plane then cannot bind it: CI saw kube-apiserver fail with "bind: address
 /// already in use" that way. Below the range only another listener could take it first, and nothing here listens on
-/// random ports there.
-fn free_port() -> Result<u16> {
+/// random ports there. The operator and gateway processes the tests start take theirs here too.
+pub(crate) fn free_port() -> Result<u16> {
     const BELOW_EPHEMERAL: std::ops::Range<u16> = 20_000..32_768;
     for _ in 0..64 {
         let port = fastrand::u16(BELOW_EPHEMERAL);
@@ -653,4 +653,19 @@ fn tail(path: &Path, lines: usize) -> String {
     };
     let all: Vec<String> = BufReader::new(file).lines().map_while(Result::ok).collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    /// The ports handed to the processes the tests start are outside the kernel's ephemeral range, where an outgoing
+    /// connection could take them before the process binds them (regression: a gateway's metrics port was).
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").expect("the ephemeral range");
+        let first: u16 = range.split_whitespace().next().and_then(|port| port.parse().ok()).expect("a port");
+        for _ in 0..100 {
+            let port = super::free_port().expect("a free port");
+            assert!(port < first, "port {port} is in the ephemeral range from {first}");
+        }
+    }
 }

@@ -4,7 +4,7 @@
 //! be killed with SIGKILL (a crash) or stopped with SIGTERM (a graceful shutdown) on purpose.
 
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -13,6 +13,10 @@ use anyhow::{Context, Result, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+// Ports for the processes' listeners come from below the kernel's ephemeral range: a port that binding port 0 gave
+// was taken meanwhile as the local port of an outgoing connection, and a gateway exited with "binding the metrics
+// address ...: Address already in use" (CI).
+use crate::control_plane::free_port;
 use crate::process::{Janitor, shell_quote};
 use crate::squid::{Wrapped, read_tail};
 
@@ -45,10 +49,6 @@ pub struct OperatorProcess {
     /// `http://127.0.0.1:<port>` of `/livez` and `/readyz`.
     pub health_url: String,
     _janitor: Janitor,
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
 impl OperatorProcess {
