@@ -161,22 +161,17 @@ async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
     let (gateway, router) = gateway(discovery, vec![503], 0).await;
     let url = origin.ip_url();
 
-    // Without a session, consecutive requests rotate over both proxies.
-    let mut rotated = BTreeSet::new();
-    for _ in 0..6 {
-        let (status, proxy) = get(gateway, &url, "").await;
-        assert_eq!(status, 200);
-        rotated.insert(proxy);
+    // Without a session, consecutive requests rotate over both proxies; the user name `rotate` means the same
+    // (python-requests and Scrapy send no credentials for an empty one).
+    for user in ["", "rotate"] {
+        let mut rotated = BTreeSet::new();
+        for _ in 0..6 {
+            let (status, proxy) = get(gateway, &url, user).await;
+            assert_eq!(status, 200);
+            rotated.insert(proxy);
+        }
+        assert_eq!(rotated.len(), 2, "requests as {user:?} rotate: {rotated:?}");
     }
-    assert_eq!(rotated.len(), 2, "requests without a session rotate: {rotated:?}");
-    // The user name `rotate` means the same: python-requests and Scrapy send no credentials for an empty one.
-    let mut rotated = BTreeSet::new();
-    for _ in 0..6 {
-        let (status, proxy) = get(gateway, &url, "rotate").await;
-        assert_eq!(status, 200);
-        rotated.insert(proxy);
-    }
-    assert_eq!(rotated.len(), 2, "requests as `rotate` rotate: {rotated:?}");
 
     // One session, one proxy.
     let mut seen = BTreeSet::new();
