@@ -365,8 +365,12 @@ impl LeaseRouter {
         let refused = Arc::new(Refused::of(tenant, lease));
         self.reporting.send_modify(|reports| reports.push(refused.clone()));
         let _reporting = Reporting { reports: &self.reporting, refused: refused.clone() };
-        self.let_go(&refused).await;
-        lease.report(reported, status).await
+        // At once, not one after the other: until the report reaches the discovery API, every other gateway replica
+        // may still be given the proxy for the site, so nothing here may hold the report up (a session busy leasing
+        // made this replica's sessions wait up to 200 ms each before the report went out, and crawls at full caps
+        // sent requests through the refused proxy at the other replica meanwhile).
+        let ((), answer) = tokio::join!(self.let_go(&refused), lease.report(reported, status));
+        answer
     }
 
     /// Ends every session's hold of the tenant on the proxy `refused` names (or one with its egress address) for its
@@ -394,19 +398,22 @@ impl LeaseRouter {
             .filter(|(key, _)| key.tenant == tenant)
             .map(|(_, session)| session.clone())
             .collect();
-        let mut moved = 0;
-        for session in sessions {
-            // A session waiting for a new lease holds its lock for as long as that takes; the lease it gets is not
-            // on the cooling proxy, so it is skipped rather than waited for.
+        // Every session at once: a session waiting for a new lease holds its lock for as long as that takes (up to
+        // --max-wait when the fleet is full), and the lease it gets is not on the cooling proxy, so it is given up on
+        // after 200 ms, without holding up the sessions after it.
+        let leaves = &leaves;
+        let attempts = sessions.into_iter().map(|session| async move {
             let Ok(mut held) = tokio::time::timeout(Duration::from_millis(200), session.held.lock()).await else {
-                continue;
+                return 0;
             };
-            if held.lease.as_ref().is_some_and(&leaves) {
+            if held.lease.as_ref().is_some_and(leaves) {
                 held.leave();
-                moved += 1;
+                1
+            } else {
+                0
             }
-        }
-        moved
+        });
+        futures::future::join_all(attempts).await.into_iter().sum()
     }
 
     /// Reports `report` on the proxy `session` holds for the request's site, and lets every session of the tenant go
