@@ -357,25 +357,16 @@ impl Inner {
         if state.active <= keep {
             return;
         }
-        // Each slot's leases, newest slot (by its newest lease) first.
-        let mut slots: HashMap<Option<&str>, (u64, Vec<u64>)> = HashMap::new();
+        // Each slot's leases, newest slot (by its newest lease) first. A lease without a session is a slot of its
+        // own, keyed by its serial.
+        let mut slots: HashMap<Result<&str, u64>, (u64, Vec<u64>)> = HashMap::new();
         for serial in &state.leases {
             let Some(lease) = self.leases.get(serial) else { continue };
-            let (newest, serials) = slots.entry(lease.slot.as_deref()).or_default();
+            let (newest, serials) = slots.entry(lease.slot.as_deref().ok_or(*serial)).or_default();
             *newest = (*newest).max(lease.sequence);
             serials.push(*serial);
         }
-        let mut groups: Vec<(u64, Vec<u64>)> = slots
-            .into_iter()
-            .flat_map(|(slot, (newest, serials))| match slot {
-                Some(_) => vec![(newest, serials)],
-                // Leases without a session take a slot each.
-                None => serials
-                    .into_iter()
-                    .map(|serial| (self.leases.get(&serial).map_or(0, |lease| lease.sequence), vec![serial]))
-                    .collect(),
-            })
-            .collect();
+        let mut groups: Vec<(u64, Vec<u64>)> = slots.into_values().collect();
         groups.sort_unstable_by_key(|group| std::cmp::Reverse(group.0));
         for (_, serials) in groups {
             if self.proxies.get(proxy).is_none_or(|state| state.active <= keep) {
