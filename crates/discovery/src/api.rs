@@ -6,9 +6,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, MatchedPath, Path, Query, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -66,22 +66,80 @@ pub fn routes(state: Arc<Discovery>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(Observe { inner: (), state: state.clone() })
         .with_state(state)
 }
 
 /// Records each request's route, status and latency, and marks the response to a request with a valid token
-/// [`Authenticated`](crate::Authenticated), so its connection leaves its address's unauthenticated count.
-async fn observe(State(state): Shared, request: Request, next: Next) -> Response {
-    let route = request.extensions().get::<MatchedPath>().cloned();
-    let authenticated = identify(&state.auth, request.headers()).is_some();
-    let started = Instant::now();
-    let mut response = next.run(request).await;
-    state.metrics.request(route.as_ref().map(MatchedPath::as_str), response.status().as_u16(), started.elapsed());
-    if authenticated {
-        response.extensions_mut().insert(crate::Authenticated);
+/// [`Authenticated`](crate::Authenticated), so its connection leaves its address's unauthenticated count. A layer
+/// of its own rather than `middleware::from_fn`, which boxes the route and its future for every request.
+#[derive(Clone)]
+struct Observe<S> {
+    inner: S,
+    state: Arc<Discovery>,
+}
+
+impl<S> tower::Layer<S> for Observe<()> {
+    type Service = Observe<S>;
+
+    fn layer(&self, inner: S) -> Observe<S> {
+        Observe { inner, state: self.state.clone() }
     }
-    response
+}
+
+impl<S> tower::Service<Request> for Observe<S>
+where
+    S: tower::Service<Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Observed<S::Future>;
+
+    fn poll_ready(&mut self, context: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(context)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let route = request.extensions().get::<MatchedPath>().cloned();
+        let authenticated = identify(&self.state.auth, request.headers()).is_some();
+        Observed {
+            inner: self.inner.call(request),
+            state: self.state.clone(),
+            route,
+            authenticated,
+            started: Instant::now(),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A route's answer on its way, recorded when it comes.
+    struct Observed<F> {
+        #[pin]
+        inner: F,
+        state: Arc<Discovery>,
+        route: Option<MatchedPath>,
+        authenticated: bool,
+        started: Instant,
+    }
+}
+
+impl<F, E> std::future::Future for Observed<F>
+where
+    F: std::future::Future<Output = Result<Response, E>>,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, context: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let mut response = std::task::ready!(this.inner.poll(context))?;
+        let route = this.route.as_ref().map(MatchedPath::as_str);
+        this.state.metrics.request(route, response.status().as_u16(), this.started.elapsed());
+        if *this.authenticated {
+            response.extensions_mut().insert(crate::Authenticated);
+        }
+        std::task::Poll::Ready(Ok(response))
+    }
 }
 
 /// The bearer token a request carries, if any. The scheme is case-insensitive (RFC 9110, section 11.1).
@@ -116,6 +174,18 @@ async fn readyz(State(state): Shared) -> Response {
         .into_response();
     }
     "ok".into_response()
+}
+
+/// A request's headers, moved out of it (axum's `HeaderMap` extractor copies them, on every request). No extractor
+/// after it sees any header: the body's does not look at them.
+struct Headers(HeaderMap);
+
+impl<S: Send + Sync> FromRequestParts<S> for Headers {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(std::mem::take(&mut parts.headers)))
+    }
 }
 
 /// Who is calling.

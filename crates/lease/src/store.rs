@@ -57,24 +57,25 @@ impl InMemoryLeaseStore {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn sign(&self, serial: u64, lease: &LeaseState, owner: &str) -> Lease {
-        let claims =
-            Claims { serial, expires_at: lease.expires_at, proxy: lease.proxy.clone(), target: lease.target.clone() };
-        Lease {
-            id: self.key.sign(&claims, owner),
-            proxy: lease.proxy.clone(),
-            target: lease.target.clone(),
-            expires_at: lease.expires_at,
-            endpoint: lease.endpoint.clone(),
-        }
+    /// The lease `granted` describes, with its ID signed for `owner`. Called after the lock is let go: signing is
+    /// the costliest step of a lease and needs none of the state.
+    fn sign(&self, granted: Granted, owner: &str) -> Lease {
+        let Granted { serial, proxy, target, expires_at, endpoint } = granted;
+        let claims = Claims { serial, expires_at, proxy, target };
+        Lease { id: self.key.sign(&claims, owner), proxy: claims.proxy, target: claims.target, expires_at, endpoint }
     }
 
-    /// The serial of the lease `id` names, adopting it when it is valid but unknown here. `Err` for an ID that
-    /// does not verify with `owner` (as for one never issued), an expired one, and one whose proxy is gone or
-    /// unhealthy (revoked).
-    fn resolve(&self, inner: &mut Inner, id: &str, owner: &str, now: SystemTime) -> Result<u64, LeaseError> {
+    /// The serial of the lease `id` names (`claims`, which it verified with for its owner), adopting it when it is
+    /// valid but unknown here. `Err` for an expired one, and one whose proxy is gone or unhealthy (revoked).
+    fn resolve(
+        &self,
+        inner: &mut Inner,
+        id: &str,
+        claims: Claims,
+        owner: &str,
+        now: SystemTime,
+    ) -> Result<u64, LeaseError> {
         let unknown = || LeaseError::UnknownLease(id.to_owned());
-        let claims = self.key.verify(id, owner).ok_or_else(unknown)?;
         if let Some(lease) = inner.leases.get_mut(&claims.serial) {
             if lease.unconfirmed {
                 // Restored from a previous leader's record, which leaves the target out: the ID names it.
@@ -221,7 +222,9 @@ impl LeaseStore for InMemoryLeaseStore {
                 return Err(LeaseError::ProxyCoolingDown { proxy: name.clone(), until });
             }
             let name = name.clone();
-            return Ok(inner.grant(self, &name, &target, owner, slot, ttl, now));
+            let granted = inner.grant(self, &name, &target, owner, slot, ttl, now);
+            drop(inner);
+            return Ok(self.sign(granted, owner));
         }
 
         let usable = |inner: &Inner, id: &ProxyId| {
@@ -245,22 +248,24 @@ impl LeaseStore for InMemoryLeaseStore {
             None => inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()),
         });
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
-        let lease = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
+        let granted = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
         if let Some(key) = session_key {
-            let forget_at = lease.expires_at + self.config.max_ttl;
+            let forget_at = granted.expires_at + self.config.max_ttl;
             if let Some((_, previous)) = inner.sessions.insert(key.clone(), (proxy, forget_at)) {
                 inner.session_expiries.remove(&(previous, key.0.clone(), key.1.clone()));
             }
             inner.session_expiries.insert((forget_at, key.0, key.1));
         }
-        Ok(lease)
+        drop(inner);
+        Ok(self.sign(granted, owner))
     }
 
     fn renew(&self, id: &str, owner: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Renewed, LeaseError> {
         let ttl = self.ttl(ttl);
+        let claims = self.key.verify(id, owner).ok_or_else(|| LeaseError::UnknownLease(id.to_owned()))?;
         let mut inner = self.lock();
         inner.expire(now);
-        let serial = self.resolve(&mut inner, id, owner, now)?;
+        let serial = self.resolve(&mut inner, id, claims, owner, now)?;
         let endpoint = inner
             .leases
             .get(&serial)
@@ -272,17 +277,24 @@ impl LeaseStore for InMemoryLeaseStore {
         lease.expires_at = whole_seconds(now + ttl);
         // The holder is told the proxy's current endpoint: from now on its lease no longer keeps the old one.
         let moved_from = (lease.endpoint != endpoint).then(|| std::mem::replace(&mut lease.endpoint, endpoint));
-        let renewed = self.sign(serial, lease, owner);
+        let granted = Granted {
+            serial,
+            proxy: lease.proxy.clone(),
+            target: lease.target.clone(),
+            expires_at: lease.expires_at,
+            endpoint: lease.endpoint.clone(),
+        };
         inner.lease_expiries.remove(&(previous, serial));
-        inner.lease_expiries.insert((renewed.expires_at, serial));
+        inner.lease_expiries.insert((granted.expires_at, serial));
         inner.live_generation += 1;
-        Ok(Renewed { lease: renewed, moved_from })
+        drop(inner);
+        Ok(Renewed { lease: self.sign(granted, owner), moved_from })
     }
 
     fn release(&self, id: &str, owner: &str, now: SystemTime) -> Result<(), LeaseError> {
+        let Some(claims) = self.key.verify(id, owner) else { return Err(LeaseError::UnknownLease(id.to_owned())) };
         let mut inner = self.lock();
         inner.expire(now);
-        let Some(claims) = self.key.verify(id, owner) else { return Err(LeaseError::UnknownLease(id.to_owned())) };
         if inner.release_live(claims.serial) {
             return Ok(());
         }
@@ -303,15 +315,15 @@ impl LeaseStore for InMemoryLeaseStore {
     }
 
     fn report(&self, id: &str, owner: &str, report: &Report, now: SystemTime) -> Result<Reported, LeaseError> {
-        let mut inner = self.lock();
-        inner.expire(now);
         let unknown = || LeaseError::UnknownLease(id.to_owned());
         let claims = self.key.verify(id, owner).ok_or_else(unknown)?;
+        let mut inner = self.lock();
+        inner.expire(now);
         let serial = claims.serial;
         // A report on a lease that ended (released, or revoked) still counts, against the proxy it was on: the
         // answer it reports was on its way when the lease ended. It never brings the lease back.
         if !inner.ended.contains_key(&serial) {
-            match self.resolve(&mut inner, id, owner, now) {
+            match self.resolve(&mut inner, id, claims.clone(), owner, now) {
                 Ok(_) => {}
                 Err(LeaseError::Revoked(_)) => {
                     // Revoked before this store knew it (its proxy is gone or unhealthy): remembered as such.

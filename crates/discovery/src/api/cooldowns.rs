@@ -6,7 +6,7 @@ use super::*;
 /// those sharing its egress IP, or of every proxy) and forgets their streaks; answered once the change is kept.
 pub(super) async fn clear_cooldowns(
     State(state): Shared,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers, Scope::Admin)?;
@@ -70,7 +70,7 @@ pub(super) struct ClearedCooldowns {
 
 pub(super) async fn list_cooldowns(
     State(state): Shared,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Read)?;

@@ -135,7 +135,7 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
 
 pub(super) async fn create_lease(
     State(state): Shared,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
@@ -194,11 +194,7 @@ pub(super) async fn create_lease(
             state.metrics.tenant_granted(caller.owner());
             let body = lease_json(&state, &lease, None)?;
             let location = format!("/v1/leases/{}", lease.id);
-            Ok((
-                StatusCode::CREATED,
-                [(header::LOCATION, location), (header::CONTENT_TYPE, "application/json".to_owned())],
-                body,
-            )
+            Ok((StatusCode::CREATED, [(header::LOCATION, location)], [(header::CONTENT_TYPE, "application/json")], body)
                 .into_response())
         }
         Err(error) => {
@@ -302,7 +298,7 @@ pub(super) struct RenewBody {
 pub(super) async fn renew_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
@@ -320,7 +316,7 @@ pub(super) async fn renew_lease(
 pub(super) async fn release_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    headers: HeaderMap,
+    Headers(headers): Headers,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
@@ -425,7 +421,7 @@ pub(super) fn report_of(body: ReportBody) -> Result<Report, Problem> {
 pub(super) async fn report_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Lease)?;

@@ -89,7 +89,7 @@ impl From<egress_lease::CooldownPolicy> for CooldownPolicyEntry {
 
 pub(super) async fn list_proxies(
     State(state): Shared,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Read)?;

@@ -15,13 +15,13 @@ use std::time::{Duration, SystemTime};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use schemars::JsonSchema;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
-use super::{Shared, authorize, parse_query, timestamp};
+use super::{Headers, Shared, authorize, parse_query, timestamp};
 use crate::auth::Scope;
 use crate::metrics::StreamGuard;
 use crate::problem::Problem;
@@ -119,7 +119,7 @@ impl Follow {
 /// `GET /v1/refusals`: the caller's tenant's live cooldowns, then its refusals as they come.
 pub(super) async fn watch_refusals(
     State(state): Shared,
-    headers: HeaderMap,
+    Headers(headers): Headers,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let caller = authorize(&state, &headers, Scope::Read)?;

@@ -67,6 +67,15 @@ impl ProxyState {
     }
 }
 
+/// A lease just granted, before its ID is signed (outside the store's lock).
+pub(super) struct Granted {
+    pub(super) serial: u64,
+    pub(super) proxy: ProxyId,
+    pub(super) target: String,
+    pub(super) expires_at: SystemTime,
+    pub(super) endpoint: String,
+}
+
 pub(super) struct LeaseState {
     pub(super) proxy: ProxyId,
     pub(super) target: String,
@@ -406,7 +415,7 @@ impl Inner {
         slot: Option<String>,
         ttl: Duration,
         now: SystemTime,
-    ) -> Lease {
+    ) -> Granted {
         self.sequence += 1;
         self.live_generation += 1;
         let sequence = self.sequence;
@@ -432,8 +441,16 @@ impl Inner {
             owner: owner.to_owned(),
             slot,
         };
-        self.owners.entry(owner.to_owned()).or_default().insert(serial);
-        let granted = store.sign(serial, &lease, owner);
+        match self.owners.get_mut(owner) {
+            Some(held) => {
+                held.insert(serial);
+            }
+            None => {
+                self.owners.insert(owner.to_owned(), [serial].into());
+            }
+        }
+        let granted =
+            Granted { serial, proxy: proxy.to_owned(), target: target.to_owned(), expires_at, endpoint: lease.endpoint.clone() };
         self.leases.insert(serial, lease);
         self.lease_expiries.insert((expires_at, serial));
         granted
