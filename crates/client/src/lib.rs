@@ -29,7 +29,6 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
 
 pub use egress_fleet::ProxyId;
 pub use egress_wire::{Credentials, OwnedLease, ProxyRef};
@@ -186,83 +185,14 @@ impl LeaseOptions {
     }
 }
 
-/// A proxy as the API lists it.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ProxyInfo {
-    /// Namespace.
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-    /// Host.
-    pub host: String,
-    /// Port.
-    pub port: u16,
-    /// Proxy URL (with credentials for lease-scope tokens).
-    pub url: String,
-    /// The address sites see its requests come from, once its probes observed it.
-    #[serde(rename = "egressIP", default)]
-    pub egress_ip: Option<String>,
-    /// The Proxy's labels.
-    #[serde(default)]
-    pub labels: std::collections::BTreeMap<String, String>,
-    /// Its zone, when it has one.
-    #[serde(default)]
-    pub zone: Option<String>,
-    /// Its provider (absent for External Proxies).
-    #[serde(default)]
-    pub provider: Option<String>,
-    /// The ProxyPool it is a member of, in its namespace.
-    #[serde(default)]
-    pub pool: Option<String>,
-    /// Active leases.
-    pub active_leases: u32,
-    /// Lease cap.
-    pub max_leases: u32,
-    /// When its cooldown for the asked target ends.
-    pub cooling_down_until: Option<String>,
-    /// For the asked target: the share of reported requests the proxy served.
-    pub success_rate: Option<f64>,
-    /// For the asked target: how many reported requests that share is over.
-    pub reported: Option<u64>,
-    /// How long a site's ban cools it down.
-    #[serde(default)]
-    pub cooldown_policy: Option<CooldownPolicyInfo>,
-}
+/// A proxy as the API lists it (the wire type, under the name this crate always gave it).
+pub type ProxyInfo = egress_wire::Proxy;
 
-impl ProxyInfo {
-    /// Which proxy this is.
-    pub fn id(&self) -> ProxyId {
-        ProxyId::new(&self.namespace, &self.name)
-    }
-}
+/// A proxy's ban cooldown policy (the wire type, under the name this crate always gave it).
+pub type CooldownPolicyInfo = egress_wire::CooldownPolicy;
 
-/// A proxy's ban cooldown policy: `base_seconds` after the first ban in a row, times `factor` for each further one,
-/// at most `max_seconds`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CooldownPolicyInfo {
-    /// The first ban's cooldown.
-    pub base_seconds: u64,
-    /// What each further ban in a row multiplies it by.
-    pub factor: u32,
-    /// The longest cooldown.
-    pub max_seconds: u64,
-}
-
-/// A live cooldown as the API lists it.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CooldownInfo {
-    /// The proxy, `namespace/name`.
-    pub proxy: String,
-    /// The normalised target (site).
-    pub target: String,
-    /// When the proxy may be leased for the site again (RFC 3339).
-    pub until: String,
-    /// Bans in a row.
-    pub streak: u32,
-}
+/// A live cooldown as the API lists it (the wire type, under the name this crate always gave it).
+pub type CooldownInfo = egress_wire::Cooldown;
 
 struct Inner {
     base: String,
@@ -315,14 +245,9 @@ fn no_replica(error: &(dyn std::error::Error + 'static)) -> bool {
 #[derive(Clone)]
 pub struct DiscoveryClient(Arc<Inner>);
 
-/// The array under `field` of a JSON object answer (`{"proxies": [...]}`), decoded.
-fn list_in<T: serde::de::DeserializeOwned>(body: &[u8], field: &str) -> Result<Vec<T>, ClientError> {
-    let mut answer: Value = serde_json::from_slice(body).map_err(|error| ClientError::Decode(error.to_string()))?;
-    let list = answer
-        .get_mut(field)
-        .map(Value::take)
-        .ok_or_else(|| ClientError::Decode(format!("no {field:?} in the answer")))?;
-    serde_json::from_value(list).map_err(|error| ClientError::Decode(format!("{field}: {error}")))
+/// A JSON answer, decoded.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ClientError> {
+    serde_json::from_slice(body).map_err(|error| ClientError::Decode(error.to_string()))
 }
 
 /// Everything but RFC 3986's unreserved characters, which a query value carries as they are.
@@ -498,7 +423,7 @@ impl DiscoveryClient {
         }
         let path = if query.is_empty() { "/v1/proxies".to_owned() } else { format!("/v1/proxies?{}", query.join("&")) };
         let (_, body) = self.call(Method::GET, &path, None).await?;
-        list_in(&body, "proxies")
+        Ok(decode::<egress_wire::ProxyList>(&body)?.proxies)
     }
 
     /// Live cooldowns, for one target or all: which proxy may not be leased for which site until when.
@@ -508,7 +433,7 @@ impl DiscoveryClient {
             None => "/v1/cooldowns".to_owned(),
         };
         let (_, body) = self.call(Method::GET, &path, None).await?;
-        list_in(&body, "cooldowns")
+        Ok(decode::<egress_wire::CooldownList>(&body)?.cooldowns)
     }
 
     /// Ends the cooldowns for `target` now and forgets their streaks (an `admin` token): of `proxy`
@@ -524,7 +449,7 @@ impl DiscoveryClient {
             path.push_str(&format!("&proxy={}", encode(proxy.as_str())));
         }
         let (_, body) = self.call(Method::DELETE, &path, None).await?;
-        list_in(&body, "cleared")
+        Ok(decode::<egress_wire::ClearedCooldowns>(&body)?.cleared)
     }
 
     /// Picks up a lease by its ID (one a crawler kept across its own restart, or took through another client):
@@ -532,8 +457,7 @@ impl DiscoveryClient {
     pub async fn resume(&self, id: &str, ttl: Option<Duration>) -> Result<LeaseGuard, ClientError> {
         let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
         let (_, bytes) = self.call(Method::POST, &format!("/v1/leases/{}/renew", encode(id)), Some(body)).await?;
-        let lease: OwnedLease =
-            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        let lease: OwnedLease = decode(&bytes)?;
         Ok(LeaseGuard { client: self.clone(), lease, released: AtomicBool::new(false) })
     }
 
@@ -558,8 +482,7 @@ impl DiscoveryClient {
             }
         }
         let (_, bytes) = self.call(Method::POST, "/v1/leases", Some(body)).await?;
-        let lease: OwnedLease =
-            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        let lease: OwnedLease = decode(&bytes)?;
         Ok(LeaseGuard { client: self.clone(), lease, released: AtomicBool::new(false) })
     }
 }
@@ -618,8 +541,7 @@ impl LeaseGuard {
         let body = ttl.map_or_else(|| json!({}), |ttl| json!({ "ttlSeconds": ttl.as_secs() }));
         let (_, bytes) =
             self.client.call(Method::POST, &format!("/v1/leases/{}/renew", encode(&self.lease.id)), Some(body)).await?;
-        let renewed: OwnedLease =
-            serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        let renewed: OwnedLease = decode(&bytes)?;
         let replaced = renewed.replaced.unwrap_or(false);
         self.lease = renewed;
         Ok(replaced)
@@ -654,7 +576,7 @@ impl LeaseGuard {
             .client
             .call(Method::POST, &format!("/v1/leases/{}/report", encode(&self.lease.id)), Some(body))
             .await?;
-        let result: Value = serde_json::from_slice(&bytes).map_err(|error| ClientError::Decode(error.to_string()))?;
+        let result: Value = decode(&bytes)?;
         Ok(result["cooldownUntil"].as_str().map(str::to_owned))
     }
 

@@ -176,8 +176,5 @@ async fn main() {
         ratios.push(discovery_rate / bare_rate);
     }
     ratios.sort_by(f64::total_cmp);
-    println!(
-        "median of {ROUNDS} rounds: ratio discovery / bare hyper: {:.2} (goal: at least 0.6)",
-        ratios[ROUNDS / 2]
-    );
+    println!("median of {ROUNDS} rounds: ratio discovery / bare hyper: {:.2} (goal: at least 0.6)", ratios[ROUNDS / 2]);
 }

@@ -152,13 +152,24 @@ mod tests {
             let url = Url::parse(&format!("http://{host}")).expect(host);
             assert_eq!(url.host_str().map(|parsed| parsed.trim_end_matches('.')), Some(host.trim_end_matches('.')));
         }
-        let not_plain =
-            ["Example.com", "1.2.3.4", "example.123", "0x7f.1", "xn--bcher-kva.example", "a.xn--p1ai", "a.com:80", "é.fr"];
+        let not_plain = [
+            "Example.com",
+            "1.2.3.4",
+            "example.123",
+            "0x7f.1",
+            "xn--bcher-kva.example",
+            "a.xn--p1ai",
+            "a.com:80",
+            "é.fr",
+        ];
         for host in not_plain {
             assert!(!plain_host(host), "{host}");
         }
         // Either way, the same site.
-        assert_eq!(normalize("WWW.Example.COM", TargetMode::RegistrableDomain), normalize("www.example.com", TargetMode::RegistrableDomain));
+        assert_eq!(
+            normalize("WWW.Example.COM", TargetMode::RegistrableDomain),
+            normalize("www.example.com", TargetMode::RegistrableDomain)
+        );
         assert!(normalize("a..b", TargetMode::RegistrableDomain).is_err());
     }
 

@@ -1,12 +1,16 @@
-//! The discovery API's lease answers as typed values. The discovery server writes them (borrowing from its
-//! records, so answering copies nothing), the Rust client reads them (owning, `'static`), and the gateway routes
-//! through what the client read: host, port and credentials as fields, so nobody parses a URL another part
-//! formatted, and a field renamed on one side fails to compile on the other.
+//! The discovery API's answers as typed values: leases, and the listings of proxies and cooldowns. The discovery
+//! server writes them (a lease borrowing from its records, so answering copies nothing), the Rust client reads them
+//! (owning, `'static`), and the gateway routes through what the client read: host, port and credentials as fields,
+//! so nobody parses a URL another part formatted, and a field renamed on one side fails to compile on the other.
 
 use std::borrow::Cow;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+mod listing;
+
+pub use listing::{ClearedCooldowns, Cooldown, CooldownList, CooldownPolicy, Proxy, ProxyList};
 
 /// A lease: granted (`POST /v1/leases`), or renewed (`POST /v1/leases/{id}/renew`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,10 +73,7 @@ impl ProxyRef<'_> {
 impl fmt::Debug for ProxyRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The URL's user information holds the password: it never reaches a log.
-        let url = match self.url.split_once("://").and_then(|(scheme, rest)| Some((scheme, rest.rsplit_once('@')?.1))) {
-            Some((scheme, address)) => format!("{scheme}://<redacted>@{address}"),
-            None => self.url.to_string(),
-        };
+        let url = redacted_url(&self.url);
         f.debug_struct("ProxyRef")
             .field("namespace", &self.namespace)
             .field("name", &self.name)
@@ -82,6 +83,14 @@ impl fmt::Debug for ProxyRef<'_> {
             .field("credentials", &self.credentials)
             .field("egress_ip", &self.egress_ip)
             .finish()
+    }
+}
+
+/// A proxy URL with its user information (user name and password) replaced by `<redacted>`.
+fn redacted_url(url: &str) -> String {
+    match url.split_once("://").and_then(|(scheme, rest)| Some((scheme, rest.rsplit_once('@')?.1))) {
+        Some((scheme, address)) => format!("{scheme}://<redacted>@{address}"),
+        None => url.to_owned(),
     }
 }
 

@@ -28,44 +28,17 @@ pub(super) async fn clear_cooldowns(
     futures::future::join_all(writes).await;
     state.metrics.cooldowns_cleared(cleared.len());
     tracing::info!(target = %target, proxy = ?proxy, cleared = cleared.len(), "cooldowns cleared by an administrator");
-    Ok(Json(ClearedCooldowns { cleared: cleared.into_iter().map(CooldownEntry::from).collect() }).into_response())
+    Ok(Json(egress_wire::ClearedCooldowns { cleared: cleared.into_iter().map(listed).collect() }).into_response())
 }
 
-/// A live cooldown: `proxy` is not leased for `target` until `until`.
-#[derive(Serialize, JsonSchema)]
-#[schemars(rename = "Cooldown")]
-pub(super) struct CooldownEntry {
-    /// `namespace/name`.
-    proxy: String,
-    /// The site.
-    target: String,
-    #[schemars(extend("format" = "date-time"))]
-    until: String,
-    /// Bans in a row: each one multiplies the next cooldown.
-    streak: u32,
-}
-
-impl From<egress_lease::Cooldown> for CooldownEntry {
-    fn from(cooldown: egress_lease::Cooldown) -> Self {
-        Self {
-            proxy: cooldown.proxy.to_string(),
-            target: cooldown.target,
-            until: timestamp(cooldown.until),
-            streak: cooldown.streak,
-        }
+/// A lease store's cooldown as the API lists it.
+fn listed(cooldown: egress_lease::Cooldown) -> egress_wire::Cooldown {
+    egress_wire::Cooldown {
+        proxy: cooldown.proxy.to_string(),
+        target: cooldown.target,
+        until: timestamp(cooldown.until),
+        streak: cooldown.streak,
     }
-}
-
-/// The live cooldowns.
-#[derive(Serialize, JsonSchema)]
-pub(super) struct CooldownList {
-    cooldowns: Vec<CooldownEntry>,
-}
-
-/// The cooldowns that were running and ended.
-#[derive(Serialize, JsonSchema)]
-pub(super) struct ClearedCooldowns {
-    cleared: Vec<CooldownEntry>,
 }
 
 pub(super) async fn list_cooldowns(
@@ -81,12 +54,12 @@ pub(super) async fn list_cooldowns(
         .await
         .map_err(lease_problem)?;
     // A tenant sees the cooldowns its own reports made; an admin sees every one.
-    let entries: Vec<CooldownEntry> = cooldowns
+    let cooldowns: Vec<egress_wire::Cooldown> = cooldowns
         .into_iter()
         .filter(|cooldown| {
             caller.scope == Scope::Admin || cooldown.reporters.iter().any(|reporter| reporter == caller.owner())
         })
-        .map(CooldownEntry::from)
+        .map(listed)
         .collect();
-    Ok(Json(CooldownList { cooldowns: entries }).into_response())
+    Ok(Json(egress_wire::CooldownList { cooldowns }).into_response())
 }

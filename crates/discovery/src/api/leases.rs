@@ -194,7 +194,12 @@ pub(super) async fn create_lease(
             state.metrics.tenant_granted(caller.owner());
             let body = lease_json(&state, &lease, None)?;
             let location = format!("/v1/leases/{}", lease.id);
-            Ok((StatusCode::CREATED, [(header::LOCATION, location)], [(header::CONTENT_TYPE, "application/json")], body)
+            Ok((
+                StatusCode::CREATED,
+                [(header::LOCATION, location)],
+                [(header::CONTENT_TYPE, "application/json")],
+                body,
+            )
                 .into_response())
         }
         Err(error) => {

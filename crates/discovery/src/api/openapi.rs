@@ -5,9 +5,7 @@
 use schemars::generate::{Contract, SchemaSettings};
 use serde_json::{Value, json};
 
-use super::cooldowns::{ClearedCooldowns, CooldownList};
 use super::leases::{LeaseBody, RenewBody, ReportBody, ReportResult};
-use super::proxies::ProxyList;
 use super::refusals::RefusalLine;
 use crate::problem::Problem;
 
@@ -22,11 +20,11 @@ fn schemas() -> serde_json::Map<String, Value> {
     let mut answers =
         SchemaSettings::openapi3().with(|settings| settings.contract = Contract::Serialize).into_generator();
     answers.subschema_for::<Problem>();
-    answers.subschema_for::<ProxyList>();
+    answers.subschema_for::<egress_wire::ProxyList>();
     answers.subschema_for::<egress_wire::Lease<'static>>();
     answers.subschema_for::<ReportResult>();
-    answers.subschema_for::<CooldownList>();
-    answers.subschema_for::<ClearedCooldowns>();
+    answers.subschema_for::<egress_wire::CooldownList>();
+    answers.subschema_for::<egress_wire::ClearedCooldowns>();
     answers.subschema_for::<RefusalLine>();
     let mut schemas = requests.take_definitions(true);
     let mut answers = answers.take_definitions(true);

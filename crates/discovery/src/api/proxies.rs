@@ -22,68 +22,12 @@ pub(super) fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
     }
 }
 
-/// A healthy proxy, with its load.
-#[derive(Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(rename = "Proxy")]
-pub(super) struct ProxyEntry {
-    namespace: String,
-    name: String,
-    host: String,
-    port: u16,
-    /// `http://[user:password@]host:port`; credentials only on the caller's own leases (an admin sees them all).
-    url: String,
-    /// The address sites see requests through this proxy come from, once its probes observed it; proxies sharing
-    /// it share cooldowns.
-    #[serde(rename = "egressIP", skip_serializing_if = "Option::is_none")]
-    egress_ip: Option<String>,
-    labels: BTreeMap<String, String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    zone: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    provider: Option<String>,
-    /// The name of the ProxyPool it is a member of, in its namespace.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pool: Option<String>,
-    active_leases: u32,
-    max_leases: u32,
-    /// How long a ban cools it down for a site, when it has a policy of its own (the operator always gives one).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    cooldown_policy: Option<CooldownPolicyEntry>,
-    /// With `target`: when its cooldown for that site ends.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("format" = "date-time"))]
-    cooling_down_until: Option<String>,
-    /// With `target`: the share of requests reported through this proxy for that site (in the last hour of
-    /// reports) that it served.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0.0, max = 1.0))]
-    success_rate: Option<f64>,
-    /// With `target`: how many reported requests `successRate` is over.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reported: Option<u64>,
-}
-
-/// The proxies `GET /v1/proxies` lists.
-#[derive(Serialize, JsonSchema)]
-pub(super) struct ProxyList {
-    proxies: Vec<ProxyEntry>,
-}
-
-/// How long a site's ban cools a proxy down: `baseSeconds` after the first ban in a row, times `factor` for each
-/// further one, at most `maxSeconds`.
-#[derive(Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(rename = "CooldownPolicy")]
-pub(super) struct CooldownPolicyEntry {
-    base_seconds: u64,
-    factor: u32,
-    max_seconds: u64,
-}
-
-impl From<egress_lease::CooldownPolicy> for CooldownPolicyEntry {
-    fn from(policy: egress_lease::CooldownPolicy) -> Self {
-        Self { base_seconds: policy.base.as_secs(), factor: policy.factor, max_seconds: policy.max.as_secs() }
+/// A lease store's cooldown policy as the API lists it.
+fn cooldown_policy(policy: egress_lease::CooldownPolicy) -> egress_wire::CooldownPolicy {
+    egress_wire::CooldownPolicy {
+        base_seconds: policy.base.as_secs(),
+        factor: policy.factor,
+        max_seconds: policy.max.as_secs(),
     }
 }
 
@@ -120,10 +64,10 @@ pub(super) async fn list_proxies(
         Default::default()
     };
     let credentials = |record: &ProxyRecord| caller.scope == Scope::Admin || held.contains(&record.id);
-    let entries: Vec<ProxyEntry> = matching
+    let proxies: Vec<egress_wire::Proxy> = matching
         .iter()
         .zip(loads)
-        .map(|(record, load)| ProxyEntry {
+        .map(|(record, load)| egress_wire::Proxy {
             namespace: record.id.namespace().to_owned(),
             name: record.id.name().to_owned(),
             host: record.host.clone(),
@@ -136,13 +80,13 @@ pub(super) async fn list_proxies(
             pool: record.pool.as_ref().map(|pool| pool.name().to_owned()),
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
-            cooldown_policy: record.cooldown.map(CooldownPolicyEntry::from),
+            cooldown_policy: record.cooldown.map(cooldown_policy),
             cooling_down_until: load.as_ref().and_then(|load| load.cooling_down_until).map(timestamp),
             success_rate: load.as_ref().and_then(|load| load.outcomes).and_then(|outcomes| outcomes.success_rate()),
             reported: load.as_ref().and_then(|load| load.outcomes).map(|outcomes| outcomes.total()),
         })
         .collect();
-    Ok(Json(ProxyList { proxies: entries }).into_response())
+    Ok(Json(egress_wire::ProxyList { proxies }).into_response())
 }
 
 #[cfg(test)]

@@ -449,8 +449,13 @@ impl Inner {
                 self.owners.insert(owner.to_owned(), [serial].into());
             }
         }
-        let granted =
-            Granted { serial, proxy: proxy.to_owned(), target: target.to_owned(), expires_at, endpoint: lease.endpoint.clone() };
+        let granted = Granted {
+            serial,
+            proxy: proxy.to_owned(),
+            target: target.to_owned(),
+            expires_at,
+            endpoint: lease.endpoint.clone(),
+        };
         self.leases.insert(serial, lease);
         self.lease_expiries.insert((expires_at, serial));
         granted
