@@ -105,6 +105,10 @@ pub struct LiveLeaseRecord {
     /// The owner its IDs are bound to (a tenant's name). Not the target: what a tenant crawls is not written
     /// down; the store takes it from the lease's ID when its holder shows it.
     pub owner: String,
+    /// The slot of the proxy's cap it shares with its session's other leases for the same site, as a digest keyed
+    /// with the lease key (no session or site is written down); `None` for a lease without a session, which takes
+    /// a slot of its own.
+    pub slot: Option<u64>,
     /// Its expiry, to the second.
     pub until: SystemTime,
 }

@@ -53,6 +53,14 @@ impl InMemoryLeaseStore {
         Self { config, inner: Mutex::new(Inner::default()), key, serial_base }
     }
 
+    /// The slot a session's leases for `target` share on a proxy: every lease of one owner's session for one site
+    /// counts once toward the proxy's cap, so a session that two gateway replicas each lease for is one user of it.
+    /// A digest keyed with the lease key: the same in every store that shares the key (a new leader restores the
+    /// slots from the previous one's record), and a record that names no session or site.
+    fn slot(&self, session_key: &str, target: &str) -> u64 {
+        self.key.digest(&[b"slot", session_key.as_bytes(), target.as_bytes()])
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -97,22 +105,28 @@ impl InMemoryLeaseStore {
         };
         // Taking it over must not take its proxy above the cap (the new leader may have filled it meanwhile). A
         // lease shown is surely held; one only on the previous leader's record may have been released since, so
-        // the shown one takes the slot of the unconfirmed one that ends first (which, if it is held after all, is
-        // taken over again when shown, while there is room).
+        // the shown one takes the slot that only unconfirmed leases hold and that ends first, freeing all of them
+        // (each one, if it is held after all, is taken over again when shown, while there is room).
         if proxy.active >= proxy.info.max_leases {
-            let unconfirmed = proxy
-                .leases
-                .iter()
-                .filter_map(|serial| {
-                    inner.leases.get(serial).filter(|lease| lease.unconfirmed).map(|l| (l.expires_at, *serial))
-                })
-                .min();
-            let Some((_, making_room)) = unconfirmed else { return Err(LeaseError::NotAdopted(id.to_owned())) };
-            inner.free(making_room);
+            // Each slot: when its last lease ends, its leases, and whether none of them was shown.
+            let mut slots: HashMap<Result<u64, u64>, (SystemTime, Vec<u64>, bool)> = HashMap::new();
+            for serial in &proxy.leases {
+                let Some(lease) = inner.leases.get(serial) else { continue };
+                let (ends, serials, unconfirmed) =
+                    slots.entry(lease.slot.ok_or(*serial)).or_insert((lease.expires_at, Vec::new(), true));
+                *ends = (*ends).max(lease.expires_at);
+                serials.push(*serial);
+                *unconfirmed &= lease.unconfirmed;
+            }
+            let making_room = slots.into_values().filter(|slot| slot.2).min_by_key(|slot| slot.0);
+            let Some((_, serials, _)) = making_room else { return Err(LeaseError::NotAdopted(id.to_owned())) };
+            for serial in serials {
+                inner.free(serial);
+            }
         }
         inner.adopted += 1;
         let serial = claims.serial;
-        inner.adopt(serial, claims.proxy, Some(claims.target), owner.to_owned(), claims.expires_at, now);
+        inner.adopt(serial, claims.proxy, Some(claims.target), owner.to_owned(), None, claims.expires_at, now);
         Ok(serial)
     }
 
@@ -199,7 +213,7 @@ impl LeaseStore for InMemoryLeaseStore {
 
         // A session's leases for one site share one slot on their proxy.
         let session_key = request.session.as_ref().map(|session| (session_key(owner, session), target.clone()));
-        let slot = session_key.as_ref().map(|(session, target)| slot_key(session, target));
+        let slot = session_key.as_ref().map(|(session, target)| self.slot(session, target));
         if let Some(name) = &request.proxy {
             let Some(proxy) = inner.proxies.get(name) else { return Err(LeaseError::UnknownProxy(name.clone())) };
             let unavailable = |why| Err(LeaseError::ProxyUnavailable { proxy: name.clone(), why });
@@ -215,7 +229,7 @@ impl LeaseStore for InMemoryLeaseStore {
             if proxy.info.max_leases == 0 {
                 return unavailable("it is drained (maxLeases 0)");
             }
-            if !proxy.admits_slot(slot.as_deref()) {
+            if !proxy.admits_slot(slot) {
                 return unavailable("it is at its lease cap");
             }
             if let Some(until) = inner.cooling_until(name, &target, now) {
@@ -228,12 +242,11 @@ impl LeaseStore for InMemoryLeaseStore {
         }
 
         let usable = |inner: &Inner, id: &ProxyId| {
-            inner.proxies.get(id).is_some_and(|proxy| proxy.admits_slot(slot.as_deref()) && request.admits(&proxy.info))
+            inner.proxies.get(id).is_some_and(|proxy| proxy.admits_slot(slot) && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
-        let sticky = session_key
-            .as_ref()
-            .and_then(|key| inner.sessions.get(key))
+        let sticky = slot
+            .and_then(|slot| inner.sessions.get(&slot))
             .map(|(proxy, _)| proxy.clone())
             .filter(|proxy| usable(&inner, proxy));
         let chosen = sticky.or_else(|| match &session_key {
@@ -249,12 +262,9 @@ impl LeaseStore for InMemoryLeaseStore {
         });
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
         let granted = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
-        if let Some(key) = session_key {
+        if let Some(slot) = slot {
             let forget_at = granted.expires_at + self.config.max_ttl;
-            if let Some((_, previous)) = inner.sessions.insert(key.clone(), (proxy, forget_at)) {
-                inner.session_expiries.remove(&(previous, key.0.clone(), key.1.clone()));
-            }
-            inner.session_expiries.insert((forget_at, key.0, key.1));
+            inner.stick(slot, proxy, forget_at);
         }
         drop(inner);
         Ok(self.sign(granted, owner))
@@ -513,6 +523,7 @@ impl LeaseStore for InMemoryLeaseStore {
                     serial: *serial,
                     proxy: lease.proxy.clone(),
                     owner: lease.owner.clone(),
+                    slot: lease.slot,
                     until: *until,
                 })
             })
@@ -529,14 +540,17 @@ impl LeaseStore for InMemoryLeaseStore {
         inner.expire(now);
         let mut restored = 0;
         for record in records {
-            let room = inner
-                .proxies
-                .get(&record.proxy)
-                .is_some_and(|proxy| proxy.info.healthy && proxy.active < proxy.info.max_leases);
+            // A session's lease shares the slot the session holds on the proxy already, as it did before.
+            let room = inner.proxies.get(&record.proxy).is_some_and(|proxy| proxy.admits_slot(record.slot));
             if record.until <= now || !room || inner.knows(record.serial) {
                 continue;
             }
-            inner.adopt(record.serial, record.proxy.clone(), None, record.owner.clone(), record.until, now);
+            let (proxy, owner) = (record.proxy.clone(), record.owner.clone());
+            inner.adopt(record.serial, proxy, None, owner, record.slot, record.until, now);
+            // The session stays on its proxy, as it did with the previous leader.
+            if let Some(slot) = record.slot {
+                inner.stick(slot, record.proxy.clone(), record.until + self.config.max_ttl);
+            }
             restored += 1;
         }
         restored

@@ -208,12 +208,15 @@ pub fn decode_ended(bytes: &[u8]) -> Result<Vec<EndedLeaseRecord>> {
 }
 
 /// The live leases as kept: each name once, each lease as (serial, expiry in seconds since the epoch rounded up,
-/// index of its proxy, of its owner).
+/// index of its proxy, of its owner), and the session slot of each lease that has one as (index of the lease,
+/// slot). Records written before slots were kept have none and read as leases without a session.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct LiveLeases {
     proxies: Vec<String>,
     owners: Vec<String>,
     leases: Vec<(u64, u64, usize, usize)>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    slots: Vec<(usize, u64)>,
 }
 
 /// `records` as JSON bytes, every proxy and owner named once.
@@ -224,13 +227,16 @@ pub fn encode_live(records: &[LiveLeaseRecord]) -> Vec<u8> {
             names.len() - 1
         })
     }
-    let mut kept = LiveLeases { proxies: Vec::new(), owners: Vec::new(), leases: Vec::new() };
+    let mut kept = LiveLeases { proxies: Vec::new(), owners: Vec::new(), leases: Vec::new(), slots: Vec::new() };
     let (mut proxies, mut owners) = Default::default();
     for record in records {
         let until = record.until.duration_since(UNIX_EPOCH).unwrap_or_default();
         let seconds = until.as_secs() + u64::from(until.subsec_nanos() > 0);
         let proxy = index(&mut kept.proxies, &mut proxies, &record.proxy.to_string());
         let owner = index(&mut kept.owners, &mut owners, &record.owner);
+        if let Some(slot) = record.slot {
+            kept.slots.push((kept.leases.len(), slot));
+        }
         kept.leases.push((record.serial, seconds, proxy, owner));
     }
     serde_json::to_vec(&kept).expect("plain data serialises")
@@ -244,14 +250,23 @@ pub fn decode_live(bytes: &[u8]) -> Result<Vec<LiveLeaseRecord>> {
         .iter()
         .map(|proxy| proxy.parse::<ProxyId>().map_err(|error| anyhow::anyhow!("proxy {proxy:?}: {error}")))
         .collect::<Result<Vec<_>>>()?;
+    let mut slots = std::collections::HashMap::new();
+    for &(lease, slot) in &kept.slots {
+        if lease >= kept.leases.len() {
+            bail!("a slot names lease {lease}, not in the list");
+        }
+        slots.insert(lease, slot);
+    }
     kept.leases
         .iter()
-        .map(|&(serial, seconds, proxy, owner)| {
+        .enumerate()
+        .map(|(index, &(serial, seconds, proxy, owner))| {
             let missing = |what: &str, at: usize| format!("lease {serial:x} names {what} {at}, not in the list");
             Ok(LiveLeaseRecord {
                 serial,
                 proxy: proxies.get(proxy).cloned().with_context(|| missing("proxy", proxy))?,
                 owner: kept.owners.get(owner).cloned().with_context(|| missing("owner", owner))?,
+                slot: slots.get(&index).copied(),
                 until: UNIX_EPOCH + Duration::from_secs(seconds),
             })
         })
@@ -454,11 +469,12 @@ mod tests {
             serial,
             proxy: ProxyId::new("crawl", proxy),
             owner: owner.into(),
+            slot: None,
             until,
         };
         let records = vec![
             record(u64::MAX, "a", "t1", at(1_800_000_100)),
-            record(7, "b", "t1", at(1_800_000_000)),
+            LiveLeaseRecord { slot: Some(u64::MAX - 1), ..record(7, "b", "t1", at(1_800_000_000)) },
             record(8, "a", "", at(1_800_000_000) + Duration::from_millis(1)),
         ];
         let bytes = encode_live(&records);
@@ -472,6 +488,11 @@ mod tests {
         assert!(format!("{:#}", decode_live(dangling).unwrap_err()).contains("lease a names owner 3"));
         let bad = br#"{"proxies":["no-slash"],"owners":[],"leases":[]}"#;
         assert!(format!("{:#}", decode_live(bad).unwrap_err()).contains("no-slash"));
+        let stray = br#"{"proxies":["crawl/a"],"owners":[""],"leases":[[10,1,0,0]],"slots":[[1,5]]}"#;
+        assert!(format!("{:#}", decode_live(stray).unwrap_err()).contains("a slot names lease 1"));
+        // A record an older operator wrote keeps no slots: its leases read as leases without a session.
+        let older = br#"{"proxies":["crawl/a"],"owners":["t1"],"leases":[[10,1,0,0]]}"#;
+        assert_eq!(decode_live(older).expect("an older record")[0].slot, None);
     }
 
     #[test]

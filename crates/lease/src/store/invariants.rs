@@ -12,8 +12,8 @@ impl InMemoryLeaseStore {
         let inner = self.lock();
         let violation = |text: String| Err(InvariantViolation(text));
         let mut counted: HashMap<&str, u32> = HashMap::new();
-        // The slots of each proxy's live leases: a lease's own (its serial), or its session's (after a newline).
-        let mut sharing: HashMap<&str, HashMap<String, u32>> = HashMap::new();
+        // The slots of each proxy's live leases: a lease's own (`Err(serial)`), or its session's (`Ok(slot)`).
+        let mut sharing: HashMap<&str, HashMap<Result<u64, u64>, u32>> = HashMap::new();
         for (serial, lease) in &inner.leases {
             let Some(proxy) = inner.proxies.get(&lease.proxy) else {
                 return violation(format!("lease {serial:x} is on unknown proxy {}", lease.proxy));
@@ -35,7 +35,7 @@ impl InMemoryLeaseStore {
                 ));
             }
             *counted.entry(lease.proxy.as_str()).or_default() += 1;
-            let slot = lease.slot.as_deref().map_or_else(|| format!("{serial}"), |slot| format!("\n{slot}"));
+            let slot = lease.slot.ok_or(*serial);
             *sharing.entry(lease.proxy.as_str()).or_default().entry(slot).or_default() += 1;
         }
         for (id, proxy) in &inner.proxies {
@@ -49,13 +49,10 @@ impl InMemoryLeaseStore {
                     proxy.leases.len()
                 ));
             }
-            let shared: HashMap<&str, u32> = slots
-                .into_iter()
-                .flatten()
-                .filter_map(|(slot, leases)| Some((slot.strip_prefix('\n')?, *leases)))
-                .collect();
+            let shared: HashMap<u64, u32> =
+                slots.into_iter().flatten().filter_map(|(slot, leases)| Some(((*slot).ok()?, *leases))).collect();
             if proxy.slots.len() != shared.len()
-                || proxy.slots.iter().any(|(slot, leases)| shared.get(slot.as_str()) != Some(leases))
+                || proxy.slots.iter().any(|(slot, leases)| shared.get(slot) != Some(leases))
             {
                 return violation(format!("proxy {id} counts its sessions' shared slots wrongly"));
             }

@@ -11,8 +11,8 @@ pub(super) struct ProxyState {
     pub(super) last_leased: u64,
     /// Serials of its live leases.
     pub(super) leases: HashSet<u64>,
-    /// The live leases sharing each session's slot, by [`slot_key`].
-    pub(super) slots: HashMap<String, u32>,
+    /// The live leases sharing each session's slot, by [`InMemoryLeaseStore::slot`].
+    pub(super) slots: HashMap<u64, u32>,
 }
 
 impl ProxyState {
@@ -22,22 +22,22 @@ impl ProxyState {
     /// Whether a lease in `slot` may be granted here: the proxy is eligible, or it is healthy and the session
     /// already holds a slot here (each gateway replica the session's requests reach holds a lease of its own, and
     /// they are one user of the proxy).
-    pub(super) fn admits_slot(&self, slot: Option<&str>) -> bool {
-        self.eligible() || (self.info.healthy && slot.is_some_and(|slot| self.slots.contains_key(slot)))
+    pub(super) fn admits_slot(&self, slot: Option<u64>) -> bool {
+        self.eligible() || (self.info.healthy && slot.is_some_and(|slot| self.slots.contains_key(&slot)))
     }
     pub(super) fn eligible(&self) -> bool {
         self.info.healthy && self.active < self.info.max_leases
     }
     /// Counts the live lease `serial`: a slot of its own, or a share of its session's `slot`.
-    pub(super) fn hold(&mut self, serial: u64, slot: Option<&str>) {
+    pub(super) fn hold(&mut self, serial: u64, slot: Option<u64>) {
         self.leases.insert(serial);
-        let shared = slot.is_some_and(|slot| match self.slots.get_mut(slot) {
+        let shared = slot.is_some_and(|slot| match self.slots.get_mut(&slot) {
             Some(sharing) => {
                 *sharing += 1;
                 true
             }
             None => {
-                self.slots.insert(slot.to_owned(), 1);
+                self.slots.insert(slot, 1);
                 false
             }
         });
@@ -46,15 +46,15 @@ impl ProxyState {
         }
     }
     /// Stops counting the lease `serial` ([`Self::hold`]): its slot is free once no other lease shares it.
-    pub(super) fn let_go(&mut self, serial: u64, slot: Option<&str>) {
+    pub(super) fn let_go(&mut self, serial: u64, slot: Option<u64>) {
         self.leases.remove(&serial);
-        let shared = slot.is_some_and(|slot| match self.slots.get_mut(slot) {
+        let shared = slot.is_some_and(|slot| match self.slots.get_mut(&slot) {
             Some(sharing) if *sharing > 1 => {
                 *sharing -= 1;
                 true
             }
             _ => {
-                self.slots.remove(slot);
+                self.slots.remove(&slot);
                 false
             }
         });
@@ -98,7 +98,7 @@ pub(super) struct LeaseState {
     /// The session's slot ([`slot_key`]) it shares with the session's other leases on the proxy; `None` for a
     /// lease without a session (or taken over from an ID, which does not name its session), which takes a slot
     /// of its own.
-    pub(super) slot: Option<String>,
+    pub(super) slot: Option<u64>,
 }
 
 /// A lease that ended before its last expiry: its IDs stay valid signatures until then, so the store remembers it
@@ -153,9 +153,10 @@ pub(super) struct Inner {
     pub(super) live_generation: u64,
     pub(super) cooldowns: HashMap<(ProxyId, String), CooldownState>,
     pub(super) cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
-    /// Sticky sessions by ([`session_key`] of owner and session, target): the proxy, and when it is forgotten.
-    pub(super) sessions: HashMap<(String, String), (ProxyId, SystemTime)>,
-    pub(super) session_expiries: BTreeSet<(SystemTime, String, String)>,
+    /// Sticky sessions by their slot ([`InMemoryLeaseStore::slot`] of owner, session and target): the proxy, and
+    /// when it is forgotten.
+    pub(super) sessions: HashMap<u64, (ProxyId, SystemTime)>,
+    pub(super) session_expiries: BTreeSet<(SystemTime, u64)>,
     /// Proxies by the egress IP they were last seen leaving through.
     pub(super) by_egress: HashMap<String, BTreeSet<ProxyId>>,
     /// What was reported per (proxy, target), and when each is forgotten.
@@ -171,12 +172,6 @@ pub(super) struct Inner {
 /// The key of an owner's session: sessions of different owners never meet, whatever they are called.
 pub(super) fn session_key(owner: &str, session: &str) -> String {
     format!("{owner}\n{session}")
-}
-
-/// The slot a session's leases for `target` share on a proxy: every lease of one owner's session for one site
-/// counts once toward the proxy's cap, so a session that two gateway replicas each lease for is one user of it.
-pub(super) fn slot_key(session_key: &str, target: &str) -> String {
-    format!("{session_key}\n{target}")
 }
 
 /// A session's weight for a proxy (rendezvous hashing): the session's first proxy is the eligible one with the
@@ -273,15 +268,26 @@ impl Inner {
         }
     }
 
+    /// Keeps the session of `slot` on `proxy` until `forget_at` (sticky), or until it is moved.
+    pub(super) fn stick(&mut self, slot: u64, proxy: ProxyId, forget_at: SystemTime) {
+        if let Some((_, previous)) = self.sessions.insert(slot, (proxy, forget_at)) {
+            self.session_expiries.remove(&(previous, slot));
+        }
+        self.session_expiries.insert((forget_at, slot));
+    }
+
     /// Counts the lease `serial` (unknown here, its proxy known, healthy and with room) against its proxy, as held
-    /// by `owner` until `expires_at`: taken over from another store, when its holder showed it (`target` from its
-    /// ID) or from the previous leader's record (`None`: unconfirmed until shown).
+    /// by `owner` until `expires_at`, in its session's `slot` when it had one: taken over from another store, when
+    /// its holder showed it (`target` from its ID, which does not name the session) or from the previous leader's
+    /// record (`None`: unconfirmed until shown; the record keeps the slot).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn adopt(
         &mut self,
         serial: u64,
         proxy: ProxyId,
         target: Option<String>,
         owner: String,
+        slot: Option<u64>,
         expires_at: SystemTime,
         now: SystemTime,
     ) {
@@ -289,7 +295,7 @@ impl Inner {
         self.sequence += 1;
         self.live_generation += 1;
         let sequence = self.sequence;
-        self.reindex(&proxy, |state| state.hold(serial, None));
+        self.reindex(&proxy, |state| state.hold(serial, slot));
         self.lease_expiries.insert((expires_at, serial));
         self.owners.entry(owner.clone()).or_default().insert(serial);
         let unconfirmed = target.is_none();
@@ -304,7 +310,7 @@ impl Inner {
             unconfirmed,
             reported: 0,
             owner,
-            slot: None,
+            slot,
         };
         self.leases.insert(serial, lease);
     }
@@ -325,7 +331,7 @@ impl Inner {
                 self.owners.remove(&lease.owner);
             }
         }
-        self.reindex(&lease.proxy, |state| state.let_go(serial, lease.slot.as_deref()));
+        self.reindex(&lease.proxy, |state| state.let_go(serial, lease.slot));
         Some(lease)
     }
 
@@ -368,10 +374,10 @@ impl Inner {
         }
         // Each slot's leases, newest slot (by its newest lease) first. A lease without a session is a slot of its
         // own, keyed by its serial.
-        let mut slots: HashMap<Result<&str, u64>, (u64, Vec<u64>)> = HashMap::new();
+        let mut slots: HashMap<Result<u64, u64>, (u64, Vec<u64>)> = HashMap::new();
         for serial in &state.leases {
             let Some(lease) = self.leases.get(serial) else { continue };
-            let (newest, serials) = slots.entry(lease.slot.as_deref().ok_or(*serial)).or_default();
+            let (newest, serials) = slots.entry(lease.slot.ok_or(*serial)).or_default();
             *newest = (*newest).max(lease.sequence);
             serials.push(*serial);
         }
@@ -412,7 +418,7 @@ impl Inner {
         proxy: &ProxyId,
         target: &str,
         owner: &str,
-        slot: Option<String>,
+        slot: Option<u64>,
         ttl: Duration,
         now: SystemTime,
     ) -> Granted {
@@ -424,7 +430,7 @@ impl Inner {
         let expires_at = whole_seconds(now + ttl);
         let mut endpoint = String::new();
         self.reindex(proxy, |state| {
-            state.hold(serial, slot.as_deref());
+            state.hold(serial, slot);
             state.last_leased = sequence;
             endpoint.clone_from(&state.info.endpoint);
         });
@@ -555,14 +561,13 @@ impl Inner {
             self.outcome_expiries.pop_first();
             self.outcomes.remove(&(proxy, target));
         }
-        while let Some((at, session, target)) = self.session_expiries.first().cloned() {
+        while let Some((at, slot)) = self.session_expiries.first().copied() {
             if at > now {
                 break;
             }
             self.session_expiries.pop_first();
-            let key = (session, target);
-            if self.sessions.get(&key).is_some_and(|(_, forget_at)| *forget_at == at) {
-                self.sessions.remove(&key);
+            if self.sessions.get(&slot).is_some_and(|(_, forget_at)| *forget_at == at) {
+                self.sessions.remove(&slot);
             }
         }
         expired

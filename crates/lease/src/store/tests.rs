@@ -556,6 +556,41 @@ fn live_leases_kept_elsewhere_count_against_the_cap_before_their_holders_show_th
     full.check_invariants().expect("invariants");
 }
 
+/// A session's leases (one per gateway replica) share one slot; the next leader's record keeps it, so after a
+/// change of leader they still count once, and the session's next lease still fits its proxy at its cap.
+#[test]
+fn a_sessions_shared_slot_survives_a_change_of_leader() {
+    let key = LeaseKey::from_bytes(&[5; 32]).expect("key");
+    let old = keyed(&key, &[proxy("a", 2)]);
+    let session = LeaseRequest { session: Some("crawl-7".into()), owner: "team".into(), ..request("shop.example") };
+    let (first, second) = (old.lease(&session, t(0)).expect("lease"), old.lease(&session, t(0)).expect("shared"));
+    let other = old.lease(&LeaseRequest { owner: "team".into(), ..request("news.example") }, t(0)).expect("lease");
+    let (_, records) = old.live_leases(10, t(1));
+    assert_eq!(records.iter().filter(|record| record.slot.is_some()).count(), 2, "the session's two: {records:?}");
+
+    let new = keyed(&key, &[proxy("a", 2)]);
+    assert_eq!(new.restore_live(&records, t(2)), 3, "all three fit the cap of two: the session's share a slot");
+    new.check_invariants().expect("invariants");
+    assert_eq!(new.loads(None, t(2)).expect("loads")[0].active_leases, 2);
+    let third = new.lease(&session, t(3)).expect("the session's next lease shares its slot at the cap");
+    assert!(matches!(new.lease(&request("shop.example"), t(3)), Err(LeaseError::AllAtCapacity { .. })));
+    for (lease, owner) in [(&first, "team"), (&second, "team"), (&other, "team")] {
+        new.renew(&lease.id, owner, None, t(4)).expect("each restored lease renews");
+    }
+    new.check_invariants().expect("invariants");
+
+    // A lease shown at a full proxy takes the room of a slot only unconfirmed leases hold, all of them at once.
+    let full = keyed(&key, &[proxy("a", 2)]);
+    assert_eq!(full.restore_live(&records, t(2)), 3);
+    let stranger = keyed(&key, &[proxy("a", 2)])
+        .lease(&LeaseRequest { owner: "team".into(), ..request("third.example") }, t(2))
+        .expect("a lease the record does not hold");
+    full.renew(&stranger.id, "team", None, t(3)).expect("shown: it takes a slot of unconfirmed leases");
+    full.check_invariants().expect("invariants, no proxy above its cap");
+    assert_eq!(full.loads(None, t(3)).expect("loads")[0].active_leases, 2);
+    drop(third);
+}
+
 #[test]
 fn cooldowns_read_per_proxy_restore_into_another_store() {
     let old = store_with(&[proxy("a", 5), proxy("b", 5)]);
