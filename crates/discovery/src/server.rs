@@ -15,9 +15,7 @@
 //! connection idle between requests for that long. HTTP/2: a connection with no request in flight for
 //! `idle_timeout` is closed, and one whose peer stops answering pings after `http2_keepalive_timeout`.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +25,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use egress_fleet::sources::SourceCounts;
 use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -189,52 +188,6 @@ impl Activity {
     }
 }
 
-/// Connections per source address that have not sent an authenticated request yet.
-#[derive(Default)]
-struct Unauthenticated {
-    by_source: Mutex<HashMap<IpAddr, usize>>,
-}
-
-impl Unauthenticated {
-    /// Counts one more connection from `source`, unless it has `cap` already.
-    fn admit(self: &Arc<Self>, source: IpAddr, cap: usize) -> Option<SourceSlot> {
-        let mut counts = self.by_source.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let count = counts.entry(source).or_default();
-        if *count >= cap {
-            return None;
-        }
-        *count += 1;
-        Some(SourceSlot { counts: self.clone(), source, held: AtomicBool::new(true) })
-    }
-}
-
-/// One connection's place in its source address's count, given back when it authenticates or closes.
-struct SourceSlot {
-    counts: Arc<Unauthenticated>,
-    source: IpAddr,
-    held: AtomicBool,
-}
-
-impl SourceSlot {
-    fn release(&self) {
-        if self.held.swap(false, Ordering::AcqRel) {
-            let mut counts = self.counts.by_source.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(count) = counts.get_mut(&self.source) {
-                *count -= 1;
-                if *count == 0 {
-                    counts.remove(&self.source);
-                }
-            }
-        }
-    }
-}
-
-impl Drop for SourceSlot {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
 /// Ends a request on its connection's [`Activity`] when dropped (its response sent, or the request abandoned).
 struct InFlight(Arc<Activity>);
 
@@ -295,7 +248,8 @@ pub async fn serve_with(
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let unauthenticated = Arc::new(Unauthenticated::default());
+    // Connections per source address that have not sent an authenticated request yet.
+    let unauthenticated = SourceCounts::new();
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -316,7 +270,7 @@ pub async fn serve_with(
             drop(stream);
             continue;
         };
-        let Some(source_slot) = unauthenticated.admit(source, limits.max_unauthenticated_per_source) else {
+        let Ok(source_slot) = unauthenticated.admit(source, limits.max_unauthenticated_per_source, usize::MAX) else {
             metrics.close(name, "per-source");
             drop(stream);
             continue;

@@ -5,7 +5,10 @@
 //! [`PoolId`] are how it crosses: a namespace and a name, typed so that a pool's name is never taken for a proxy's.
 //! Their one text form, `namespace/name` ([`std::fmt::Display`] and [`std::str::FromStr`]), is for the wire: lease
 //! IDs, the journal, logs and metric labels. The controllers convert to and from `ObjectRef` in one place
-//! (`egress_reconcile::ids`).
+//! (`egress_reconcile::ids`). [`sources`] counts connections per client address, the admission the discovery API's
+//! servers and the gateway share.
+
+pub mod sources;
 
 use std::fmt;
 use std::str::FromStr;

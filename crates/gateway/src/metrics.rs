@@ -2,7 +2,8 @@
 //! no tenant) and per upstream proxy (bounded by the fleet; never per site, which is unbounded: the site is in each
 //! request's span): requests by kind (`plain`, `connect`, `report`) and result (`2xx`…`5xx` for answers passed on, `refused` for
 //! the gateway's own errors by their `Proxy-Status` error type), retries after a site blocked a proxy, bytes through
-//! tunnels each way, tunnels open and closed after a refusal, and connections and tunnels refused at the cap.
+//! tunnels each way, tunnels open and closed after a refusal, connections and tunnels refused at the cap, connections
+//! refused before authenticating, and requests whose credentials went unchecked after too many wrong ones.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -42,10 +43,17 @@ pub struct GatewayMetrics {
     tunnel_bytes: Family<BytesLabels, Counter>,
     open_tunnels: Gauge,
     refused_connections: Counter,
+    refused_unauthenticated: Family<ReasonLabels, Counter>,
+    throttled_credentials: Counter,
     retries: Family<TenantLabels, Counter>,
     revoked_tunnels: Family<TenantLabels, Counter>,
     proxy_requests: Family<ProxyLabels, Counter>,
     proxy_tunnel_bytes: Family<ProxyBytesLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -94,6 +102,20 @@ impl GatewayMetrics {
             "Connections closed as soon as they were accepted, at the connection cap",
             metrics.refused_connections.clone(),
         );
+        registry.register(
+            "refused_unauthenticated_connections",
+            "Connections closed as soon as they were accepted because their address (reason per-source), or all \
+             addresses (total), had as many connections without a valid token yet as they may",
+            metrics.refused_unauthenticated.clone(),
+        );
+        registry.register(
+            "throttled_credentials",
+            "Requests answered 429 without checking their credentials: their address sent too many wrong tokens",
+            metrics.throttled_credentials.clone(),
+        );
+        for reason in ["per-source", "total"] {
+            let _ = metrics.refused_unauthenticated.get_or_create(&ReasonLabels { reason });
+        }
         metrics
     }
 
@@ -121,6 +143,14 @@ impl GatewayMetrics {
 
     pub(crate) fn refused_connection(&self) {
         self.refused_connections.inc();
+    }
+
+    pub(crate) fn refused_unauthenticated(&self, reason: &'static str) {
+        self.refused_unauthenticated.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub(crate) fn throttled_credentials(&self) {
+        self.throttled_credentials.inc();
     }
 }
 

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -34,7 +35,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tracing::{Instrument, debug};
 
+use egress_fleet::sources::SourceSlot;
+
 use crate::Body;
+use crate::admission::Admission;
 use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
 use crate::route::{Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, Upstream, Verdict};
@@ -71,6 +75,12 @@ pub struct GatewayLimits {
     /// more is answered 429 with `Retry-After`, so no tenant can take every connection slot of a shared gateway (the
     /// default is half of `max_connections`' default).
     pub max_tenant_connections: usize,
+    /// Connections from one client address that have not sent a request with a valid token yet; one more from that
+    /// address is closed as soon as it is accepted ([`crate::admission`]).
+    pub max_unauthenticated_per_source: usize,
+    /// Connections from all addresses that have not sent a request with a valid token yet; the rest of
+    /// `max_connections` is kept for authenticated connections and their tunnels.
+    pub max_unauthenticated: usize,
 }
 
 impl Default for GatewayLimits {
@@ -82,6 +92,8 @@ impl Default for GatewayLimits {
             tunnel_buffers: Buffers::default(),
             retries: 2,
             max_tenant_connections: 8192,
+            max_unauthenticated_per_source: 256,
+            max_unauthenticated: 8192,
         }
     }
 }
@@ -101,6 +113,15 @@ pub struct Gateway {
     draining: watch::Sender<bool>,
     /// Tunnels open and requests in flight, per tenant.
     tenants: Arc<Mutex<HashMap<String, usize>>>,
+    /// Connections not authenticated yet, and wrong tokens, per client address.
+    admission: Admission,
+}
+
+/// The client end of a connection: its address, and its place among the unauthenticated ones until a request on it
+/// shows a valid token.
+struct Peer {
+    source: IpAddr,
+    unauthenticated: SourceSlot,
 }
 
 /// One of a tenant's tunnels or requests in flight, counted until dropped.
@@ -145,6 +166,7 @@ impl Gateway {
             slots,
             draining,
             tenants: Arc::new(Mutex::new(HashMap::new())),
+            admission: Admission::new(&limits),
         })
     }
 
@@ -198,9 +220,9 @@ impl Gateway {
         builder.timer(TokioTimer::new()).header_read_timeout(self.limits.header_timeout);
         tokio::pin!(shutdown);
         loop {
-            let stream = tokio::select! {
+            let (stream, source) = tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok((stream, peer)) => (stream, peer.ip()),
                     Err(error) => {
                         debug!(%error, "accept failed");
                         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -217,11 +239,20 @@ impl Gateway {
                 drop(stream);
                 continue;
             };
+            let unauthenticated = match self.admission.admit(source) {
+                Ok(unauthenticated) => unauthenticated,
+                Err(refused) => {
+                    self.metrics.refused_unauthenticated(refused.label());
+                    drop(stream);
+                    continue;
+                }
+            };
+            let peer = Arc::new(Peer { source, unauthenticated });
             let _ = stream.set_nodelay(true);
             let gateway = self.clone();
             let service = hyper::service::service_fn(move |request| {
-                let gateway = gateway.clone();
-                async move { Ok::<_, Infallible>(gateway.handle(request).await) }
+                let (gateway, peer) = (gateway.clone(), peer.clone());
+                async move { Ok::<_, Infallible>(gateway.handle(request, &peer).await) }
             });
             let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
             let mut draining = self.draining.subscribe();
@@ -243,7 +274,7 @@ impl Gateway {
     }
 
     /// Answers one request: the upstream's answer, or the gateway's own error.
-    async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+    async fn handle(self: Arc<Self>, request: Request<Incoming>, peer: &Peer) -> Response<Body> {
         let connect = request.method() == Method::CONNECT;
         let own = !connect && request.uri().scheme().is_none() && request.uri().authority().is_none();
         let kind = if connect {
@@ -253,11 +284,15 @@ impl Gateway {
         } else {
             "plain"
         };
-        let (tenant, token, options) = match credentials(request.headers(), self.auth.as_ref()) {
+        let (tenant, token, options) = match self.authenticate(request.headers(), peer) {
             Ok(found) => found,
             Err(error) => {
                 self.metrics.request("", kind, error.kind);
-                return error.response();
+                // Nothing more is served on a connection that could not say who it is: it goes, and with it its
+                // place among the unauthenticated ones.
+                let mut response = error.response();
+                response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return response;
             }
         };
         let report = match reported(request.headers(), &options) {
@@ -307,6 +342,32 @@ impl Gateway {
                 span.in_scope(|| debug!(%error, "the gateway answered with an error"));
                 self.metrics.request(&tenant, kind, error.kind);
                 error.response()
+            }
+        }
+    }
+
+    /// The tenant, token and options of a request's credentials; a connection that shows a valid token leaves the
+    /// unauthenticated ones. An address out of wrong tokens to send is told to wait, its credentials unchecked.
+    fn authenticate(&self, headers: &HeaderMap, peer: &Peer) -> Result<(String, String, Options), GatewayError> {
+        let offered = headers.contains_key(header::PROXY_AUTHORIZATION);
+        let now = std::time::Instant::now();
+        if offered && let Some(wait) = self.admission.throttled(peer.source, now) {
+            self.metrics.throttled_credentials();
+            return Err(GatewayError::quota(
+                "this address sent too many wrong tokens; its credentials are checked again after Retry-After",
+                Some(wait.max(Duration::from_secs(1))),
+            ));
+        }
+        match credentials(headers, self.auth.as_ref()) {
+            Ok(found) => {
+                peer.unauthenticated.release();
+                Ok(found)
+            }
+            Err(error) => {
+                if offered && error.status == http::StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+                    self.admission.failed(peer.source, now);
+                }
+                Err(error)
             }
         }
     }

@@ -86,6 +86,14 @@ pub struct GatewayCli {
     /// is answered 429 with Retry-After: 1. Half the connection cap by default: no tenant can take all of it.
     #[arg(long, env = "EGRESS_GATEWAY_MAX_TENANT_CONNECTIONS", default_value_t = 8192)]
     pub max_tenant_connections: usize,
+    /// Connections from one client address that have not sent a request with a valid token yet; one more from that
+    /// address is closed as soon as it is accepted.
+    #[arg(long, env = "EGRESS_GATEWAY_MAX_UNAUTHENTICATED_PER_SOURCE", default_value_t = 256)]
+    pub max_unauthenticated_per_source: usize,
+    /// Connections from all addresses that have not sent a request with a valid token yet (at most
+    /// --max-connections); the rest of the connection cap is kept for authenticated connections and their tunnels.
+    #[arg(long, env = "EGRESS_GATEWAY_MAX_UNAUTHENTICATED", default_value_t = 8192)]
+    pub max_unauthenticated: usize,
     /// After SIGTERM, how long the gateway keeps accepting while `/readyz` already says it is stopping (so the
     /// Service has stopped sending it connections before it stops taking them).
     #[arg(long, env = "EGRESS_GATEWAY_SHUTDOWN_DELAY", default_value = "5s")]
@@ -208,6 +216,16 @@ impl GatewayCli {
                 self.max_connections
             ));
         }
+        if !(1..=self.max_connections.max(1)).contains(&self.max_unauthenticated) {
+            problems
+                .push(format!("--max-unauthenticated must be from 1 to --max-connections ({})", self.max_connections));
+        }
+        if !(1..=self.max_unauthenticated.max(1)).contains(&self.max_unauthenticated_per_source) {
+            problems.push(format!(
+                "--max-unauthenticated-per-source must be from 1 to --max-unauthenticated ({})",
+                self.max_unauthenticated
+            ));
+        }
         let url = self.discovery_url.trim_end_matches('/');
         if url.contains('@') {
             // Not echoed: it may hold a password.
@@ -283,6 +301,8 @@ impl GatewayCli {
                 tunnel_buffers: Buffers::default(),
                 retries: self.retries,
                 max_tenant_connections: self.max_tenant_connections,
+                max_unauthenticated_per_source: self.max_unauthenticated_per_source,
+                max_unauthenticated: self.max_unauthenticated,
             },
             shutdown_delay,
             drain_timeout,
@@ -429,6 +449,8 @@ mod tests {
         assert_eq!(settings.router.default_sticky, Duration::from_secs(600));
         assert_eq!(settings.limits.max_connections, 16_384);
         assert_eq!(settings.limits.max_tenant_connections, 8192);
+        assert_eq!(settings.limits.max_unauthenticated_per_source, 256);
+        assert_eq!(settings.limits.max_unauthenticated, 8192);
         assert_eq!(settings.limits.retries, 2);
         // Without the subcommand the operator's flags are still required.
         let error = Cli::try_parse_from(["egress-operator"]).expect_err("the operator needs its flags");
@@ -447,6 +469,8 @@ mod tests {
             "--throttle-statuses=429,4xx",
             "--max-connections=0",
             "--max-tenant-connections=0",
+            "--max-unauthenticated=0",
+            "--max-unauthenticated-per-source=0",
             "--retries=11",
             "--shutdown-delay=5m",
             "--otlp-endpoint=collector:4318",
@@ -462,6 +486,8 @@ mod tests {
             "--throttle-statuses: \"4xx\" is not an HTTP status",
             "--max-connections must be from 1 to 1000000",
             "--max-tenant-connections must be from 1 to --max-connections (0)",
+            "--max-unauthenticated must be from 1 to --max-connections (0)",
+            "--max-unauthenticated-per-source must be from 1 to --max-unauthenticated (0)",
             "--retries must be from 0 to 10",
             "--shutdown-delay must be at most 1m",
             "--discovery-tokens: ",
@@ -469,7 +495,7 @@ mod tests {
         ] {
             assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
         }
-        assert_eq!(problems.len(), 12, "{problems:#?}");
+        assert_eq!(problems.len(), 14, "{problems:#?}");
         let problems = gateway_cli(&[
             "--discovery-tokens=/x",
             "--discovery-url=http://user:secret@discovery:8090",
