@@ -4,8 +4,11 @@
 //!
 //! A request with a session (`session-<id>` in the user name) is routed through the lease held for that tenant,
 //! session and site: the first request takes it (with the session as the lease's sticky key, so the store gives the
-//! session the same proxy again after a gateway restart), later ones reuse it, and it is renewed while in use and
-//! released once the session has been idle for its stickiness (`sticky-<seconds>`, else the configured default).
+//! session the same proxy again after a gateway restart), later ones reuse it, and it is renewed at half its TTL
+//! while the session sends requests or has a tunnel open through it. A session that did neither since the last
+//! renewal releases it (an idle session holds no slot of a proxy's cap) and keeps its choice: the store's sticky key
+//! gives its next request the same proxy while that is eligible. The session itself is forgotten here once idle for
+//! its stickiness (`sticky-<seconds>`, else the configured default).
 //! A ban or a throttle seen at the gateway is reported and ends the session's hold on that proxy: the next request
 //! leases again, and the store, which cools the proxy down for that site, picks another. Every other session of the
 //! tenant on that proxy (or its egress address) for the site lets go of it at once, not when the discovery API
@@ -478,6 +481,20 @@ impl LeaseRouter {
                 continue;
             }
             let Some(lease) = held.lease.as_mut() else { continue };
+            // A session that sent nothing since the last renewal and has nothing open through its proxy gives the
+            // lease back rather than hold a slot of the proxy's cap while it idles: the store keeps its choice (the
+            // session is the lease's sticky key), so its next request leases the same proxy while it is eligible.
+            let unused = held.renewed.is_some_and(|renewed| *lock(&session.last_used) <= renewed);
+            // The hold keeps one receiver of its revocation; every request or tunnel using the proxy another.
+            let in_use = held.revoke.as_ref().is_some_and(|revoke| revoke.receiver_count() > 1);
+            if unused && !in_use {
+                debug!(
+                    lease = lease.id(),
+                    "session idle since its last renewal; releasing its lease, keeping its choice"
+                );
+                *held = Held { left: held.left.take(), ..Held::default() };
+                continue;
+            }
             match lease.renew(Some(ttl)).await {
                 Ok(replaced) => {
                     if replaced {
@@ -584,8 +601,13 @@ async fn follow_refusals(
     }
 }
 
+/// How often the router looks for leases to renew and sessions to release. Well under half the shortest lease
+/// (10 s, or a tenant's `maxLeaseSeconds`): at 5 s a 10 s lease's renewal, due after 5 s, could come at the next
+/// sweep after it expired (its expiry is kept to the second).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 async fn sweep(router: Weak<LeaseRouter>) {
-    let mut interval = tokio::time::interval(Duration::from_secs(5));
+    let mut interval = tokio::time::interval(SWEEP_INTERVAL);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;

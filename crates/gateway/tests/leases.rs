@@ -133,6 +133,10 @@ async fn discovery_holding_reports(squids: &[(&str, &Squid)], hold: HoldReports)
 
 async fn gateway(discovery: SocketAddr, ban_statuses: Vec<u16>, retries: u32) -> (SocketAddr, Arc<LeaseRouter>) {
     let config = LeaseRouterConfig { ban_statuses, ..LeaseRouterConfig::new(format!("http://{discovery}")) };
+    gateway_with(config, retries).await
+}
+
+async fn gateway_with(config: LeaseRouterConfig, retries: u32) -> (SocketAddr, Arc<LeaseRouter>) {
     let router = LeaseRouter::start(config).expect("router");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
@@ -206,6 +210,49 @@ async fn sessions_stick_bans_move_them_and_requests_without_one_rotate() {
         assert_eq!(status, 200);
         assert_ne!(proxy, first, "a request without a session got the proxy cooling down for the site");
     }
+}
+
+/// An idle session gives its lease back after one renewal period (half the TTL, at the next sweep) and keeps its
+/// proxy: its next request leases the same one from the store's sticky choice. A session with a tunnel open keeps
+/// its lease however quiet the tunnel is.
+#[tokio::test]
+async fn an_idle_session_gives_its_lease_back_and_keeps_its_proxy() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let (a, b) = two_squids().await;
+    let (discovery, store) = discovery(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let config = LeaseRouterConfig {
+        // The shortest the gateway's flags allow: renewals are due after 5 s (the router swept every 5 s, so one
+        // could come after the lease had expired).
+        lease_ttl: std::time::Duration::from_secs(10),
+        ..LeaseRouterConfig::new(format!("http://{discovery}"))
+    };
+    let (gateway, router) = gateway_with(config, 0).await;
+    let url = origin.ip_url();
+    let (status, first) = get(gateway, &url, "session-idle").await;
+    assert_eq!((status, store.active_leases()), (200, 1));
+    let wait = std::time::Duration::from_secs(20);
+    egress_testenv::eventually("the idle session's lease to go back", wait, || async {
+        (store.active_leases() == 0).then_some(())
+    })
+    .await;
+    assert_eq!(router.sessions(), 1, "the session is still known: only its lease went");
+    let (status, again) = get(gateway, &url, "session-idle").await;
+    assert_eq!((status, again), (200, first), "the store kept the session's choice");
+
+    // A quiet tunnel: its session's lease is renewed, not given back.
+    let (head, tunnel) = exchange(gateway, &format!("CONNECT {}", origin.address()), "session-tunnel", "").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    egress_testenv::eventually("the other session's lease to go back", wait, || async {
+        (store.active_leases() == 1).then_some(())
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+    assert_eq!(store.active_leases(), 1, "the tunnel's session holds its lease past renewals");
+    drop(tunnel);
+    egress_testenv::eventually("the tunnel's lease to go back once it closed", wait, || async {
+        (store.active_leases() == 0).then_some(())
+    })
+    .await;
 }
 
 /// A blocked GET is tried again on another proxy and the crawler gets that answer; a POST is never sent twice; with
@@ -656,7 +703,7 @@ async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable()
     let (down, refused) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
     let layer = axum::middleware::from_fn_with_state((down.clone(), refused.clone()), store_down);
     let discovery = serve_discovery(router(state).layer(layer)).await;
-    // Leases of 2 s are renewed after 1 s, at the router's next sweep (every 5 s).
+    // Leases of 2 s are renewed after 1 s, at the router's next sweep (every second).
     let config = LeaseRouterConfig {
         lease_ttl: std::time::Duration::from_secs(2),
         ..LeaseRouterConfig::new(format!("http://{discovery}"))
@@ -673,12 +720,17 @@ async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable()
     assert_eq!(status, 200);
 
     down.store(true, Ordering::SeqCst);
-    egress_testenv::eventually(
+    // The session keeps sending (an idle one would give its lease back rather than renew it).
+    egress_testenv::eventually_every(
         "the router to try renewing the session's lease",
         std::time::Duration::from_secs(15),
+        std::time::Duration::from_millis(500),
         || {
-            let refused = refused.clone();
-            async move { (refused.load(Ordering::SeqCst) > 0).then_some(()) }
+            let (refused, url, held) = (refused.clone(), url.clone(), held.clone());
+            async move {
+                assert_eq!(get(gateway, &url, "session-kept").await, (200, held), "the held session while down");
+                if refused.load(Ordering::SeqCst) > 0 { Ok(()) } else { Err("no renewal yet".to_owned()) }
+            }
         },
     )
     .await;
@@ -692,7 +744,10 @@ async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable()
 
     down.store(false, Ordering::SeqCst);
     let failed = refused.load(Ordering::SeqCst);
-    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    for _ in 0..6 {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert_eq!(get(gateway, &url, "session-kept").await.0, 200, "the session in use after the state returned");
+    }
     assert_eq!(refused.load(Ordering::SeqCst), failed, "renewals are refused no more");
     assert_eq!(get(gateway, &url, "session-kept").await, (200, held), "the session after the state returned");
 }
