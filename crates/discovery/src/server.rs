@@ -198,6 +198,13 @@ impl Drop for InFlight {
     }
 }
 
+/// Connections beyond `max_connections` kept for addresses that have fewer than [`RESERVE_PER_SOURCE`] connections
+/// without a valid token open (on metrics and health, fewer than that open at all): what the kubelet's probes need,
+/// whatever other addresses hold.
+pub const RESERVED_CONNECTIONS: usize = 64;
+/// See [`RESERVED_CONNECTIONS`].
+pub const RESERVE_PER_SOURCE: usize = 2;
+
 /// How many accepted-but-not-yet-served connections the kernel queues. The standard library's (and mio's) 128
 /// overflows under a burst of connections; the kernel then answers with SYN cookies and drops the handshake's last
 /// ACK, so a client that connected but has not sent anything yet holds a connection the server never sees.
@@ -248,6 +255,7 @@ pub async fn serve_with(
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let reserve = Arc::new(Semaphore::new(RESERVED_CONNECTIONS));
     // Connections per source address that have not sent an authenticated request yet.
     let unauthenticated = SourceCounts::new();
     let graceful = GracefulShutdown::new();
@@ -265,7 +273,13 @@ pub async fn serve_with(
             },
             () = &mut shutdown => break,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        // At the cap, an address with (almost) nothing open here still gets in, from a small reserve: a flood from
+        // other addresses cannot keep out the kubelet's probe of the health port, or any client that asks for little.
+        let slot = slots.clone().try_acquire_owned().ok().or_else(|| {
+            let few = unauthenticated.counted(source).0 < RESERVE_PER_SOURCE;
+            few.then(|| reserve.clone().try_acquire_owned().ok()).flatten()
+        });
+        let Some(slot) = slot else {
             metrics.refused.get_or_create(&ServerLabels { server: name }).inc();
             drop(stream);
             continue;

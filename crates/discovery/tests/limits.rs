@@ -255,6 +255,36 @@ async fn connections_over_the_cap_are_refused_at_once_and_counted() {
     assert_eq!(status, 200, "served again once the held connections closed");
 }
 
+/// A flood from several addresses fills the connection cap (1,100 connections from 20 addresses failed the
+/// operator's `/livez` 24 times in 45 and restarted it); an address with (almost) nothing open still gets in, from
+/// a reserve past the cap: the kubelet's probe of the health port is answered whatever the others hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_with_nothing_open_gets_past_a_cap_others_filled() {
+    let limits = ServerLimits { max_connections: 10, header_timeout: Duration::from_secs(30), ..LIMITS };
+    let (address, metrics) = start(limits).await;
+    let mut flood = Vec::new();
+    for source in ["127.0.0.2", "127.0.0.3", "127.0.0.4"] {
+        for _ in 0..6 {
+            flood.push(connect_from(source, address).await);
+        }
+    }
+    // The first six from .2 and four from .3 fill the cap; .4's first two come from the reserve (it held nothing),
+    // and the rest of .3's and .4's are refused.
+    eventually("the flood to fill the cap", Duration::from_secs(5), || {
+        let open = metrics.open("discovery");
+        async move { (open == 12).then_some(()) }
+    })
+    .await;
+    assert_eq!(metrics.refused("discovery"), 6, "an address holding two or more gets nothing past the cap");
+    // The probe: a client that holds nothing here.
+    let mut probe = connect_from("127.0.0.9", address).await;
+    probe.write_all(b"GET /livez HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n").await.expect("write");
+    let answer = read_to_close(&mut probe, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 "), "the probe is answered: {answer:?}");
+    assert_eq!(metrics.refused("discovery"), 6);
+    drop(flood);
+}
+
 async fn get(address: SocketAddr) -> (u16, String) {
     let mut stream = TcpStream::connect(address).await.expect("connect");
     stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n").await.expect("write");
