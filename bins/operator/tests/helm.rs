@@ -270,11 +270,13 @@ fn the_other_values_render_what_they_say() {
     assert_eq!(tokens.expect("a tokens volume")["secret"]["secretName"], "my-tokens");
     let policy = named("NetworkPolicy", "egress-operator");
     let ingress = policy["spec"]["ingress"].as_array().expect("ingress");
-    assert_eq!(ingress.len(), 2, "discovery only (from the peers, and from the gateway): no metrics peers given");
+    assert_eq!(ingress.len(), 3, "discovery from the peers and from the gateway, metrics; never health");
     assert_eq!(ingress[0]["ports"][0]["port"], "discovery");
     assert_eq!(ingress[0]["from"][0]["namespaceSelector"]["matchLabels"]["crawlers"], "yes");
     assert_eq!(ingress[1]["ports"][0]["port"], "discovery");
     assert_eq!(ingress[1]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"], "egress-gateway");
+    assert_eq!(ingress[2]["ports"][0]["port"], "metrics");
+    assert!(!policy.to_string().contains("health"), "no Pod reaches the health port: {policy}");
 
     // The gateway: its own replicas and flags, the operator's image, tokens and telemetry.
     let gateway = named("Deployment", "egress-gateway");
@@ -299,8 +301,10 @@ fn the_other_values_render_what_they_say() {
     assert_eq!(tokens.expect("a tokens volume")["secret"]["secretName"], "my-tokens");
     let policy = named("NetworkPolicy", "egress-gateway");
     let ingress = policy["spec"]["ingress"].as_array().expect("ingress");
-    assert_eq!(ingress.len(), 1, "the gateway port only: no metrics peers given");
+    assert_eq!(ingress.len(), 2, "the gateway port and metrics; never health");
     assert_eq!(ingress[0]["ports"][0]["port"], "gateway");
+    assert_eq!(ingress[0]["from"][0]["namespaceSelector"]["matchLabels"]["crawlers"], "yes");
+    assert_eq!(ingress[1]["ports"][0]["port"], "metrics");
 
     let without = template(&["--set", "gateway.enabled=false,networkPolicy.enabled=true"]);
     assert!(
