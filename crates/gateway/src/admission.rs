@@ -13,9 +13,14 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use base64::Engine;
 use egress_fleet::sources::{Refused, SourceCounts, SourceSlot};
+use http::{HeaderMap, header};
 
 use crate::GatewayLimits;
+use crate::options::Options;
+use crate::route::Authenticator;
+use crate::status::GatewayError;
 
 /// Wrong tokens one address may send at once.
 pub const FAILED_AUTH_BURST: f64 = 20.0;
@@ -70,6 +75,34 @@ impl Admission {
     }
 }
 
+/// The tenant, token and options of a request, from its `Proxy-Authorization: Basic` (user name: options;
+/// password: a tenant token).
+pub(crate) fn credentials(
+    headers: &HeaderMap,
+    auth: &dyn Authenticator,
+) -> Result<(String, String, Options), GatewayError> {
+    let value = headers.get(header::PROXY_AUTHORIZATION).ok_or_else(|| {
+        GatewayError::credentials("send Proxy-Authorization: Basic, with a tenant token as the password")
+    })?;
+    let value = value.to_str().map_err(|_| GatewayError::credentials("Proxy-Authorization is not text"))?;
+    let encoded = value
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("basic"))
+        .map(|(_, encoded)| encoded.trim())
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization must use the Basic scheme"))?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .ok()
+        .and_then(|bytes| String::from_utf8(bytes).ok())
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization: Basic is not base64 of UTF-8 user:password"))?;
+    let (user, token) = decoded
+        .split_once(':')
+        .ok_or_else(|| GatewayError::credentials("Proxy-Authorization: Basic has no password"))?;
+    let tenant = auth.tenant(token).map_err(|refused| GatewayError::credentials(refused.explain()))?;
+    let options = Options::parse(user).map_err(|error| GatewayError::bad_request(error.to_string()))?;
+    Ok((tenant, token.to_owned(), options))
+}
+
 /// What is left of a budget that had `left` at `at`, by `now`.
 fn refilled(left: f64, at: Instant, now: Instant) -> f64 {
     (left + now.saturating_duration_since(at).as_secs_f64() * FAILED_AUTH_PER_SECOND).min(FAILED_AUTH_BURST)
@@ -77,7 +110,37 @@ fn refilled(left: f64, at: Instant, now: Instant) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use base64::Engine;
+    use http::{HeaderValue, StatusCode, header};
+
     use super::*;
+    use crate::route::StaticTokens;
+
+    fn basic(user: &str, password: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_str(&format!("Basic {token}")).expect("a value"));
+        headers
+    }
+
+    #[test]
+    fn credentials_give_the_tenant_and_options_or_say_what_is_wrong() {
+        let tokens = StaticTokens::new().with("s3cret", "crawlers");
+        let (tenant, _, options) = credentials(&basic("session-a", "s3cret"), &tokens).expect("valid");
+        assert_eq!((tenant.as_str(), options.session.as_deref()), ("crawlers", Some("a")));
+        let refused = |headers: HeaderMap| credentials(&headers, &tokens).expect_err("refused");
+        assert_eq!(refused(HeaderMap::new()).status, StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+        assert_eq!(refused(basic("", "wrong")).status, StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+        let mut bearer = HeaderMap::new();
+        bearer.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Bearer s3cret"));
+        assert!(refused(bearer).details.contains("Basic scheme"));
+        let mut garbage = HeaderMap::new();
+        garbage.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic !!!"));
+        assert!(refused(garbage).details.contains("base64"));
+        let bad_option = refused(basic("country-de", "s3cret"));
+        assert_eq!(bad_option.status, StatusCode::BAD_REQUEST);
+        assert!(bad_option.details.contains("unknown option"), "{}", bad_option.details);
+    }
 
     #[test]
     fn an_address_spends_its_burst_of_wrong_tokens_then_one_a_second() {
