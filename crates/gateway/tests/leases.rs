@@ -246,7 +246,13 @@ async fn an_idle_session_gives_its_lease_back_and_keeps_its_proxy() {
         (store.active_leases() == 1).then_some(())
     })
     .await;
-    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+    // Renewed, not given back: its expiry moves on twice while the tunnel stays quiet.
+    let until = || store.live_leases(10, std::time::SystemTime::now()).1.first().map(|record| record.until);
+    let first_until = until().expect("the tunnel's lease");
+    egress_testenv::eventually("the tunnel's lease to be renewed twice", wait, || async {
+        until().filter(|later| *later >= first_until + std::time::Duration::from_secs(10)).map(drop)
+    })
+    .await;
     assert_eq!(store.active_leases(), 1, "the tunnel's session holds its lease past renewals");
     drop(tunnel);
     egress_testenv::eventually("the tunnel's lease to go back once it closed", wait, || async {
@@ -699,7 +705,7 @@ async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable()
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let origin = LocalOrigin::start().await.expect("origin");
     let (a, b) = two_squids().await;
-    let (state, _store) = discovery_state(&[("squid-a", &a), ("squid-b", &b)]).await;
+    let (state, store) = discovery_state(&[("squid-a", &a), ("squid-b", &b)]).await;
     let (down, refused) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
     let layer = axum::middleware::from_fn_with_state((down.clone(), refused.clone()), store_down);
     let discovery = serve_discovery(router(state).layer(layer)).await;
@@ -744,10 +750,20 @@ async fn a_session_keeps_its_proxy_while_its_renewal_answers_state_unavailable()
 
     down.store(false, Ordering::SeqCst);
     let failed = refused.load(Ordering::SeqCst);
-    for _ in 0..6 {
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-        assert_eq!(get(gateway, &url, "session-kept").await.0, 200, "the session in use after the state returned");
-    }
+    let returned = std::time::SystemTime::now();
+    // The session stays in use until the store holds its lease renewed (or taken again) after the state returned.
+    egress_testenv::eventually_every(
+        "the session's lease to be renewed after the state returned",
+        std::time::Duration::from_secs(15),
+        std::time::Duration::from_millis(500),
+        || async {
+            assert_eq!(get(gateway, &url, "session-kept").await.0, 200, "the session in use after the state returned");
+            let (_, live) = store.live_leases(10, std::time::SystemTime::now());
+            let renewed = live.iter().any(|record| record.until >= returned + std::time::Duration::from_secs(2));
+            if renewed { Ok(()) } else { Err(format!("live leases: {live:?}")) }
+        },
+    )
+    .await;
     assert_eq!(refused.load(Ordering::SeqCst), failed, "renewals are refused no more");
     assert_eq!(get(gateway, &url, "session-kept").await, (200, held), "the session after the state returned");
 }
