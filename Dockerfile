@@ -23,7 +23,7 @@ RUN cargo fetch --locked
 ARG EGRESS_GIT_COMMIT=unknown
 ENV EGRESS_GIT_COMMIT=${EGRESS_GIT_COMMIT}
 RUN cargo build --release --locked -p egress-operator \
- && cp target/release/egress-operator /egress-operator
+ && strip --strip-all -o /egress-operator target/release/egress-operator
 
 # The base layer: the packages and their dependencies unpacked (no maintainer script runs), then what nothing reads
 # removed, then the CA bundle as the concatenation of every Mozilla root in file-name order.
@@ -33,6 +33,11 @@ RUN mmdebstrap --mode=root --quiet --variant=extract --include=libvirt0,ca-certi
  && rm -rf /rootfs/etc/apt /rootfs/var/lib/apt /rootfs/var/cache/apt /rootfs/var/lib/dpkg /rootfs/var/log \
       /rootfs/usr/share/doc /rootfs/usr/share/man /rootfs/usr/share/info /rootfs/usr/share/locale \
       /rootfs/usr/share/lintian \
+      /rootfs/usr/share/perl5 /rootfs/usr/share/debconf /rootfs/usr/lib/ssl/misc /rootfs/usr/bin/c_rehash \
+      /rootfs/usr/bin/debconf /rootfs/usr/bin/debconf-apt-progress /rootfs/usr/bin/debconf-communicate \
+      /rootfs/usr/bin/debconf-copydb /rootfs/usr/bin/debconf-escape /rootfs/usr/bin/debconf-set-selections \
+      /rootfs/usr/bin/debconf-show /rootfs/usr/sbin/dpkg-preconfigure /rootfs/usr/sbin/dpkg-reconfigure \
+      /rootfs/usr/sbin/update-ca-certificates \
  && for cert in $(cd /rootfs/usr/share/ca-certificates/mozilla && LC_ALL=C ls *.crt); do \
       pem=/rootfs/usr/share/ca-certificates/mozilla/$cert; cat "$pem"; [ -z "$(tail -c 1 "$pem")" ] || echo; \
     done > /rootfs/etc/ssl/certs/ca-certificates.crt
@@ -43,5 +48,5 @@ COPY --from=build /egress-operator /usr/local/bin/egress-operator
 USER 65532:65532
 WORKDIR /
 ENV PATH=/usr/local/bin:/usr/bin:/bin
-EXPOSE 8090 8080 8081
+EXPOSE 8090 8080 8081 8088
 ENTRYPOINT ["/usr/local/bin/egress-operator"]

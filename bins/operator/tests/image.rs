@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use egress_api::{Proxy, ProxyPhase};
 use egress_client::{DiscoveryClient, LeaseOptions};
-use egress_testenv::image::{BINARY, Container, ContainerOptions, operator_layout};
+use egress_testenv::image::{BINARY, Container, ContainerOptions, PORTS, operator_layout};
 use egress_testenv::{LocalOrigin, Squid, SquidOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, PostParams};
@@ -69,6 +69,12 @@ async fn the_image_runs_under_crun_as_non_root_on_a_read_only_root_and_leads_and
     assert_eq!(process["args"][0], BINARY);
     assert_eq!(process["user"]["uid"], 65532);
     assert_eq!(process["user"]["gid"], 65532);
+    let exposed = container.exposed_ports().expect("the image's exposed ports");
+    let mut ports = PORTS.map(|port| format!("{port}/tcp")).to_vec();
+    ports.sort();
+    assert_eq!(exposed, ports, "discovery, metrics, health and the gateway's port");
+    assert!(exposed.contains(&"8088/tcp".to_owned()), "the gateway's port: {exposed:?}");
+    image_holds_only_what_runs(&container.rootfs());
 
     // It leads: the Lease names it.
     let leases: Api<Lease> = ns.api();
@@ -122,4 +128,44 @@ async fn the_image_runs_under_crun_as_non_root_on_a_read_only_root_and_leads_and
     container.stop();
     println!("image: stopped in {:.1?}", stopping.elapsed());
     assert!(!container.alive());
+}
+
+/// The image ships no script whose interpreter it lacks (it has no shell and no Perl), and a binary without its
+/// symbol table (stripped: about a quarter smaller).
+fn image_holds_only_what_runs(rootfs: &std::path::Path) {
+    let mut scripts = Vec::new();
+    let mut stack = vec![rootfs.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a directory of the image").flatten() {
+            let kind = entry.file_type().expect("a file type");
+            if kind.is_dir() {
+                stack.push(entry.path());
+            } else if kind.is_file() {
+                let mut head = [0u8; 128];
+                let read = std::io::Read::read(&mut std::fs::File::open(entry.path()).expect("a file"), &mut head)
+                    .expect("its first bytes");
+                let Some(line) = head[..read].strip_prefix(b"#!") else { continue };
+                let line = String::from_utf8_lossy(line.split(|byte| *byte == b'\n').next().unwrap_or_default());
+                let interpreter = line.split_whitespace().next().unwrap_or_default().to_owned();
+                let inside = rootfs.join(interpreter.trim_start_matches('/'));
+                if interpreter.is_empty() || std::fs::symlink_metadata(&inside).is_err() {
+                    scripts.push(format!("{} (#!{line})", entry.path().strip_prefix(rootfs).unwrap().display()));
+                }
+            }
+        }
+    }
+    assert!(scripts.is_empty(), "scripts whose interpreter the image lacks: {scripts:#?}");
+    let binary = rootfs.join(BINARY.trim_start_matches('/'));
+    let sections = std::process::Command::new("readelf").args(["-S", "-W"]).arg(&binary).output().expect("readelf");
+    assert!(sections.status.success(), "readelf: {}", String::from_utf8_lossy(&sections.stderr));
+    let sections = String::from_utf8_lossy(&sections.stdout);
+    assert!(sections.contains(".dynsym"), "readelf listed no sections:\n{sections}");
+    for kept in [".symtab", ".debug_info", ".debug_line"] {
+        assert!(!sections.contains(kept), "the binary keeps {kept}: not stripped");
+    }
+    println!(
+        "image: {} is {:.1} MB, stripped; no script without its interpreter",
+        BINARY,
+        std::fs::metadata(&binary).expect("the binary").len() as f64 / 1e6
+    );
 }

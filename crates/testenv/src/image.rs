@@ -45,6 +45,22 @@ pub const REMOVED: &[&str] = &[
     "usr/share/info",
     "usr/share/locale",
     "usr/share/lintian",
+    // Scripts for interpreters the image lacks (it has no Perl and no shell): debconf's and OpenSSL's Perl tools,
+    // which come with ca-certificates' dependencies, and update-ca-certificates, whose output is written below.
+    "usr/share/perl5",
+    "usr/share/debconf",
+    "usr/lib/ssl/misc",
+    "usr/bin/c_rehash",
+    "usr/bin/debconf",
+    "usr/bin/debconf-apt-progress",
+    "usr/bin/debconf-communicate",
+    "usr/bin/debconf-copydb",
+    "usr/bin/debconf-escape",
+    "usr/bin/debconf-set-selections",
+    "usr/bin/debconf-show",
+    "usr/sbin/dpkg-preconfigure",
+    "usr/sbin/dpkg-reconfigure",
+    "usr/sbin/update-ca-certificates",
 ];
 
 /// The CA bundle, as `update-ca-certificates` writes it from `/usr/share/ca-certificates/mozilla/*.crt`.
@@ -56,14 +72,14 @@ pub const BINARY: &str = "/usr/local/bin/egress-operator";
 /// The user the image runs as (the Deployment's `runAsUser`).
 pub const USER: &str = "65532:65532";
 
-/// The ports the image exposes: discovery, metrics, health.
-pub const PORTS: [u16; 3] = [8090, 8080, 8081];
+/// The ports the image exposes: discovery, metrics, health, and the gateway's (`egress-operator gateway`).
+pub const PORTS: [u16; 4] = [8090, 8080, 8081, 8088];
 
 /// The tag of the operator's image in its OCI layout.
 pub const TAG: &str = "latest";
 
 /// Bumped when the build steps change in a way the data above does not show.
-const LAYOUT: &str = "extract + ca bundle + removed, v1";
+const LAYOUT: &str = "extract + ca bundle + removed, v2";
 
 /// The base layer's key: the first 16 hex digits of a hash over everything that goes into it.
 pub fn base_key() -> String {
@@ -239,6 +255,24 @@ impl Container {
         let script = crun_script(&["run", "--bundle", &bundle.display().to_string(), &id]);
         let process = Wrapped::spawn(&script, &log)?;
         Ok(Self { id, dir, process: Some(process), log })
+    }
+
+    /// The container's root filesystem, as the image unpacked it.
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.path().join("bundle/rootfs")
+    }
+
+    /// The ports the image's configuration exposes (`8090/tcp`, ...), sorted: umoci carries them into the bundle
+    /// as the `org.opencontainers.image.exposedPorts` annotation.
+    pub fn exposed_ports(&self) -> Result<Vec<String>> {
+        let text = fs::read_to_string(self.dir.path().join("bundle/config.json"))?;
+        let config: serde_json::Value = serde_json::from_str(&text)?;
+        let ports = config["annotations"]["org.opencontainers.image.exposedPorts"]
+            .as_str()
+            .context("the bundle has no exposedPorts annotation")?;
+        let mut ports: Vec<String> = ports.split(',').filter(|port| !port.is_empty()).map(str::to_owned).collect();
+        ports.sort();
+        Ok(ports)
     }
 
     /// The image's configured process as unpacked (user, args, env): `config.json`'s `process`.

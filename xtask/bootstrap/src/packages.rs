@@ -30,6 +30,7 @@ pub const REQUIRED: &[(&str, &str)] = &[
     ("ovmf", "the UEFI firmware the guests boot with"),
     ("mmdebstrap", "building the guest image and the operator's image from Debian packages"),
     ("umoci", "assembling the operator's OCI image without a registry or a Docker daemon"),
+    ("binutils", "strip, which takes the symbol table out of the binary the operator's image ships"),
     ("crun", "the OCI runtime that runs the operator's image in its test"),
     ("dosfstools", "mkfs.vfat for the guest image's EFI system partition"),
     ("mtools", "filling the guest image's EFI system partition without mounting it"),
