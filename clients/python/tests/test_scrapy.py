@@ -45,11 +45,15 @@ def tls_context() -> ssl.SSLContext:
 class Site:
     """The origin: an index linking every page, each page answered according to who fetched it."""
 
-    def __init__(self, banned: str, links: str = "/page/", tls: bool = False):
+    def __init__(
+        self, banned: str, links: str = "/page/", tls: bool = False, pages: int = PAGES, throttle_first: int = 0
+    ):
+        """`throttle_first`: each address's first page request gets 429 with that Retry-After (seconds)."""
         self.banned = banned
         self.log: list = []  # (time, client address, path, status)
         self.lock = threading.Lock()
         self.served: dict = {}
+        self.throttled: set = set()
         site = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -63,13 +67,16 @@ class Site:
                 with site.lock:
                     if client == site.banned:
                         status = 403
+                    elif throttle_first and self.path != "/" and client not in site.throttled:
+                        site.throttled.add(client)
+                        status, headers = 429, {**headers, "Retry-After": str(throttle_first)}
                     else:
                         site.served[client] = site.served.get(client, 0) + 1
                         if site.served[client] % 20 == 0:
                             status, headers = 429, {**headers, "Retry-After": str(RETRY_AFTER)}
                     site.log.append((time.monotonic(), client, self.path, status))
                 if self.path == "/":
-                    body = "".join(f'<a href="{links}{i}">{i}</a>' for i in range(PAGES))
+                    body = "".join(f'<a href="{links}{i}">{i}</a>' for i in range(pages))
                 else:
                     body = f"<p>{self.path}</p>" if status == 200 else "no"
                 answer(self, status, headers, body)
@@ -158,3 +165,28 @@ def test_a_crawl_waiting_for_proxies_closes_within_5_s_of_closespider_timeout_an
     while metric("egress_discovery_leases_active") != 0:
         assert time.monotonic() < deadline, "every lease the crawl held was released"
         time.sleep(0.2)
+
+
+def test_requests_queued_behind_a_wait_for_a_proxy_leave_the_download_delay_apart() -> None:
+    """Every proxy's first page request is throttled (429, Retry-After 4): the crawl runs out of proxies for the site
+    and waits for one while Scrapy lets a request into the download handler every DOWNLOAD_DELAY. When the wait
+    ends, those requests must keep DOWNLOAD_DELAY between them at the site, not all leave at once."""
+    delay, pages = 0.4, 16
+    site = Site(banned="none", pages=pages, throttle_first=4)
+    settings = {"DOWNLOAD_DELAY": delay, "DOWNLOAD_DELAY_JITTER": 0, "EGRESS_MAX_RETRIES": 20}
+    result = crawl(site.url, settings, sessions=2, timeout=180)
+    site.server.shutdown()
+    stats = result["stats"]
+    fetched = {page["url"] for page in result["pages"] if page["status"] == 200}
+    times = sorted(t for t, _, path, _ in site.log)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    waits = sum(value for key, value in stats.items() if key.startswith("egress/waits/"))
+    close = [gap for gap in gaps if gap < delay * 0.8]
+    print(
+        f"scrapy pacing: {len(fetched)} pages, {len(site.log)} requests, {waits} waits for a proxy, "
+        f"{stats.get('egress/paced', 0)} requests paced, smallest gap {min(gaps):.3f} s (delay {delay} s), "
+        f"{len(close)} gaps under {delay * 0.8:.2f} s"
+    )
+    assert len(fetched) == pages + 1, f"{len(fetched)} pages; stats {stats}"
+    assert waits >= 1, f"the crawl never waited for a proxy: {stats}"
+    assert not close, f"requests left closer than the download delay: {sorted(close)[:10]}"

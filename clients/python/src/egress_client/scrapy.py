@@ -15,7 +15,8 @@ Two parts work together. `EgressDownloadHandler` wraps Scrapy's HTTP(S) download
 `EGRESS_DOWNLOAD_HANDLERS`) and binds each request to a lease when the download slot lets it go, not before: a
 request that waited out `DOWNLOAD_DELAY` in the slot's queue behind a ban leaves through the site's new lease, never
 through the refused proxy, and the slot stays Scrapy's own (the host), so `DOWNLOAD_DELAY` and
-`CONCURRENT_REQUESTS_PER_DOMAIN` apply per site as without proxies. `EgressProxyMiddleware` (downloader middleware,
+`CONCURRENT_REQUESTS_PER_DOMAIN` apply per site as without proxies; requests that queued behind a wait for a lease
+leave the slot's delay apart when it ends, not together. `EgressProxyMiddleware` (downloader middleware,
 700) reads the answers: served and failed requests are reported in batches (`EGRESS_REPORT_EVERY`, default 20); a
 ban or throttle code is reported, its lease dropped, and the request scheduled again on a new lease (`dont_filter`, at
 most `EGRESS_MAX_RETRIES` times, default 5). `ban(response)` reports a block page that came back 200 from a spider
@@ -71,6 +72,10 @@ HANDLER = "egress_client.scrapy.EgressDownloadHandler"
 _Key = Tuple[str, Optional[str]]
 #: How long a refusal waits for its report at most, before leases through its exit are taken again.
 _REPORT_GRACE = 10.0
+
+#: How long binding a request to its lease may take before the request counts as held up (`_pace`): a lease or
+#: a renew over the network takes milliseconds; a wait for a proxy or behind another request's lease, longer.
+_HELD = 0.05
 
 #: The middleware of each running crawler, for its download handler and `ban()` to find.
 _MIDDLEWARES: "weakref.WeakKeyDictionary[Any, EgressProxyMiddleware]" = weakref.WeakKeyDictionary()
@@ -129,6 +134,8 @@ class EgressProxyMiddleware:
         #: (site, exit) -> loop time until which a lease through that exit is given back at once: a refusal this crawl
         #: answered, until its report is in (a lease granted meanwhile may still be on the refused proxy).
         self.refused: Dict[Tuple[str, str], float] = {}
+        #: Download slot key -> loop time its latest request left (or will leave) the download handler: see `_pace`.
+        self.paced: Dict[str, float] = {}
         #: Reports started from `ban()` (a spider callback cannot wait for them): awaited when the spider closes.
         self.pending: Set["asyncio.Task[Any]"] = set()
 
@@ -275,7 +282,10 @@ class EgressProxyMiddleware:
         lease's ID and proxy in `meta`; a `meta["egress_skip"]` request is left as it is."""
         if request.meta.get("egress_skip"):
             return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         held = await self._lease_for(self._key(request), request.url)
+        await self._pace(request, loop.time() - started > _HELD)
         proxy, authorization = _split_credentials(held.lease.proxy_url)
         request.meta["proxy"] = proxy
         # HttpProxyMiddleware's record of which proxy the header belongs to: a retry of this request keeps both.
@@ -286,6 +296,41 @@ class EgressProxyMiddleware:
             request.headers.pop(b"Proxy-Authorization", None)
         request.meta[LEASE_META] = held.lease.id
         request.meta[PROXY_META] = held.lease.proxy
+
+    async def _pace(self, request: Request, held_up: bool) -> None:
+        """Keeps the download slot's delay between requests that a wait for a lease held up: Scrapy spaced them
+        when they left its queue, but those that queued behind one wait (for a proxy, or another request's lease)
+        would all leave together once it ends. A request is spaced from the slot's last one when it was held up, or
+        when one held up before it is still waiting for its turn."""
+        slot_key, slot = self._download_slot(request)
+        if slot is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        last = self.paced.get(slot_key)
+        at = now
+        if last is not None and (held_up or last > now):
+            at = max(now, last + slot.download_delay())
+        if len(self.paced) > 1000:
+            # Slots of hosts no longer crawled (Scrapy drops its idle slots too).
+            self.paced = {key: when for key, when in self.paced.items() if when > now - 60}
+        # Taken before sleeping: requests released together line up behind one another.
+        self.paced[slot_key] = at
+        if at > now:
+            self.stats.inc_value("egress/paced")
+            await self._wait_unless_closing(at - now)
+
+    def _download_slot(self, request: Request) -> Tuple[str, Any]:
+        """The downloader's slot `request` goes through (by its key), or `None` when it has none or no delay."""
+        downloader: Any = getattr(getattr(self.crawler, "engine", None), "downloader", None)
+        get_slot_key = getattr(downloader, "get_slot_key", None)
+        if downloader is None or get_slot_key is None:
+            return "", None
+        key = get_slot_key(request)
+        slot = downloader.slots.get(key)
+        if slot is None or not getattr(slot, "delay", 0):
+            return key, None
+        return key, slot
 
     async def _flush(self, held: _Held, release: bool = False, **extra: Any) -> Optional[datetime.datetime]:
         """Reports what `held` has not reported yet (and `extra`: an outcome); with `release`, also ends it."""
