@@ -245,6 +245,23 @@ async fn outside(
             ready["discoveryInside"].as_str().unwrap_or_default(),
             ready["token"].as_str().unwrap_or("")
         );
+        // No kubelet serves `kubectl logs` here: the node agent runs the pods and keeps their output in files.
+        let logs = ready["logs"].as_array().cloned().unwrap_or_default();
+        if logs.is_empty() {
+            bail!("the demo's ready file names no log file of the operator and gateway pods");
+        }
+        println!("logs:        `kubectl logs` needs a kubelet, which the quickstart has not; the pods' output is in");
+        for log in &logs {
+            let (pod, container, path) = (
+                log["pod"].as_str().unwrap_or(""),
+                log["container"].as_str().unwrap_or(""),
+                log["path"].as_str().unwrap_or(""),
+            );
+            if !Path::new(path).is_file() {
+                bail!("the log file of {pod} ({container}) the demo named is not there: {path}");
+            }
+            println!("             {path}  ({pod}, {container})");
+        }
         let endpoints =
             output(std::process::Command::new(&kubectl).arg(format!("--kubeconfig={}", kubeconfig.display())).args([
                 "get",
@@ -509,6 +526,12 @@ async fn demo(binary: PathBuf, exit: bool, dir: &Path) -> Result<()> {
         "readToken": read_token,
         "leader": leader,
         "discoveryInside": installation.discovery.url(),
+        "logs": installation
+            .log_files()
+            .await
+            .into_iter()
+            .map(|(pod, container, path)| json!({"pod": pod, "container": container, "path": path}))
+            .collect::<Vec<_>>(),
     });
     let ready_path = dir.join(READY_FILE);
     fs::write(dir.join("ready.tmp"), ready.to_string())?;

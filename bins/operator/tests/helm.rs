@@ -552,3 +552,136 @@ fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// The shell block of docs/install.md's section `heading`, as a user copies it.
+fn docs_commands(heading: &str) -> String {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/install.md"))
+        .expect("docs/install.md");
+    let section = &text[text.find(heading).unwrap_or_else(|| panic!("docs/install.md has no {heading:?}"))..];
+    let block = section.split("```sh\n").nth(1).expect("a ```sh block in the section");
+    block.split("```").next().expect("the block's end").to_owned()
+}
+
+/// docs/install.md's "Switching from `kubectl apply -k` to Helm", run as written over a `kubectl apply -k` install
+/// with a Ready Proxy: Helm then owns every object of the chart, the Proxy and the tokens are the same, and a lease
+/// through the Service works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_takes_over_a_kustomize_installation_as_the_docs_say() {
+    let no_crds = tempfile::tempdir().expect("a temp dir");
+    let plane =
+        ControlPlane::start_with(ControlPlaneOptions { crds: no_crds.path().to_path_buf(), ..Default::default() })
+            .await
+            .expect("a control plane");
+    let client = plane.client().await.expect("client");
+    let namespace = Namespace {
+        metadata: ObjectMeta { name: Some(PROXIES_NAMESPACE.into()), ..ObjectMeta::default() },
+        ..Namespace::default()
+    };
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &namespace).await.expect("namespace");
+    let origin = LocalOrigin::start().await.expect("origin");
+    let providers = format!(
+        "providers:\n  - name: pods\n    type: kubernetes\n    destinations: {}\n    kubernetes: {{ namespace: {PROXIES_NAMESPACE}, image: \"ubuntu/squid:latest\" }}\n",
+        origin.destinations_yaml()
+    );
+    let token = "takeover-lease-token-0123456789abcdef";
+    let options = InstallOptions {
+        operator_binary: env!("CARGO_BIN_EXE_egress-operator").into(),
+        providers_yaml: providers,
+        proxy_namespaces: vec![PROXIES_NAMESPACE.to_owned()],
+        default_probe_url: origin.ip_url(),
+        discovery_tokens: Some(format!("lease {token} tenant=crawlers maxLeases=100\n")),
+        shared_state: false,
+    };
+    let installation =
+        Installation::apply(&plane, &options).await.unwrap_or_else(|error| panic!("apply -k: {error:#}"));
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), PROXIES_NAMESPACE);
+    proxies.create(&PostParams::default(), &Proxy::new("p", common::managed("pods", None))).await.expect("a Proxy");
+    let ready = match common::wait_phase(&proxies, &["p"], ProxyPhase::Ready, Duration::from_secs(120)).await {
+        Ok(ready) => ready,
+        Err(error) => panic!("{error}\n{}", installation.operator_logs().await),
+    };
+    let uid = ready[0].metadata.uid.clone().expect("a UID");
+    let secrets = Api::<Secret>::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let tokens_before = secrets.get("egress-operator-discovery-tokens").await.expect("the tokens Secret").data;
+
+    // The docs' commands, in a directory of their own (they write providers.yaml) that sees the checkout's deploy/.
+    let work = tempfile::tempdir().expect("a temp dir");
+    std::os::unix::fs::symlink(chart().join("../.."), work.path().join("deploy")).expect("a symlink to deploy/");
+    let path = format!(
+        "{}:{}:{}",
+        assets::kubectl().parent().expect("kubectl's directory").display(),
+        assets::helm().parent().expect("helm's directory").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let deployments = Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let generation = |deployment: k8s_openapi::api::apps::v1::Deployment| deployment.metadata.generation;
+    let before = generation(deployments.get("egress-operator").await.expect("the Deployment"));
+    let started = Instant::now();
+    let commands = docs_commands("### Switching from `kubectl apply -k` to Helm");
+    let output = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &commands])
+        .current_dir(work.path())
+        .env("PATH", path)
+        .env("KUBECONFIG", plane.kubeconfig_path())
+        .output()
+        .expect("bash");
+    assert!(
+        output.status.success(),
+        "the docs' takeover commands failed:\n{commands}\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    installation.wait_available(Duration::from_secs(180)).await.expect("Available after the takeover");
+    let after = generation(deployments.get("egress-operator").await.expect("the Deployment"));
+    println!(
+        "helm takeover: the docs' commands in {:.1?}, the operator's Deployment at generation {after:?} (was {before:?})",
+        started.elapsed()
+    );
+
+    let kubeconfig = format!("--kubeconfig={}", plane.kubeconfig_path().display());
+    let manifest = succeeded(
+        helm(&[&kubeconfig, "get", "manifest", RELEASE, "--namespace", SYSTEM_NAMESPACE]),
+        "helm get manifest",
+    );
+    let installed = kubectl(&plane, &["get", "-o", "json", "-f", "-"], Some(&manifest));
+    let installed: Value = serde_json::from_str(&installed).expect("JSON");
+    let objects = installed["items"].as_array().cloned().unwrap_or_else(|| vec![installed.clone()]);
+    // Every object deploy/default applied but its Namespace (which stays the user's).
+    let mut expected: Vec<_> = kustomize("default")
+        .iter()
+        .filter(|object| object["kind"] != "Namespace")
+        .map(|object| {
+            format!("{}/{}", object["kind"].as_str().unwrap_or("?"), object["metadata"]["name"].as_str().unwrap_or("?"))
+        })
+        .collect();
+    let mut released: Vec<_> = objects
+        .iter()
+        .map(|object| {
+            format!("{}/{}", object["kind"].as_str().unwrap_or("?"), object["metadata"]["name"].as_str().unwrap_or("?"))
+        })
+        .collect();
+    expected.sort();
+    released.sort();
+    assert_eq!(released, expected, "the release holds what kubectl apply -k applied");
+    for object in &objects {
+        let name = format!(
+            "{}/{}",
+            object["kind"].as_str().unwrap_or("?"),
+            object["metadata"]["name"].as_str().unwrap_or("?")
+        );
+        assert_eq!(
+            object["metadata"]["annotations"]["meta.helm.sh/release-name"], RELEASE,
+            "{name} is not the release's"
+        );
+        assert_eq!(object["metadata"]["labels"]["app.kubernetes.io/managed-by"], "Helm", "{name}");
+    }
+    let proxy = proxies.get("p").await.expect("the Proxy is still there");
+    assert_eq!(proxy.metadata.uid.as_deref(), Some(uid.as_str()), "the Proxy was not recreated");
+    let tokens_after = secrets.get("egress-operator-discovery-tokens").await.expect("the tokens Secret").data;
+    assert_eq!(tokens_after, tokens_before, "the tokens did not change");
+    let url = lease_through_the_service(&installation, token).await;
+    println!(
+        "helm takeover: Helm owns {} objects, the Proxy kept its UID, leased {url} through the Service",
+        objects.len()
+    );
+}

@@ -289,6 +289,21 @@ impl Installation {
         Ok(())
     }
 
+    /// The files the operator and gateway pods' output goes to: (pod, container, path), as `kubectl logs` would
+    /// show them on a cluster with a kubelet.
+    pub async fn log_files(&self) -> Vec<(String, String, PathBuf)> {
+        let mut files = Vec::new();
+        for (selector, container) in [(OPERATOR_SELECTOR, "operator"), (GATEWAY_SELECTOR, "gateway")] {
+            for pod in self.pods(selector).await.unwrap_or_default() {
+                let name = pod.name_any();
+                if let Some(path) = self.agent.container_log_path(SYSTEM_NAMESPACE, &name, container) {
+                    files.push((name, container.to_owned(), path));
+                }
+            }
+        }
+        files
+    }
+
     /// Every operator pod's output, for messages and for checks such as "no request was forbidden".
     pub async fn operator_logs(&self) -> String {
         self.logs(OPERATOR_SELECTOR, "operator").await

@@ -287,6 +287,11 @@ impl NodeAgent {
         output.lines().filter(access).map(|line| format!("{line}\n")).collect()
     }
 
+    /// The file a container's output goes to (every run of it, appended), while its pod runs here.
+    pub fn container_log_path(&self, namespace: &str, pod: &str, container: &str) -> Option<PathBuf> {
+        self.container_view(namespace, pod, Some(container)).map(|view| view.log)
+    }
+
     /// The end of a container's output (every run of it, appended).
     pub fn container_log(&self, namespace: &str, pod: &str, container: &str) -> String {
         self.container_view(namespace, pod, Some(container))
