@@ -202,6 +202,27 @@ async fn two_replicas_elect_one_leader_and_hand_over() {
     env.wait_phase(&["l-1"], ProxyPhase::Ready).await;
     let (leader, follower) = if leader_is_first { (&mut first, &mut second) } else { (&mut second, &mut first) };
 
+    // A replica that never led serves every series the dashboard and the alerts read (at 0), but for the families
+    // docs/observability.md says appear only after their first event.
+    let (_, exposition) = http_get(&format!("{}/metrics", follower.metrics_url)).await.expect("the follower's metrics");
+    let served = common::families_with_samples(&exposition);
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/observability.md"))
+        .expect("docs/observability.md");
+    let later = docs.split("**After their first event only**").nth(1).expect("the docs' list").split("\n\n").next();
+    let later = later.expect("a paragraph");
+    let read = common::dashboard_and_alert_families();
+    let missing: Vec<&String> = read
+        .iter()
+        .filter(|family| !family.starts_with("egress_gateway_") && !served.contains(*family))
+        .filter(|family| !later.contains(&format!("`{family}`")))
+        .collect();
+    println!(
+        "a follower serves {} of the {} operator families the dashboard and alerts read",
+        read.iter().filter(|family| !family.starts_with("egress_gateway_") && served.contains(*family)).count(),
+        read.iter().filter(|family| !family.starts_with("egress_gateway_")).count()
+    );
+    assert!(missing.is_empty(), "a follower that never led has no series of {missing:?}");
+
     // The follower refuses leases with 503 and a reason.
     let refused = DiscoveryClient::new(&follower.discovery_url, Some(env.token.clone()))
         .expect("client")

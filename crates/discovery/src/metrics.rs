@@ -62,6 +62,12 @@ struct TenantReasonLabels {
     reason: String,
 }
 
+/// The reasons a lease is refused for want of a proxy or of the state, each with its series from the start.
+const DENIED_REASONS: [&str; 4] = ["none-healthy", "all-at-capacity", "all-cooling-down", "state-unavailable"];
+
+/// The outcomes crawlers report.
+const OUTCOMES: [&str; 4] = ["ok", "failed", "banned", "throttled"];
+
 /// The discovery server's metrics. Cloning shares them.
 #[derive(Clone)]
 pub struct DiscoveryMetrics {
@@ -175,7 +181,28 @@ impl DiscoveryMetrics {
             "Refusals sent on GET /v1/refusals streams (one per stream that heard it, snapshots included)",
             metrics.refusals_sent.clone(),
         );
+        // Series a dashboard or an alert reads, at 0 from the start on every replica (a follower included), so a
+        // panel shows 0 rather than no data before the first event.
+        for reason in DENIED_REASONS {
+            let _ = metrics.denied.get_or_create(&ReasonLabels { reason: reason.to_owned() });
+        }
+        for outcome in OUTCOMES {
+            let _ = metrics.outcomes.get_or_create(&OutcomeLabels { outcome });
+        }
+        for result in ["ok", "error"] {
+            let _ = metrics.cooldown_writes.get_or_create(&ResultLabels { result });
+        }
         metrics
+    }
+
+    /// Puts the per-tenant lease gauges and counters of `tenants` (the token file's) at 0, so every tenant has its
+    /// series before its first lease.
+    pub fn expect_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a str>) {
+        for tenant in tenants {
+            let labels = TenantLabels { tenant: tenant.to_owned() };
+            let _ = self.tenant_active.get_or_create(&labels);
+            let _ = self.tenant_granted.get_or_create(&labels);
+        }
     }
 
     /// A refusal stream opened; it counts as open until the guard drops.

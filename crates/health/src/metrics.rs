@@ -36,6 +36,20 @@ impl Default for HealthMetrics {
     }
 }
 
+/// A probe's results: `ok` or the failure's reason.
+const RESULTS: [&str; 10] = [
+    "ok",
+    "connect_refused",
+    "connect_timeout",
+    "connect_failed",
+    "proxy_auth_required",
+    "connect_status",
+    "tls",
+    "origin_status",
+    "timeout",
+    "protocol",
+];
+
 impl HealthMetrics {
     /// Creates the metrics and registers them under the `health` prefix of `registry`.
     pub fn register(registry: &mut Registry) -> Self {
@@ -44,6 +58,11 @@ impl HealthMetrics {
         registry.register("probes", "Health probes by result (ok or the failure reason)", metrics.probes.clone());
         registry.register("probe_duration_seconds", "Duration of successful health probes", metrics.latency.clone());
         registry.register("targets", "Probed endpoints by verdict", metrics.targets.clone());
+        // At 0 from the start on every replica (probes run on the leader only): dashboards and alerts see 0.
+        for result in RESULTS {
+            let _ = metrics.probes.get_or_create(&ResultLabels { result });
+        }
+        metrics.targets(0, 0, 0);
         metrics
     }
 
@@ -62,21 +81,6 @@ impl HealthMetrics {
 
     /// Probes recorded so far, whatever their result (for tests and benchmarks).
     pub fn probes_total(&self) -> u64 {
-        let mut total = 0;
-        for result in [
-            "ok",
-            "connect_refused",
-            "connect_timeout",
-            "connect_failed",
-            "proxy_auth_required",
-            "connect_status",
-            "tls",
-            "origin_status",
-            "timeout",
-            "protocol",
-        ] {
-            total += self.probes.get_or_create(&ResultLabels { result }).get();
-        }
-        total
+        RESULTS.into_iter().map(|result| self.probes.get_or_create(&ResultLabels { result }).get()).sum()
     }
 }

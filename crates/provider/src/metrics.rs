@@ -43,6 +43,9 @@ impl Default for ProviderMetrics {
     }
 }
 
+/// The provider operations [`WithMetrics`] records.
+const OPERATIONS: [&str; 4] = ["create", "get", "delete", "list_by_tag"];
+
 impl ProviderMetrics {
     /// Creates the metrics and registers them under the `provider` prefix of `registry`:
     /// `provider_calls_total{provider, operation, result}` and `provider_call_duration_seconds{provider, operation}`.
@@ -56,6 +59,19 @@ impl ProviderMetrics {
             metrics.duration.clone(),
         );
         metrics
+    }
+
+    /// Puts every (operation, result) series of each of `providers` (the configured names) at 0, and creates their
+    /// duration histograms, so dashboards and alerts see them on every replica before the first call.
+    pub fn expect_providers<'a>(&self, providers: impl IntoIterator<Item = &'a str>) {
+        for provider in providers {
+            for operation in OPERATIONS {
+                for result in ["ok", "not_found", "quota_exceeded", "transient", "permanent"] {
+                    let _ = self.calls.get_or_create(&CallLabels { provider: provider.to_owned(), operation, result });
+                }
+                let _ = self.duration.get_or_create(&DurationLabels { provider: provider.to_owned(), operation });
+            }
+        }
     }
 
     fn observe<T>(&self, provider: &str, operation: &'static str, started: Instant, result: &Result<T, ProviderError>) {

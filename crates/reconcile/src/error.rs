@@ -25,7 +25,19 @@ pub enum Error {
 }
 
 impl Error {
-    /// A stable short string for metrics and Events.
+    /// Every [`Error::kind`], for metrics that show each from the start.
+    pub const KINDS: [&'static str; 8] = [
+        "provider_not_found",
+        "provider_quota_exceeded",
+        "provider_transient",
+        "provider_permanent",
+        "kube",
+        "finalizer",
+        "invalid_object",
+        "provider_missing",
+    ];
+
+    /// A stable short string for metrics and Events (one of [`Error::KINDS`]).
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Provider(error) => match error.class() {

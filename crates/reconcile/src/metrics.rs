@@ -48,6 +48,9 @@ pub struct ReconcileMetrics {
     orphans: Family<OrphanLabels, Counter>,
 }
 
+/// A reconcile's results.
+const RESULTS: [&str; 3] = ["ok", "error", "cancelled"];
+
 /// Every phase, so each has its gauge from the start (at 0) for every provider, which dashboards expect.
 const PHASES: [ProxyPhase; 8] = [
     ProxyPhase::Pending,
@@ -87,15 +90,21 @@ impl ReconcileMetrics {
             "Orphaned instances deleted, by provider and reason",
             metrics.orphans.clone(),
         );
+        // At 0 from the start on every replica (the controller runs on the leader only): dashboards and alerts see
+        // 0, not no data.
+        for result in RESULTS {
+            let _ = metrics.reconciles.get_or_create(&ResultLabels { result });
+            let _ = metrics.duration.get_or_create(&ResultLabels { result });
+        }
+        for kind in crate::error::Error::KINDS {
+            let _ = metrics.errors.get_or_create(&KindLabels { kind });
+        }
         metrics
     }
 
     /// How many reconciles have finished, whatever their result.
     pub fn reconciles_total(&self) -> u64 {
-        ["ok", "error", "cancelled"]
-            .into_iter()
-            .map(|result| self.reconciles.get_or_create(&ResultLabels { result }).get())
-            .sum()
+        RESULTS.into_iter().map(|result| self.reconciles.get_or_create(&ResultLabels { result }).get()).sum()
     }
 
     /// Starts timing one reconcile; the guard records it when dropped (also when the reconcile is cancelled).

@@ -113,11 +113,13 @@ pub async fn run(settings: Settings) -> Result<()> {
     );
     let registry = Arc::new(registry);
 
-    let providers = match ProviderSet::build(&settings.providers, &provider_types(), Some(provider_metrics)).await {
-        Ok(providers) => Arc::new(providers),
-        Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
-    };
+    let providers =
+        match ProviderSet::build(&settings.providers, &provider_types(), Some(provider_metrics.clone())).await {
+            Ok(providers) => Arc::new(providers),
+            Err(unsupported) => bail!("{}", unsupported.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")),
+        };
     reconcile_metrics.expect_providers(providers.names().chain(["external"]));
+    provider_metrics.expect_providers(providers.names());
 
     // `stop`: discovery refuses and the leader's label goes; `servers_stop`: the servers stop, last of all.
     let (stop_sender, stop) = watch::channel(false);
@@ -136,7 +138,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         CredentialStore::start(client.clone(), settings.watch_namespace.as_deref(), &feed);
 
     let auth = match &settings.discovery_tokens {
-        Some(path) => Auth::Tokens(TokenFile::load(path)?),
+        Some(path) => {
+            let tokens = TokenFile::load(path)?;
+            discovery_metrics.expect_tenants(tokens.tenants().keys().map(String::as_str));
+            Auth::Tokens(tokens)
+        }
         None => {
             warn!(
                 "discovery authentication is off (--discovery-auth=none): anyone who reaches the port can lease proxies"

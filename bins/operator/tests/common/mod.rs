@@ -70,3 +70,33 @@ pub fn dashboard_queries() -> Vec<(String, String)> {
     }
     queries
 }
+
+/// The metric families the shipped dashboard and alert rules read (a histogram by its family name, a counter by its
+/// `_total` name).
+#[allow(dead_code)]
+pub fn dashboard_and_alert_families() -> std::collections::BTreeSet<String> {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/prometheus/prometheusrule.yaml");
+    let rules = std::fs::read_to_string(&rules).unwrap_or_else(|error| panic!("reading {}: {error}", rules.display()));
+    let mut text: String = dashboard_queries().into_iter().map(|(_, expr)| expr + "\n").collect();
+    text.push_str(&rules);
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("egress_"))
+        .map(family)
+        .collect()
+}
+
+/// The families of a Prometheus text exposition that have at least one sample.
+#[allow(dead_code)]
+pub fn families_with_samples(exposition: &str) -> std::collections::BTreeSet<String> {
+    exposition
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .filter_map(|line| line.split(['{', ' ']).next())
+        .map(family)
+        .collect()
+}
+
+/// A sample's or a query's metric name as its family: a histogram's `_bucket`, `_sum` and `_count` dropped.
+fn family(name: &str) -> String {
+    ["_bucket", "_sum", "_count"].iter().find_map(|suffix| name.strip_suffix(suffix)).unwrap_or(name).to_owned()
+}

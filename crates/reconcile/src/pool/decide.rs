@@ -142,6 +142,17 @@ pub enum ScaleReason {
 }
 
 impl ScaleReason {
+    /// Every reason.
+    pub const ALL: [ScaleReason; 7] = [
+        Self::Bounds,
+        Self::Wake,
+        Self::AtCapacity,
+        Self::NoneHealthy,
+        Self::LeasedShare,
+        Self::Idle,
+        Self::LowerLeasedShare,
+    ];
+
     /// The stable name, used as the Event reason suffix, the status reason and the metric label.
     pub fn as_str(self) -> &'static str {
         match self {

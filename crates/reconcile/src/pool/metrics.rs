@@ -65,6 +65,17 @@ impl PoolMetrics {
             metrics.decisions.clone(),
         );
         registry.register("reconciles", "Pool reconciles by result", metrics.reconciles.clone());
+        // At 0 from the start on every replica (the pool controller runs on the leader only).
+        for reason in crate::pool::decide::ScaleReason::ALL
+            .map(crate::pool::decide::ScaleReason::as_str)
+            .into_iter()
+            .chain(["Created", "Manual"])
+        {
+            let _ = metrics.decisions.get_or_create(&ReasonLabels { reason });
+        }
+        for result in ["ok", "error"] {
+            let _ = metrics.reconciles.get_or_create(&ResultLabels { result });
+        }
         metrics
     }
 
