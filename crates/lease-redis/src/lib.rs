@@ -17,9 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use egress_lease::{
-    Claims, Cooldown, CooldownPolicy, Lease, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState, Outcome,
-    Outcomes, ProxyId, ProxyInfo, ProxyLoad, Refused, Renewed, Report, Reported, SharedRefusal, normalize,
-    session_weight,
+    Claims, Cooldown, CooldownPolicy, EndedSessions, Lease, LeaseConfig, LeaseError, LeaseKey, LeaseRequest,
+    LeaseState, Outcome, Outcomes, ProxyId, ProxyInfo, ProxyLoad, Refused, Renewed, Report, Reported, SharedRefusal,
+    normalize, session_weight,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
@@ -220,6 +220,9 @@ fn parse_refusal(payload: &[u8]) -> Option<Refused> {
 /// Every operation, dispatched on its name (one script, one SHA to load).
 const SCRIPT: &str = include_str!("state.lua");
 
+mod reply;
+use reply::*;
+
 impl RedisLeaseState {
     /// Connects, failing when the server does not answer within the timeout (or refuses the password).
     pub async fn connect(options: &RedisOptions, config: LeaseConfig, key: LeaseKey) -> Result<Self, ConnectError> {
@@ -327,99 +330,6 @@ impl RedisLeaseState {
     fn sign(&self, serial: u64, proxy: ProxyId, target: String, expires_at: SystemTime, owner: &str) -> String {
         self.key.sign(&Claims { serial, expires_at, proxy, target }, owner)
     }
-}
-
-/// Whether a command failed before the server could have seen it: written to a connection already closed. The
-/// client keeps the I/O error's kind private; its text is the kind's own.
-fn never_sent(error: &redis::RedisError) -> bool {
-    let text = error.to_string();
-    error.is_connection_dropped()
-        && [std::io::ErrorKind::BrokenPipe, std::io::ErrorKind::NotConnected]
-            .iter()
-            .any(|kind| text.contains(&kind.to_string()))
-}
-
-/// What the scripts that take a lease ID are told of it: serial owner proxy target expiry, and the proxy's health and
-/// endpoint in this replica's view (to adopt it, or refuse it as revoked).
-fn id_args(claims: &Claims, owner: &str, healthy: bool, endpoint: &str) -> Vec<String> {
-    vec![
-        claims.serial.to_string(),
-        owner.to_owned(),
-        claims.proxy.to_string(),
-        claims.target.clone(),
-        ms(claims.expires_at),
-        if healthy { "1" } else { "0" }.to_owned(),
-        endpoint.to_owned(),
-    ]
-}
-
-fn ms(time: SystemTime) -> String {
-    time.duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis()).to_string()
-}
-
-fn policy_args(policy: CooldownPolicy) -> [String; 3] {
-    [policy.base.as_millis().to_string(), policy.factor.to_string(), policy.max.as_millis().to_string()]
-}
-
-/// A reply the scripts never give: the server runs another script under the same name, or a bug.
-fn malformed(what: &str) -> LeaseError {
-    LeaseError::StateUnavailable(format!("the state store answered {what} with something unexpected"))
-}
-
-/// The items of a script's array reply, as strings (integers formatted).
-fn strings(value: Value, what: &str) -> Result<Vec<String>, LeaseError> {
-    let Value::Array(items) = value else { return Err(malformed(what)) };
-    items
-        .into_iter()
-        .map(|item| match item {
-            Value::BulkString(bytes) => String::from_utf8(bytes).map_err(|_| malformed(what)),
-            Value::SimpleString(text) => Ok(text),
-            Value::Int(number) => Ok(number.to_string()),
-            Value::Nil => Ok(String::new()),
-            _ => Err(malformed(what)),
-        })
-        .collect()
-}
-
-fn integer(value: Value, what: &str) -> Result<u64, LeaseError> {
-    match value {
-        Value::Int(number) => u64::try_from(number).map_err(|_| malformed(what)),
-        _ => Err(malformed(what)),
-    }
-}
-
-/// A time in milliseconds from a reply; `None` for an empty field.
-fn time(field: &str, what: &str) -> Result<Option<SystemTime>, LeaseError> {
-    if field.is_empty() {
-        return Ok(None);
-    }
-    let millis: u64 = field.parse().map_err(|_| malformed(what))?;
-    Ok(Some(UNIX_EPOCH + Duration::from_millis(millis)))
-}
-
-fn number<T: std::str::FromStr>(field: &str, what: &str) -> Result<T, LeaseError> {
-    field.parse().map_err(|_| malformed(what))
-}
-
-fn proxy_id(field: &str, what: &str) -> Result<ProxyId, LeaseError> {
-    field.parse().map_err(|_| malformed(what))
-}
-
-/// Cooldowns from five-field groups (proxy target until streak reporters).
-fn cooldown_list(fields: Vec<String>, what: &str) -> Result<Vec<Cooldown>, LeaseError> {
-    fields
-        .chunks(5)
-        .map(|group| {
-            let [proxy, target, until, streak, reporters] = group else { return Err(malformed(what)) };
-            Ok(Cooldown {
-                proxy: proxy_id(proxy, what)?,
-                target: target.clone(),
-                until: time(until, what)?.ok_or_else(|| malformed(what))?,
-                streak: number(streak, what)?,
-                reporters: reporters.split('\n').filter(|who| !who.is_empty()).map(str::to_owned).collect(),
-            })
-        })
-        .collect()
 }
 
 #[async_trait::async_trait]
@@ -754,6 +664,19 @@ impl LeaseState for RedisLeaseState {
             .filter(|proxy| !proxy.is_empty())
             .map(|proxy| proxy_id(proxy, what))
             .collect()
+    }
+
+    async fn end_sessions(
+        &self,
+        owner: &str,
+        session: Option<&str>,
+        _now: SystemTime,
+    ) -> Result<EndedSessions, LeaseError> {
+        let what = "ending sessions";
+        let reply =
+            strings(self.run("end_sessions", vec![owner.to_owned(), session.unwrap_or("").to_owned()]).await?, what)?;
+        let [sessions, leases] = reply.as_slice() else { return Err(malformed(what)) };
+        Ok(EndedSessions { sessions: number(sessions, what)?, leases: number(leases, what)? })
     }
 
     async fn leases_on(&self, proxy: &ProxyId, endpoint: &str, _now: SystemTime) -> Result<usize, LeaseError> {

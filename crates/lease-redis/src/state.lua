@@ -601,6 +601,49 @@ local function held()
   return out
 end
 
+-- A glob pattern matching text literally (SCAN's MATCH).
+local function literal(text)
+  return (string.gsub(text, '[%*%?%[%]\\]', '\\%0'))
+end
+
+-- End sessions: owner session ('' for every one of owner's). Releases the sessions' live leases and forgets their
+-- proxies (the s: keys of idle sessions too, found by SCAN: every key shares one hash tag, so one node holds them);
+-- returns (sessions ended, leases released).
+local function end_sessions()
+  local owner, session = ARGV[3], ARGV[4]
+  expire(1000)
+  local prefix = owner .. '\n'
+  if session ~= '' then prefix = prefix .. session .. '\n' end
+  local slots, count, released = {}, 0, 0
+  local function note(slot)
+    if not slots[slot] then
+      slots[slot] = true
+      count = count + 1
+    end
+  end
+  for _, serial in ipairs(redis.call('ZRANGE', P .. 'o:' .. owner, 0, -1)) do
+    local slot = redis.call('HGET', P .. 'l:' .. serial, 'slot')
+    if slot and string.sub(slot, 1, #prefix) == prefix then
+      local l = free(serial)
+      if l then
+        ended(serial, l.proxy, l.target, l.exp, 1, l.granted, l.reported)
+        released = released + 1
+        note(slot)
+      end
+    end
+  end
+  local cursor = '0'
+  repeat
+    local page = redis.call('SCAN', cursor, 'MATCH', literal(P .. 's:' .. prefix) .. '*', 'COUNT', 1000)
+    cursor = page[1]
+    for _, key in ipairs(page[2]) do
+      redis.call('DEL', key)
+      note(string.sub(key, #P + 3))
+    end
+  until cursor == '0'
+  return { count, released }
+end
+
 -- On: proxy endpoint. How many live leases on proxy were last told endpoint.
 local function on()
   expire(1000)
@@ -623,6 +666,6 @@ end
 local operations = {
   lease = lease, renew = renew, release = release, report = report, revoke = revoke, cooldowns = cooldowns,
   proxy_cooldowns = proxy_cooldowns, restore = restore, clear = clear, loads = loads, held = held, on = on,
-  expire = sweep,
+  expire = sweep, end_sessions = end_sessions,
 }
 return operations[op]()

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use egress_lease::{
-    Cooldown, InMemoryLeaseStore, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState, LeaseStore, Outcome,
-    ProxyId, ProxyInfo, Report,
+    Cooldown, EndedSessions, InMemoryLeaseStore, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState,
+    LeaseStore, Outcome, ProxyId, ProxyInfo, Report,
 };
 use egress_lease_redis::{ConnectError, RedisLeaseState, RedisOptions, redact};
 use egress_testenv::redis::RedisServer;
@@ -516,4 +516,49 @@ async fn a_refusal_counts_the_proxies_cooling_down_and_those_at_their_cap() {
     stores[0].report(&lease.id, "t1", &Report::of(Outcome::Banned).and_release(), now).await.expect("ban");
     let refused = stores[1].lease(&request("example.com", "t2"), SystemTime::now()).await.expect_err("none eligible");
     assert!(matches!(refused, LeaseError::AllCoolingDown { cooling: 1, at_capacity: 1, .. }), "{refused:?}: {refused}");
+}
+
+/// An owner ends one of its sessions, or all, at any replica: their leases (held at any replica) are released and
+/// their proxies forgotten, an idle session's too (a proxy kept, no lease: found by its key). Other sessions, the
+/// same name of another owner (whose name the first one's glob characters would match) and leases without a session
+/// stay. As the in-memory store does (`an_owner_ends_its_sessions_by_name_or_all_at_once`).
+#[tokio::test]
+async fn an_owner_ends_its_sessions_at_any_replica_by_name_or_all_at_once() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies: Vec<ProxyInfo> = (0..2).map(|n| proxy(&format!("px-{n}"), 100, None)).collect();
+    let stores = replicas(&server, 2, &proxies).await;
+    let now = SystemTime::now;
+    let session =
+        |name: &str, owner: &str, target: &str| LeaseRequest { session: Some(name.into()), ..request(target, owner) };
+    let owner = "team*";
+    let s1 = [
+        stores[0].lease(&session("s1", owner, "shop.example"), now()).await.expect("lease"),
+        stores[1].lease(&session("s1", owner, "shop.example"), now()).await.expect("lease"),
+        stores[0].lease(&session("s1", owner, "news.example"), now()).await.expect("lease"),
+    ];
+    let s2 = stores[1].lease(&session("s2", owner, "shop.example"), now()).await.expect("lease");
+    // team-x's s1 is idle (its proxy kept, no lease): only its key says it is there.
+    let foreign = stores[0].lease(&session("s1", "team-x", "shop.example"), now()).await.expect("lease");
+    stores[0].release(&foreign.id, "team-x", now()).await.expect("release");
+    let plain = stores[0].lease(&request("shop.example", owner), now()).await.expect("lease");
+    let s3 = stores[1].lease(&session("s3", owner, "shop.example"), now()).await.expect("lease");
+    stores[1].release(&s3.id, owner, now()).await.expect("release");
+
+    let ended = stores[1].end_sessions(owner, Some("s1"), now()).await.expect("end s1");
+    assert_eq!(ended, EndedSessions { sessions: 2, leases: 3 }, "s1 on both sites, three leases");
+    for lease in &s1 {
+        let renewed = stores[0].renew(&lease.id, owner, None, now()).await;
+        assert!(matches!(renewed, Err(LeaseError::UnknownLease(_))), "released: {renewed:?}");
+    }
+    for lease in [&s2, &plain] {
+        stores[0].renew(&lease.id, owner, None, now()).await.expect("left alone");
+    }
+    let ended = stores[0].end_sessions(owner, None, now()).await.expect("end all");
+    assert_eq!(ended, EndedSessions { sessions: 2, leases: 1 }, "s2 with its lease, and the idle s3");
+    assert!(matches!(stores[1].renew(&s2.id, owner, None, now()).await, Err(LeaseError::UnknownLease(_))));
+    stores[1].renew(&plain.id, owner, None, now()).await.expect("a lease without a session stays");
+    let again = stores[1].end_sessions(owner, None, now()).await.expect("end all again");
+    assert_eq!(again, EndedSessions::default(), "nothing left to end");
+    let theirs = stores[1].end_sessions("team-x", None, now()).await.expect("end team-x's");
+    assert_eq!(theirs, EndedSessions { sessions: 1, leases: 0 }, "team-x's idle s1 was still there");
 }

@@ -412,6 +412,15 @@ impl Default for LeaseConfig {
     }
 }
 
+/// What ending an owner's sessions did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndedSessions {
+    /// Sessions (each per target) that held a lease or a proxy and hold neither now.
+    pub sessions: usize,
+    /// Live leases released.
+    pub leases: usize,
+}
+
 /// A store of leases. Every method takes the current time, so behaviour over time is testable without waiting.
 pub trait LeaseStore: Send + Sync {
     /// Adds or updates a proxy. A proxy that turns unhealthy has its leases revoked.
@@ -460,6 +469,9 @@ pub trait LeaseStore: Send + Sync {
         proxy: Option<&ProxyId>,
         now: SystemTime,
     ) -> Result<Vec<Cooldown>, LeaseError>;
+    /// Ends `owner`'s sessions: `session`, or every one of them. Their live leases are released and their proxies
+    /// forgotten, so their next leases choose afresh; leases without a session are left alone.
+    fn end_sessions(&self, owner: &str, session: Option<&str>, now: SystemTime) -> EndedSessions;
     /// How many live leases on `proxy` were last told `endpoint`.
     fn leases_on(&self, proxy: &ProxyId, endpoint: &str, now: SystemTime) -> usize;
     /// Releases every lease that has expired; returns how many.

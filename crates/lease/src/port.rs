@@ -11,8 +11,8 @@ use std::time::{Duration, SystemTime};
 use egress_fleet::ProxyId;
 
 use crate::{
-    Cooldown, InMemoryLeaseStore, Lease, LeaseError, LeaseRequest, LeaseStore, ProxyInfo, ProxyLoad, Renewed, Report,
-    Reported,
+    Cooldown, EndedSessions, InMemoryLeaseStore, Lease, LeaseError, LeaseRequest, LeaseStore, ProxyInfo, ProxyLoad,
+    Renewed, Report, Reported,
 };
 
 /// The state leases live in, as discovery uses it. Every method takes the caller's clock (`now`); an adapter that
@@ -48,6 +48,13 @@ pub trait LeaseState: Send + Sync {
     ) -> Result<Vec<Cooldown>, LeaseError>;
     /// Live cooldowns, for one target or all.
     async fn cooldowns(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError>;
+    /// Ends `owner`'s sessions; see [`LeaseStore::end_sessions`].
+    async fn end_sessions(
+        &self,
+        owner: &str,
+        session: Option<&str>,
+        now: SystemTime,
+    ) -> Result<EndedSessions, LeaseError>;
     /// The load of each of `ids`, in order; see [`LeaseStore::loads_of`].
     async fn loads_of(
         &self,
@@ -146,6 +153,14 @@ impl LeaseState for InMemoryLeaseStore {
     }
     async fn cooldowns(&self, target: Option<&str>, now: SystemTime) -> Result<Vec<Cooldown>, LeaseError> {
         LeaseStore::cooldowns(self, target, now)
+    }
+    async fn end_sessions(
+        &self,
+        owner: &str,
+        session: Option<&str>,
+        now: SystemTime,
+    ) -> Result<EndedSessions, LeaseError> {
+        Ok(LeaseStore::end_sessions(self, owner, session, now))
     }
     async fn loads_of(
         &self,

@@ -20,8 +20,8 @@ use state::*;
 
 use crate::id::{Claims, LeaseKey};
 use crate::{
-    Cooldown, EndedLeaseRecord, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore, LiveLeaseRecord, Outcome,
-    Outcomes, ProxyInfo, ProxyLoad, Renewed, Report, Reported, normalize,
+    Cooldown, EndedLeaseRecord, EndedSessions, Lease, LeaseConfig, LeaseError, LeaseRequest, LeaseStore,
+    LiveLeaseRecord, Outcome, Outcomes, ProxyInfo, ProxyLoad, Renewed, Report, Reported, normalize,
 };
 
 /// An internal inconsistency found by [`InMemoryLeaseStore::check_invariants`].
@@ -89,6 +89,13 @@ impl InMemoryLeaseStore {
                 // Restored from a previous leader's record, which leaves the target out: the ID names it.
                 lease.unconfirmed = false;
                 lease.target = claims.target;
+                // Its session's proxy, restored with it, learns the target too (an owner ending the session by
+                // name finds it by the target).
+                if let Some(sticky) = lease.slot.and_then(|slot| inner.sessions.get_mut(&slot))
+                    && sticky.target.is_empty()
+                {
+                    sticky.target.clone_from(&lease.target);
+                }
             }
             return Ok(claims.serial);
         }
@@ -247,7 +254,7 @@ impl LeaseStore for InMemoryLeaseStore {
         };
         let sticky = slot
             .and_then(|slot| inner.sessions.get(&slot))
-            .map(|(proxy, _)| proxy.clone())
+            .map(|sticky| sticky.proxy.clone())
             .filter(|proxy| usable(&inner, proxy));
         let chosen = sticky.or_else(|| match &session_key {
             // A session's first proxy is the same on every replica, so a change of leader (which forgets the
@@ -264,7 +271,7 @@ impl LeaseStore for InMemoryLeaseStore {
         let granted = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
         if let Some(slot) = slot {
             let forget_at = granted.expires_at + self.config.max_ttl;
-            inner.stick(slot, proxy, forget_at);
+            inner.stick(slot, proxy, forget_at, owner, &target);
         }
         drop(inner);
         Ok(self.sign(granted, owner))
@@ -547,9 +554,10 @@ impl LeaseStore for InMemoryLeaseStore {
             }
             let (proxy, owner) = (record.proxy.clone(), record.owner.clone());
             inner.adopt(record.serial, proxy, None, owner, record.slot, record.until, now);
-            // The session stays on its proxy, as it did with the previous leader.
+            // The session stays on its proxy, as it did with the previous leader (its target unknown, "", until a
+            // lease of it is shown).
             if let Some(slot) = record.slot {
-                inner.stick(slot, record.proxy.clone(), record.until + self.config.max_ttl);
+                inner.stick(slot, record.proxy.clone(), record.until + self.config.max_ttl, &record.owner, "");
             }
             restored += 1;
         }
@@ -584,6 +592,15 @@ impl LeaseStore for InMemoryLeaseStore {
             restored += 1;
         }
         restored
+    }
+
+    fn end_sessions(&self, owner: &str, session: Option<&str>, now: SystemTime) -> EndedSessions {
+        let mut inner = self.lock();
+        inner.expire(now);
+        let key = session.map(|session| session_key(owner, session));
+        let (sessions, leases) =
+            inner.end_sessions(owner, |slot, target| key.as_deref().is_none_or(|key| self.slot(key, target) == slot));
+        EndedSessions { sessions, leases }
     }
 
     fn clear_cooldowns(

@@ -134,6 +134,16 @@ pub(super) struct CooldownState {
     pub(super) cleared_until: Option<SystemTime>,
 }
 
+/// A session's proxy for one target, kept after its leases end so its next lease goes there again.
+pub(super) struct Sticky {
+    pub(super) proxy: ProxyId,
+    /// When it is forgotten.
+    pub(super) forget_at: SystemTime,
+    /// The session's owner and the target, so an owner can end its sessions (the slot, a digest, names neither).
+    pub(super) owner: String,
+    pub(super) target: String,
+}
+
 #[derive(Default)]
 pub(super) struct Inner {
     pub(super) proxies: HashMap<ProxyId, ProxyState>,
@@ -153,9 +163,8 @@ pub(super) struct Inner {
     pub(super) live_generation: u64,
     pub(super) cooldowns: HashMap<(ProxyId, String), CooldownState>,
     pub(super) cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
-    /// Sticky sessions by their slot ([`InMemoryLeaseStore::slot`] of owner, session and target): the proxy, and
-    /// when it is forgotten.
-    pub(super) sessions: HashMap<u64, (ProxyId, SystemTime)>,
+    /// Sticky sessions by their slot ([`InMemoryLeaseStore::slot`] of owner, session and target).
+    pub(super) sessions: HashMap<u64, Sticky>,
     pub(super) session_expiries: BTreeSet<(SystemTime, u64)>,
     /// Proxies by the egress IP they were last seen leaving through.
     pub(super) by_egress: HashMap<String, BTreeSet<ProxyId>>,
@@ -268,12 +277,45 @@ impl Inner {
         }
     }
 
-    /// Keeps the session of `slot` on `proxy` until `forget_at` (sticky), or until it is moved.
-    pub(super) fn stick(&mut self, slot: u64, proxy: ProxyId, forget_at: SystemTime) {
-        if let Some((_, previous)) = self.sessions.insert(slot, (proxy, forget_at)) {
-            self.session_expiries.remove(&(previous, slot));
+    /// Keeps the session of `slot` (`owner`'s, for `target`) on `proxy` until `forget_at` (sticky), or until it is
+    /// moved.
+    pub(super) fn stick(&mut self, slot: u64, proxy: ProxyId, forget_at: SystemTime, owner: &str, target: &str) {
+        let sticky = Sticky { proxy, forget_at, owner: owner.to_owned(), target: target.to_owned() };
+        if let Some(previous) = self.sessions.insert(slot, sticky) {
+            self.session_expiries.remove(&(previous.forget_at, slot));
         }
         self.session_expiries.insert((forget_at, slot));
+    }
+
+    /// Ends `owner`'s sessions whose slot `ended` names (given the slot and the target): releases their live leases
+    /// and forgets their proxies. Returns (sessions ended, leases released).
+    pub(super) fn end_sessions(&mut self, owner: &str, ended: impl Fn(u64, &str) -> bool) -> (usize, usize) {
+        // A lease restored from a previous leader's record does not know its target until its holder shows it, but
+        // its session's sticky entry does.
+        let mut slots: HashSet<u64> = self
+            .sessions
+            .iter()
+            .filter(|(slot, sticky)| sticky.owner == owner && ended(**slot, &sticky.target))
+            .map(|(slot, _)| *slot)
+            .collect();
+        let serials: Vec<u64> = self.owners.get(owner).map(|held| held.iter().copied().collect()).unwrap_or_default();
+        let mut released = 0;
+        for serial in serials {
+            let Some(lease) = self.leases.get(&serial) else { continue };
+            let Some(slot) = lease.slot.filter(|slot| slots.contains(slot) || ended(*slot, &lease.target)) else {
+                continue;
+            };
+            if self.release_live(serial) {
+                slots.insert(slot);
+                released += 1;
+            }
+        }
+        for slot in &slots {
+            if let Some(sticky) = self.sessions.remove(slot) {
+                self.session_expiries.remove(&(sticky.forget_at, *slot));
+            }
+        }
+        (slots.len(), released)
     }
 
     /// Counts the lease `serial` (unknown here, its proxy known, healthy and with room) against its proxy, as held
@@ -566,7 +608,7 @@ impl Inner {
                 break;
             }
             self.session_expiries.pop_first();
-            if self.sessions.get(&slot).is_some_and(|(_, forget_at)| *forget_at == at) {
+            if self.sessions.get(&slot).is_some_and(|sticky| sticky.forget_at == at) {
                 self.sessions.remove(&slot);
             }
         }

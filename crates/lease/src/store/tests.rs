@@ -158,6 +158,51 @@ fn a_sessions_leases_for_one_site_share_one_slot_of_the_cap() {
     store.check_invariants().expect("invariants");
 }
 
+/// An owner ends one of its sessions, or all of them: their leases are released and their proxies forgotten,
+/// idle sessions (a proxy kept, no lease) included; other sessions, other owners' sessions of the same name and
+/// leases without a session stay.
+#[test]
+fn an_owner_ends_its_sessions_by_name_or_all_at_once() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5)]);
+    let session = |name: &str, owner: &str, target: &str| LeaseRequest {
+        session: Some(name.into()),
+        owner: owner.into(),
+        ..request(target)
+    };
+    let s1 = [
+        store.lease(&session("s1", "team", "shop.example"), t(0)).expect("lease"),
+        store.lease(&session("s1", "team", "shop.example"), t(0)).expect("lease"),
+    ];
+    let s1_news = store.lease(&session("s1", "team", "news.example"), t(0)).expect("lease");
+    let s2 = store.lease(&session("s2", "team", "shop.example"), t(0)).expect("lease");
+    let foreign = store.lease(&session("s1", "other", "shop.example"), t(0)).expect("lease");
+    let plain = store.lease(&LeaseRequest { owner: "team".into(), ..request("shop.example") }, t(0)).expect("lease");
+    // s3 is idle: its lease went back, its proxy is kept.
+    let s3 = store.lease(&session("s3", "team", "shop.example"), t(0)).expect("lease");
+    store.release(&s3.id, "team", t(0)).expect("release");
+    assert_eq!(store.sizes().2, 5, "five sessions know their proxy");
+
+    let ended = store.end_sessions("team", Some("s1"), t(1));
+    assert_eq!(ended, EndedSessions { sessions: 2, leases: 3 }, "s1 on both sites, three leases");
+    for lease in s1.iter().chain([&s1_news]) {
+        assert!(matches!(store.renew(&lease.id, "team", None, t(1)), Err(LeaseError::UnknownLease(_))), "released");
+    }
+    for (lease, owner) in [(&s2, "team"), (&foreign, "other"), (&plain, "team")] {
+        store.renew(&lease.id, owner, None, t(1)).expect("left alone");
+    }
+    assert_eq!(store.sizes().2, 3, "s2, s3 and the other owner's s1 keep their proxies");
+    store.check_invariants().expect("invariants");
+
+    let ended = store.end_sessions("team", None, t(2));
+    assert_eq!(ended, EndedSessions { sessions: 2, leases: 1 }, "s2 with its lease, and the idle s3");
+    assert!(matches!(store.renew(&s2.id, "team", None, t(2)), Err(LeaseError::UnknownLease(_))));
+    store.renew(&plain.id, "team", None, t(2)).expect("a lease without a session stays");
+    store.renew(&foreign.id, "other", None, t(2)).expect("another owner's session stays");
+    assert_eq!(store.sizes().2, 1, "only the other owner's session is left");
+    assert_eq!(store.end_sessions("team", None, t(3)), EndedSessions::default(), "nothing left to end");
+    store.check_invariants().expect("invariants");
+}
+
 /// A lowered cap revokes the newest slots until they fit it: a session's leases go together.
 #[test]
 fn a_lowered_cap_counts_a_sessions_leases_once() {
