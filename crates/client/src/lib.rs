@@ -452,6 +452,15 @@ impl DiscoveryClient {
         Ok(decode::<egress_wire::ClearedCooldowns>(&body)?.cleared)
     }
 
+    /// Ends this token's tenant's `session` (every site), or all of its sessions: their leases are released, wherever
+    /// held, and the proxies they kept forgotten (`DELETE /v1/sessions`).
+    pub async fn end_sessions(&self, session: Option<&str>) -> Result<egress_wire::EndedSessions, ClientError> {
+        let path = session
+            .map_or_else(|| "/v1/sessions".to_owned(), |session| format!("/v1/sessions?session={}", encode(session)));
+        let (_, body) = self.call(Method::DELETE, &path, None).await?;
+        decode(&body)
+    }
+
     /// Picks up a lease by its ID (one a crawler kept across its own restart, or took through another client):
     /// renews it by `ttl` (or the server's default) and returns its guard, with the proxy's current URL.
     pub async fn resume(&self, id: &str, ttl: Option<Duration>) -> Result<LeaseGuard, ClientError> {

@@ -25,6 +25,7 @@ mod cooldowns;
 mod leases;
 mod proxies;
 mod refusals;
+mod sessions;
 
 use cooldowns::*;
 use leases::*;
@@ -52,6 +53,7 @@ pub fn routes(state: Arc<Discovery>) -> Router {
         .route("/v1/leases/{id}/renew", post(renew_lease))
         .route("/v1/leases/{id}/report", post(report_lease))
         .route("/v1/cooldowns", get(list_cooldowns).delete(clear_cooldowns))
+        .route("/v1/sessions", axum::routing::delete(sessions::end_sessions))
         .route("/v1/refusals", get(refusals::watch_refusals))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

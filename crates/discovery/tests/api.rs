@@ -1168,3 +1168,68 @@ async fn a_proxy_with_a_cooldown_policy_of_its_own_shows_it_and_a_ban_follows_it
     let wait = until.duration_since(jiff::Timestamp::now()).as_secs();
     assert!((28..=31).contains(&wait), "a 30 s cooldown, not the default 600 s: {wait} s");
 }
+
+/// `DELETE /v1/sessions`: a tenant ends one of its sessions by name or all of them; their leases answer 404 on renew,
+/// the proxies they kept are forgotten (the session's next lease is counted as a new one), and another tenant's
+/// session of the same name, and leases without a session, stay. Bad input is refused naming it.
+#[tokio::test]
+async fn a_tenant_ends_its_sessions_by_name_or_all_at_once() {
+    const A_LEASE: &str = "tenant-a-lease-token-0123";
+    const A_READ: &str = "tenant-a-read-token-01234";
+    const B_LEASE: &str = "tenant-b-lease-token-0123";
+    let tokens = format!("lease {A_LEASE} tenant=team-a\nread {A_READ} tenant=team-a\nlease {B_LEASE} tenant=team-b\n");
+    let server =
+        Server::start_with_tokens(vec![record("a", 5), record("b", 5)], Some(&tokens), LeaseKey::ephemeral(), None)
+            .await;
+    let lease = |token: &'static str, body: Value| {
+        let server = &server;
+        async move {
+            let (status, _, body) = server.call("POST", "/v1/leases", Some(token), Some(&body.to_string())).await;
+            assert_eq!(status, 201, "{body}");
+            body["id"].as_str().expect("an id").to_owned()
+        }
+    };
+    let renews = |token: &'static str, id: String| {
+        let server = &server;
+        async move { server.call("POST", &format!("/v1/leases/{}/renew", encode(&id)), Some(token), Some("{}")).await.0 }
+    };
+    let s1 = [
+        lease(A_LEASE, json!({ "target": "shop.example", "session": "s 1/ü" })).await,
+        lease(A_LEASE, json!({ "target": "news.example", "session": "s 1/ü" })).await,
+    ];
+    let s2 = lease(A_LEASE, json!({ "target": "shop.example", "session": "s2" })).await;
+    let plain = lease(A_LEASE, json!({ "target": "shop.example" })).await;
+    let theirs = lease(B_LEASE, json!({ "target": "shop.example", "session": "s 1/ü" })).await;
+
+    let (status, _, body) = server.call("DELETE", "/v1/sessions?session=s%201%2F%C3%BC", Some(A_LEASE), None).await;
+    assert_eq!((status, body.clone()), (200, json!({ "sessions": 2, "releasedLeases": 2 })), "{body}");
+    for id in s1 {
+        assert_eq!(renews(A_LEASE, id).await, 404, "the session's leases are released");
+    }
+    for (token, id) in [(A_LEASE, s2.clone()), (A_LEASE, plain.clone()), (B_LEASE, theirs.clone())] {
+        assert_eq!(renews(token, id).await, 200, "left alone");
+    }
+
+    // Bad input and scope, each named.
+    for (path, token, status, says) in [
+        ("/v1/sessions?session=", A_LEASE, 400, "1 to 256 characters"),
+        ("/v1/sessions?name=s2", A_LEASE, 400, "unknown query parameter \"name\""),
+        ("/v1/sessions", A_READ, 403, "lease scope"),
+    ] {
+        let (got, headers, body) = server.call("DELETE", path, Some(token), None).await;
+        assert_eq!(got, status, "{path}: {body}");
+        assert_problem(&headers, &body, status);
+        assert!(body["detail"].as_str().is_some_and(|detail| detail.contains(says)), "{path}: {body}");
+    }
+    let long = format!("/v1/sessions?session={}", "x".repeat(257));
+    assert_eq!(server.call("DELETE", &long, Some(A_LEASE), None).await.0, 400);
+
+    // All of A's sessions: s2 (the other session's proxy was forgotten already), not the session-less lease.
+    let (status, _, body) = server.call("DELETE", "/v1/sessions", Some(A_LEASE), None).await;
+    assert_eq!((status, body.clone()), (200, json!({ "sessions": 1, "releasedLeases": 1 })), "{body}");
+    assert_eq!(renews(A_LEASE, s2).await, 404);
+    assert_eq!(renews(A_LEASE, plain).await, 200, "a lease without a session stays");
+    assert_eq!(renews(B_LEASE, theirs).await, 200, "another tenant's session stays");
+    let (_, _, body) = server.call("DELETE", "/v1/sessions", Some(A_LEASE), None).await;
+    assert_eq!(body, json!({ "sessions": 0, "releasedLeases": 0 }), "nothing left to end");
+}

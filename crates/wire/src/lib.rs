@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 mod listing;
 
-pub use listing::{ClearedCooldowns, Cooldown, CooldownList, CooldownPolicy, Proxy, ProxyList};
+pub use listing::{ClearedCooldowns, Cooldown, CooldownList, CooldownPolicy, EndedSessions, Proxy, ProxyList};
 
 /// A lease: granted (`POST /v1/leases`), or renewed (`POST /v1/leases/{id}/renew`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

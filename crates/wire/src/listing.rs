@@ -149,6 +149,17 @@ pub struct ClearedCooldowns {
     pub cleared: Vec<Cooldown>,
 }
 
+/// What ending sessions did (`DELETE /v1/sessions`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema), schemars(rename = "EndedSessions"))]
+pub struct EndedSessions {
+    /// Sessions (each per site) that held a lease or kept a proxy and hold neither now.
+    pub sessions: u64,
+    /// Leases released, at whichever replica or gateway held them.
+    pub released_leases: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

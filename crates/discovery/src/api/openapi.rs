@@ -25,6 +25,7 @@ fn schemas() -> serde_json::Map<String, Value> {
     answers.subschema_for::<ReportResult>();
     answers.subschema_for::<egress_wire::CooldownList>();
     answers.subschema_for::<egress_wire::ClearedCooldowns>();
+    answers.subschema_for::<egress_wire::EndedSessions>();
     answers.subschema_for::<RefusalLine>();
     let mut schemas = requests.take_definitions(true);
     let mut answers = answers.take_definitions(true);
@@ -166,6 +167,15 @@ pub fn document() -> Value {
                     ("200".to_owned(), json_response("the cooldowns that were running and ended", "ClearedCooldowns")),
                     ("400".to_owned(), problem_response("invalid or missing target, or an invalid query parameter")),
                     ("404".to_owned(), problem_response("no such proxy")),
+                ]))
+            }},
+            "/v1/sessions": { "delete": {
+                "summary": "End your tenant's sessions: one by name, or all of them",
+                "description": "Releases the leases of the caller's session of that name (every site), or of all its sessions, wherever they are held (a gateway replica holding one learns it at its next renewal), and forgets the proxies the sessions kept (stickiness), so their next leases choose afresh. Leases without a session are left alone.",
+                "parameters": [{ "name": "session", "in": "query", "schema": { "type": "string", "minLength": 1, "maxLength": 256 }, "description": "the session; every session of the tenant when absent" }],
+                "responses": auth_errors(serde_json::Map::from_iter([
+                    ("200".to_owned(), json_response("what was ended", "EndedSessions")),
+                    ("400".to_owned(), problem_response("an invalid session or query parameter")),
                 ]))
             }},
             "/v1/refusals": { "get": {
