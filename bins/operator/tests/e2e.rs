@@ -1952,3 +1952,207 @@ async fn crawls_through_both_gateway_replicas_pass_no_request_through_a_refused_
     )
     .await;
 }
+
+/// What one flood saw.
+#[derive(Default)]
+struct Flood {
+    connected: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
+    /// Connections the server closed within a second, and later.
+    closed_soon: std::sync::atomic::AtomicU64,
+    closed_later: std::sync::atomic::AtomicU64,
+}
+
+/// Keeps a connection from `source` to `target` open until `until`, sending `request` (if any) on each; when the
+/// server closes it (a 407, a header timeout) or refuses it, waits half a second and connects again. Bounded by
+/// `until` in every wait.
+async fn flood_one(
+    source: std::net::Ipv4Addr,
+    target: std::net::SocketAddr,
+    request: Option<&'static [u8]>,
+    until: Instant,
+    seen: std::sync::Arc<Flood>,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let until = tokio::time::Instant::from_std(until);
+    while tokio::time::Instant::now() < until {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+        socket.bind(std::net::SocketAddr::new(source.into(), 0)).expect("bind a flood address");
+        match tokio::time::timeout_at(until, socket.connect(target)).await {
+            Err(_) => return,
+            Ok(Err(_)) => {
+                seen.refused.fetch_add(1, Relaxed);
+            }
+            Ok(Ok(mut stream)) => {
+                seen.connected.fetch_add(1, Relaxed);
+                if let Some(request) = request {
+                    let _ = stream.write_all(request).await;
+                }
+                let mut buffer = [0; 1024];
+                let opened = tokio::time::Instant::now();
+                let held = tokio::time::timeout_at(until, async {
+                    while let Ok(read) = stream.read(&mut buffer).await {
+                        if read == 0 {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                if held.is_err() {
+                    return;
+                }
+                let counter =
+                    if opened.elapsed() < Duration::from_secs(1) { &seen.closed_soon } else { &seen.closed_later };
+                counter.fetch_add(1, Relaxed);
+            }
+        }
+        tokio::time::sleep_until((tokio::time::Instant::now() + Duration::from_millis(500)).min(until)).await;
+    }
+}
+
+/// Restart counts of the operator's and the gateway's pods, by pod name.
+async fn all_restart_counts(client: &Client) -> Vec<(String, i32)> {
+    let mut counts = restart_counts(client).await;
+    for pod in cluster().installation.gateway_pods().await.expect("gateway pods") {
+        let restarts = pod
+            .status
+            .as_ref()
+            .and_then(|status| status.container_statuses.as_ref())
+            .and_then(|statuses| statuses.first())
+            .map_or(0, |status| status.restart_count);
+        counts.push((pod.name_any(), restarts));
+    }
+    counts.sort();
+    counts
+}
+
+/// #49 items 6 and 7 at 2,000 connections each: token-less connections to a gateway replica from two addresses (half
+/// silent, half sending a request without credentials, each reconnecting when closed), and connections to the
+/// leader's and that gateway replica's health ports from twenty. Meanwhile every authorised request through
+/// the gateway Service and every `/livez` (from an address of its own, as the kubelet's) is answered, and no operator
+/// or gateway pod restarts (the node agent runs the shipped liveness probes).
+#[tokio::test]
+async fn floods_of_the_gateway_and_the_health_ports_starve_no_client_and_restart_nothing() {
+    use std::sync::atomic::Ordering::Relaxed;
+    // Alone: 6,000 connections would slow the other tests' timed checks.
+    let _suite = SUITE.write().await;
+    let cluster = cluster();
+    let client = client().await;
+    let ns = NAMESPACES[8];
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns);
+    let spec = ProxySpec { max_leases: Some(20), ..common::managed(&format!("pods-{ns}"), None) };
+    let mut proxy = Proxy::new("flood-1", spec);
+    proxy.metadata.labels = Some([("e2e".to_owned(), "flood".to_owned())].into());
+    proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    wait_phase(&client, ns, &["flood-1"], ProxyPhase::Ready).await;
+    let gateway: std::net::SocketAddr =
+        cluster.installation.gateway.url().trim_start_matches("http://").parse().expect("the gateway Service");
+    let url = cluster._origin.ip_url();
+    through_gateway(gateway, &url, "label-e2e=flood").await.expect("a GET through the gateway before the flood");
+
+    let leader = operator_pods(&client).await.into_iter().find(is_leader).expect("a leader");
+    let replica = cluster.installation.gateway_pods().await.expect("gateway pods").remove(0);
+    let at = |pod: &Pod, port: u16| -> std::net::SocketAddr {
+        format!("{}:{port}", pod_ip(pod)).parse().expect("an address")
+    };
+    let before = all_restart_counts(&client).await;
+    // 20 addresses of the pod network below the one the other flood test uses, and one more for the probes.
+    let top = u32::from(attacker_address());
+    let sources: Vec<std::net::Ipv4Addr> = (1..=20).map(|n| std::net::Ipv4Addr::from(top - n)).collect();
+    let prober = std::net::Ipv4Addr::from(top - 21);
+    let until = Instant::now() + Duration::from_secs(20);
+    let floods: Vec<(&str, std::net::SocketAddr, std::sync::Arc<Flood>)> = vec![
+        ("gateway port", at(&replica, 8088), Default::default()),
+        ("operator health port", at(&leader, 8081), Default::default()),
+        ("gateway health port", at(&replica, 8081), Default::default()),
+    ];
+    let mut tasks = Vec::new();
+    for (what, target, seen) in &floods {
+        // The gateway flood from two addresses (1,000 each, over the gateway's per-address cap of 256 connections
+        // without a valid token); the health floods from all twenty (100 each, over the health server's 64).
+        let spread = if *what == "gateway port" { 2 } else { sources.len() };
+        for n in 0..2000 {
+            let source = sources[n % spread];
+            // Half the gateway flood asks without credentials (407, closed, again); the rest sends nothing.
+            let request: Option<&'static [u8]> = (*what == "gateway port" && n % 2 == 0)
+                .then_some(b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n".as_slice());
+            tasks.push(tokio::spawn(flood_one(source, *target, request, until, seen.clone())));
+        }
+    }
+
+    // Meanwhile: a crawler through the gateway Service every 100 ms, and the probes of both health ports every 250 ms.
+    let probe = |target: std::net::SocketAddr| async move {
+        let socket = tokio::net::TcpSocket::new_v4().map_err(|error| error.to_string())?;
+        socket.bind(std::net::SocketAddr::new(prober.into(), 0)).map_err(|error| error.to_string())?;
+        let answer = tokio::time::timeout(Duration::from_secs(2), async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stream = socket.connect(target).await?;
+            stream.write_all(b"GET /livez HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n").await?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        })
+        .await
+        .map_err(|_| "no answer within 2 s (the kubelet's timeout is 1 s)".to_owned())?
+        .map_err(|error| error.to_string())?;
+        if answer.starts_with(b"HTTP/1.1 200") { Ok(()) } else { Err(String::from_utf8_lossy(&answer).into_owned()) }
+    };
+    let (mut requests, mut probes, mut failures) = (0, 0, Vec::new());
+    let mut next_probe = Instant::now();
+    while Instant::now() < until {
+        let started = Instant::now();
+        match through_gateway(gateway, &url, "label-e2e=flood").await {
+            Ok(_) => requests += 1,
+            Err(error) => {
+                failures.push(format!("a GET through the gateway {:.1?} into the flood: {error}", started.elapsed()))
+            }
+        }
+        if Instant::now() >= next_probe {
+            next_probe += Duration::from_millis(250);
+            for (what, target) in [("operator", at(&leader, 8081)), ("gateway", at(&replica, 8081))] {
+                match probe(target).await {
+                    Ok(()) => probes += 1,
+                    Err(error) => failures.push(format!("{what} /livez: {error}")),
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for task in tasks {
+        task.await.expect("a flood task");
+    }
+    let (_, gateway_metrics) = http_get(&format!("http://{}/metrics", at(&replica, 8080))).await.expect("metrics");
+    let (_, operator_metrics) = http_get(&format!("http://{}/metrics", at(&leader, 8080))).await.expect("metrics");
+    for line in gateway_metrics.lines().chain(operator_metrics.lines()) {
+        if line.starts_with("egress_http_connections_") && !line.ends_with(" 0") {
+            eprintln!("e2e: after the floods: {line}");
+        }
+    }
+    let refused_unauthenticated: f64 = gateway_metrics
+        .lines()
+        .filter(|line| line.starts_with("egress_gateway_refused_unauthenticated_connections_total"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    for (what, _, seen) in &floods {
+        eprintln!(
+            "e2e: flood of the {what}: 2,000 connections, {} connects ({} closed by the server \
+             within 1 s, {} later), {} refused",
+            seen.connected.load(Relaxed),
+            seen.closed_soon.load(Relaxed),
+            seen.closed_later.load(Relaxed),
+            seen.refused.load(Relaxed)
+        );
+    }
+    eprintln!(
+        "e2e: during the floods {requests} authorised GETs through the gateway and {probes} /livez probes answered, \
+         {} failed; the gateway refused {refused_unauthenticated} unauthenticated connections at accept",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+    assert!(requests > 50 && probes > 100, "{requests} requests and {probes} probes ran");
+    assert!(floods.iter().all(|(_, _, seen)| seen.connected.load(Relaxed) >= 1000), "the floods connected");
+    assert!(refused_unauthenticated > 0.0, "the gateway flood never met the per-address cap");
+    assert_eq!(all_restart_counts(&client).await, before, "no operator or gateway pod restarted");
+    proxies.delete("flood-1", &DeleteParams::default()).await.expect("delete");
+}
