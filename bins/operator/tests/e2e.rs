@@ -991,58 +991,65 @@ async fn a_rolling_restart_under_crawler_load_fails_no_request_and_leaves_no_gap
         }
     })
     .await;
-    let old_pods: Vec<String> = operator_pods(&client).await.iter().map(ResourceExt::name_any).collect();
+    // Three rollouts, each under 8 crawlers leasing and releasing every 200 ms through the Service with a client that
+    // does not retry: a `not-serving` refusal or a refused connection is a failed call.
+    let crawling = discovery.clone().failover_budget(Duration::ZERO);
+    for run in 1..=3 {
+        let old_pods: Vec<String> = operator_pods(&client).await.iter().map(ResourceExt::name_any).collect();
+        let (grants, stop) = (Arc::new(Grants::default()), Arc::new(AtomicBool::new(false)));
+        let crawlers: Vec<_> = (0..8)
+            .map(|index| tokio::spawn(lease_every_200ms(index, crawling.clone(), grants.clone(), stop.clone())))
+            .collect();
+        eventually("the crawlers to lease", WAIT, || async {
+            (grants.at.lock().expect("grants").len() >= 40).then_some(())
+        })
+        .await;
 
-    let (grants, stop) = (Arc::new(Grants::default()), Arc::new(AtomicBool::new(false)));
-    let crawlers: Vec<_> = (0..8)
-        .map(|index| tokio::spawn(lease_every_200ms(index, discovery.clone(), grants.clone(), stop.clone())))
-        .collect();
-    eventually("the crawlers to lease", WAIT, || async {
-        (grants.at.lock().expect("grants").len() >= 40).then_some(())
-    })
-    .await;
-
-    let started = Instant::now();
-    kubectl(&["rollout", "restart", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE]).await;
-    kubectl(&["rollout", "status", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE, "--timeout=300s"]).await;
-    // Until the old pods are gone and a new one leads.
-    let new_pods = eventually("two new operator pods, one of them leading", WAIT, || async {
-        let pods = operator_pods(&client).await;
-        let fresh = pods.iter().all(|pod| !old_pods.contains(&pod.name_any()));
-        (pods.len() == 2 && fresh && pods.iter().all(ready) && pods.iter().filter(|pod| is_leader(pod)).count() == 1)
-            .then_some(pods)
-    })
-    .await;
-    let rolled = Instant::now();
-    // And the new leader keeps granting: 40 more leases (about a second's worth) before the crawlers stop.
-    let granted = grants.at.lock().expect("grants").len();
-    eventually("40 more leases after the rollout", WAIT, || async {
-        (grants.at.lock().expect("grants").len() >= granted + 40).then_some(())
-    })
-    .await;
-    let ended = Instant::now();
-    stop.store(true, Ordering::SeqCst);
-    for crawler in crawlers {
-        crawler.await.expect("crawler");
+        let started = Instant::now();
+        kubectl(&["rollout", "restart", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE]).await;
+        kubectl(&["rollout", "status", "deployment/egress-operator", "-n", SYSTEM_NAMESPACE, "--timeout=300s"]).await;
+        // Until the old pods are gone and a new one leads.
+        let new_pods = eventually("two new operator pods, one of them leading", WAIT, || async {
+            let pods = operator_pods(&client).await;
+            let fresh = pods.iter().all(|pod| !old_pods.contains(&pod.name_any()));
+            (pods.len() == 2
+                && fresh
+                && pods.iter().all(ready)
+                && pods.iter().filter(|pod| is_leader(pod)).count() == 1)
+                .then_some(pods)
+        })
+        .await;
+        let rolled = Instant::now();
+        // And the new leader keeps granting: 40 more leases (about a second's worth) before the crawlers stop.
+        let granted = grants.at.lock().expect("grants").len();
+        eventually("40 more leases after the rollout", WAIT, || async {
+            (grants.at.lock().expect("grants").len() >= granted + 40).then_some(())
+        })
+        .await;
+        let ended = Instant::now();
+        stop.store(true, Ordering::SeqCst);
+        for crawler in crawlers {
+            crawler.await.expect("crawler");
+        }
+        let at = grants.at.lock().expect("grants").clone();
+        let failures = grants.failures.lock().expect("grants").clone();
+        let during = at.iter().filter(|at| **at >= started && **at <= rolled).count();
+        let gap = longest_gap(&at, started, ended);
+        let holder = cluster.installation.lease_holder_with(&client).await.expect("the Lease").expect("a holder");
+        eprintln!(
+            "e2e rollout {run}/3: `kubectl rollout restart` under 8 crawlers leasing every 200 ms (no retries) took \
+             {:.1} s: {} leases in all, {during} during the rollout, {} failed calls, longest time without a granted \
+             lease {} ms; old pods {old_pods:?}, new {:?}, Lease held by {holder}",
+            (rolled - started).as_secs_f64(),
+            at.len(),
+            failures.len(),
+            gap.as_millis(),
+            new_pods.iter().map(ResourceExt::name_any).collect::<Vec<_>>(),
+        );
+        assert!(failures.is_empty(), "rollout {run}: failed calls: {failures:?}");
+        assert!(gap <= Duration::from_secs(1), "rollout {run}: no lease was granted for {gap:?}");
+        assert!(during > 0, "rollout {run}: the crawlers leased during the rollout");
     }
-    let at = grants.at.lock().expect("grants").clone();
-    let failures = grants.failures.lock().expect("grants").clone();
-    let during = at.iter().filter(|at| **at >= started && **at <= rolled).count();
-    let gap = longest_gap(&at, started, ended);
-    let holder = cluster.installation.lease_holder_with(&client).await.expect("the Lease").expect("a holder");
-    eprintln!(
-        "e2e rollout: `kubectl rollout restart` under 8 crawlers leasing every 200 ms took {:.1} s: {} leases in \
-         all, {during} during the rollout, {} failed calls, longest time without a granted lease {} ms; old pods \
-         {old_pods:?}, new {:?}, Lease held by {holder}",
-        (rolled - started).as_secs_f64(),
-        at.len(),
-        failures.len(),
-        gap.as_millis(),
-        new_pods.iter().map(ResourceExt::name_any).collect::<Vec<_>>(),
-    );
-    assert!(failures.is_empty(), "failed calls: {failures:?}");
-    assert!(gap <= Duration::from_secs(1), "no lease was granted for {gap:?}");
-    assert!(during > 0, "the crawlers leased during the rollout");
     for name in names {
         Api::<Proxy>::namespaced(client.clone(), ns).delete(name, &DeleteParams::default()).await.expect("delete");
     }

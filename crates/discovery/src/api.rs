@@ -68,8 +68,50 @@ pub fn routes(state: Arc<Discovery>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(Forward { inner: (), state: state.clone() })
         .layer(Observe { inner: (), state: state.clone() })
         .with_state(state)
+}
+
+/// While this replica hands off (it is stopping), sends each API request to its successor instead of answering it
+/// (`crate::forward`); probes, the OpenAPI document and the refusal streams stay here.
+#[derive(Clone)]
+struct Forward<S> {
+    inner: S,
+    state: Arc<Discovery>,
+}
+
+impl<S> tower::Layer<S> for Forward<()> {
+    type Service = Forward<S>;
+
+    fn layer(&self, inner: S) -> Forward<S> {
+        Forward { inner, state: self.state.clone() }
+    }
+}
+
+impl<S> tower::Service<Request> for Forward<S>
+where
+    S: tower::Service<Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
+
+    fn poll_ready(&mut self, context: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(context)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let local = request
+            .extensions()
+            .get::<MatchedPath>()
+            .is_some_and(|route| matches!(route.as_str(), "/healthz" | "/readyz" | "/openapi.json" | "/v1/refusals"));
+        if local || !self.state.forwarding() {
+            return futures::future::Either::Left(self.inner.call(request));
+        }
+        let state = self.state.clone();
+        futures::future::Either::Right(Box::pin(async move { Ok(crate::forward::forward(state, request).await) }))
+    }
 }
 
 /// Records each request's route, status and latency, and marks the response to a request with a valid token

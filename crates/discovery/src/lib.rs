@@ -12,6 +12,7 @@
 
 mod api;
 pub mod auth;
+mod forward;
 mod journal;
 mod metrics;
 mod problem;
@@ -157,6 +158,12 @@ pub struct Discovery {
     /// Set when the shared state was lost (it may come back empty): the records' kept cooldowns are given to it
     /// again.
     restore_cooldowns: Arc<AtomicBool>,
+    /// Whether this replica hands its requests to a successor (it is stopping), and to which.
+    handoff: tokio::sync::watch::Sender<forward::Handoff>,
+    /// When the last request was handed on (milliseconds since `started`), for a stopping replica to linger while
+    /// the Service still routes to it.
+    last_forwarded: std::sync::atomic::AtomicU64,
+    started: std::time::Instant,
 }
 
 type RefusalSender = tokio::sync::broadcast::Sender<Arc<Refusal>>;
@@ -208,6 +215,9 @@ impl Discovery {
             refusals: Arc::new(std::sync::RwLock::new(tokio::sync::broadcast::Sender::new(REFUSAL_BACKLOG))),
             shared_refusals: false,
             restore_cooldowns: Arc::new(AtomicBool::new(false)),
+            handoff: tokio::sync::watch::Sender::new(forward::Handoff::Serving),
+            last_forwarded: std::sync::atomic::AtomicU64::new(0),
+            started: std::time::Instant::now(),
         }
         .following_shared_refusals()
     }

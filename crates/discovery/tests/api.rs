@@ -1233,3 +1233,40 @@ async fn a_tenant_ends_its_sessions_by_name_or_all_at_once() {
     let (_, _, body) = server.call("DELETE", "/v1/sessions", Some(A_LEASE), None).await;
     assert_eq!(body, json!({ "sessions": 0, "releasedLeases": 0 }), "nothing left to end");
 }
+
+/// A stopping replica hands the requests that still reach it to its successor: a lease sent while no successor is
+/// known waits for one, is answered by it (the lease is the successor's: it renews there) and closes its connection
+/// (the client's next request goes through the Service again); a successor handing off in turn passes it on; probes
+/// stay local.
+#[tokio::test]
+async fn a_stopping_replica_hands_its_requests_to_its_successor() {
+    let key = LeaseKey::ephemeral();
+    let old = Server::start_with(vec![record("a", 5)], true, key.clone(), None).await;
+    let new = Server::start_with(vec![record("a", 5)], true, key, None).await;
+    old.state.hand_off();
+    let (status, _, _) = old.call("GET", "/healthz", None, None).await;
+    assert_eq!(status, 200, "probes are answered here");
+
+    let started = std::time::Instant::now();
+    let lease = old.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"example.com"}"#));
+    let named = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        old.state.forward_to(new.address);
+    };
+    let ((status, headers, body), ()) = tokio::join!(lease, named);
+    assert_eq!(status, 201, "{body}");
+    assert!(started.elapsed() >= Duration::from_millis(300), "the lease waited for the successor");
+    assert_eq!(headers.get(http::header::CONNECTION).map(|value| value.as_bytes()), Some(b"close".as_slice()));
+    let id = body["id"].as_str().expect("an id");
+    let (status, _, body) =
+        new.call("POST", &format!("/v1/leases/{}/renew", encode(id)), Some(LEASE), Some("{}")).await;
+    assert_eq!(status, 200, "the successor granted it: {body}");
+
+    // A successor that hands off in turn passes the request on to its own.
+    let third = Server::start_with(vec![record("a", 5)], true, LeaseKey::ephemeral(), None).await;
+    new.state.hand_off();
+    new.state.forward_to(third.address);
+    let (status, _, body) = old.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"example.org"}"#)).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(third.state.active_leases(&ProxyId::new("crawl", "a")).await, 1, "granted by the third replica");
+}

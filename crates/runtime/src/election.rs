@@ -59,8 +59,12 @@ enum Seen {
     Present(Box<Lease>, Instant),
 }
 
+/// The leader Lease's name (in the leader-election namespace).
+pub const LEASE_NAME: &str = "egress-operator";
+
 /// A running election: [`Election::leading`] says whether this candidate holds the Lease now.
 pub struct Election {
+    identity: String,
     leading: watch::Receiver<bool>,
     holder: watch::Receiver<Option<String>>,
     release: watch::Sender<bool>,
@@ -71,6 +75,7 @@ impl Election {
     /// Starts competing for the Lease once `ready` resolves (a candidate takes over only when it can serve).
     pub fn start(client: Client, config: ElectionConfig, ready: impl Future<Output = ()> + Send + 'static) -> Self {
         let api: Api<Lease> = Api::namespaced(client, &config.namespace);
+        let identity = config.identity.clone();
         let (seen_sender, seen) = watch::channel(Seen::Unknown);
         let (holder_sender, holder) = watch::channel(None);
         let (leading_sender, leading) = watch::channel(false);
@@ -88,7 +93,12 @@ impl Election {
             }
             observer.abort();
         });
-        Self { leading, holder, release, task }
+        Self { identity, leading, holder, release, task }
+    }
+
+    /// This candidate's identity (the pod's name and a suffix of this process's own).
+    pub fn identity(&self) -> &str {
+        &self.identity
     }
 
     /// Whether this candidate leads, as it changes.

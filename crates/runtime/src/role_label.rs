@@ -52,20 +52,33 @@ pub fn label_patch(leading: bool) -> serde_json::Value {
     json!({ "metadata": { "labels": { ROLE_LABEL: value } } })
 }
 
-/// Keeps the label on `pod` equal to `leading && !stop`, retrying failed patches with back-off, until `stop`; then
+/// Keeps the label on `pod` equal to `leading`, retrying failed patches with back-off; from `stop` on, keeps it as it
+/// is until `unlabel` (a stopping leader's Service endpoint stays until its successor's pod has the label), then
 /// removes it and returns.
 pub async fn run(
     client: Client,
     pod: PodIdentity,
     mut leading: watch::Receiver<bool>,
     mut stop: watch::Receiver<bool>,
+    mut unlabel: watch::Receiver<bool>,
 ) {
     let pods: Api<Pod> = Api::namespaced(client, &pod.namespace);
     let mut applied: Option<bool> = None;
     let mut backoff = Duration::from_millis(200);
+    // The unlabel sender gone counts as unlabel.
+    let mut gone = false;
     loop {
-        let stopping = *stop.borrow();
-        let wanted = *leading.borrow() && !stopping;
+        let removing = gone || *unlabel.borrow();
+        // Once stopping, the label stays as it is (a stopping leader hands its requests on while the Service still
+        // routes here) until `unlabel`, whatever the election says meanwhile.
+        let stopping = *stop.borrow() && !removing;
+        let wanted = if removing {
+            false
+        } else if stopping {
+            applied.unwrap_or(false)
+        } else {
+            *leading.borrow()
+        };
         if applied != Some(wanted) {
             match pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(label_patch(wanted))).await {
                 Ok(_) => {
@@ -82,8 +95,12 @@ pub async fn run(
                 }
             }
         }
-        if stopping {
+        if removing {
             return;
+        }
+        if stopping {
+            gone = unlabel.changed().await.is_err();
+            continue;
         }
         tokio::select! {
             changed = leading.changed() => if changed.is_err() {
@@ -91,6 +108,7 @@ pub async fn run(
                 let _ = stop.changed().await;
             },
             _ = stop.changed() => {}
+            changed = unlabel.changed() => gone = changed.is_err(),
         }
     }
 }

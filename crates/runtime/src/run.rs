@@ -198,9 +198,17 @@ pub async fn run(settings: Settings) -> Result<()> {
         serve_all(&settings, registry, server_metrics, discovery.clone(), leader.clone(), servers_stop.clone()).await?;
 
     // The leader's Pod carries the label the discovery Service selects; a restarted process first removes the one
-    // its previous incarnation may have left.
+    // its previous incarnation may have left. A stopping one removes it once its successor's pod has it
+    // (`unlabel`), so the Service always has an endpoint.
+    let (unlabel_sender, unlabel) = watch::channel(false);
     let labeller = match crate::role_label::PodIdentity::from_env() {
-        Some(pod) => Some(tokio::spawn(crate::role_label::run(client.clone(), pod, leader.clone(), stop.clone()))),
+        Some(pod) => Some(tokio::spawn(crate::role_label::run(
+            client.clone(),
+            pod,
+            leader.clone(),
+            stop.clone(),
+            unlabel.clone(),
+        ))),
         None => {
             info!("POD_NAME or POD_NAMESPACE is not set: not running in a pod, so no pod is labelled as the leader");
             None
@@ -221,7 +229,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         }
         let identity = election_identity(pod_name);
         let config = crate::election::ElectionConfig {
-            name: "egress-operator".into(),
+            name: crate::election::LEASE_NAME.into(),
             namespace: settings.leader_election_namespace.clone(),
             identity: identity.clone(),
             lease_duration: settings.lease_duration,
@@ -267,6 +275,8 @@ pub async fn run(settings: Settings) -> Result<()> {
     };
     let (retire_sender, retire) = watch::channel(false);
     let handoff = (settings.handoff_timeout, settings.peer_selector.clone());
+    let settings_discovery_port = settings.discovery_addr.port();
+    let lease_namespace = settings.leader_election_namespace.clone();
     let leading_now = leader.clone();
     let leading_loop = lead_while_elected(parts, settings, leader, retire);
     let leading = tokio::spawn(leading_loop);
@@ -279,21 +289,31 @@ pub async fn run(settings: Settings) -> Result<()> {
         tracing::error!("{failure}; stopping so that the process is restarted");
         election = None;
     }
-    // Make-before-break: a stopping leader keeps serving until another replica is Ready to take over.
+    // Make-before-break: a stopping leader keeps serving until another replica is Ready to take over. Whether one
+    // will (for a follower: the leader) decides whether the requests that still reach this pod are handed on.
+    let pod = crate::role_label::PodIdentity::from_env();
+    let mut successor = election.is_some() && pod.is_some() && !*leading_now.borrow();
     if election.is_some()
         && *leading_now.borrow()
-        && let Some(pod) = crate::role_label::PodIdentity::from_env()
+        && let Some(pod) = &pod
         && !handoff.0.is_zero()
     {
         info!("stopping while leading: serving until another replica is ready to take over");
-        crate::handoff::wait_for_successor(&client, &pod, &handoff.1, handoff.0).await;
+        successor = crate::handoff::wait_for_successor(&client, pod, &handoff.1, handoff.0).await;
     }
     // The controllers and probes stop first (their reconciles finish); discovery keeps serving meanwhile.
     let _ = retire_sender.send(true);
     let _ = leading.await;
-    // Now discovery refuses (each refusal closes its connection, so the client's retry goes through the Service),
-    // and the leases ended so far go to the next leader before the Lease does.
+    // Now discovery stops answering here, and the leases ended so far go to the next leader before the Lease does.
+    // With another replica to take over, the requests that still arrive wait for it and are handed on to it
+    // (`egress_discovery::Discovery::hand_off`); without, they are refused (each refusal closes its connection, so
+    // a client's retry goes through the Service).
     let _ = stop_sender.send(true);
+    if successor {
+        discovery.hand_off();
+    } else {
+        let _ = unlabel_sender.send(true);
+    }
     if let Some(ended) = &ended {
         match tokio::time::timeout(ENDED_FLUSH_TIMEOUT, ended.flush()).await {
             Ok(Ok(())) => {}
@@ -304,20 +324,36 @@ pub async fn run(settings: Settings) -> Result<()> {
         }
     }
     // Released (no holder), so a waiting replica takes it within milliseconds instead of at its expiry.
-    let mut holder = election.as_ref().map(crate::election::Election::holder);
+    let own_identity = election.as_ref().filter(|_| successor).map(|election| election.identity().to_owned());
     if let Some(election) = election
         && let Err(error) = election.release().await
     {
         warn!(%error, "the leader election task failed");
     }
+    // Hand the requests that still reach this pod to the next leader; this pod's label goes once the next leader's
+    // pod has its own, and requests are handed on while the Service still routes here.
+    let mut forwarding = false;
+    if let Some(own_identity) = &own_identity {
+        let (port, selector) = (settings_discovery_port, &handoff.1);
+        forwarding = crate::handoff::hand_to_successor(
+            &client,
+            &discovery,
+            &lease_namespace,
+            own_identity,
+            pod.as_ref(),
+            selector,
+            port,
+        )
+        .await;
+    }
+    let _ = unlabel_sender.send(true);
     if let Some(labeller) = labeller
         && tokio::time::timeout(crate::role_label::REMOVE_TIMEOUT, labeller).await.is_err()
     {
         warn!("the leader label could not be removed in time; the next leader's start-up replaces the endpoint");
     }
-    // Answer (with a refusal that sends clients to the Service again) until another replica holds the Lease, briefly.
-    if let Some(holder) = holder.as_mut() {
-        let _ = tokio::time::timeout(HANDOFF_LINGER, holder.wait_for(Option::is_some)).await;
+    if forwarding {
+        crate::handoff::linger_until_quiet(&discovery, std::time::Instant::now()).await;
     }
     let _ = servers_stop_sender.send(true);
     for server in servers {
@@ -331,10 +367,6 @@ pub async fn run(settings: Settings) -> Result<()> {
         }
     }
 }
-
-/// How long a replica that handed over keeps answering (with refusals that send clients elsewhere) while waiting to
-/// see the next holder.
-const HANDOFF_LINGER: Duration = Duration::from_secs(2);
 
 /// Resolves once discovery's stores have synced.
 async fn discovery_ready(discovery: Arc<Discovery>) {
@@ -389,7 +421,7 @@ async fn yield_after_crash(
     stop: watch::Receiver<bool>,
 ) {
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(client.clone(), namespace);
-    let Ok(Some(lease)) = leases.get_opt("egress-operator").await else { return };
+    let Ok(Some(lease)) = leases.get_opt(crate::election::LEASE_NAME).await else { return };
     let Some(spec) = lease.spec else { return };
     if !spec.holder_identity.as_deref().is_some_and(|holder| holder.starts_with(&format!("{pod_name}_"))) {
         return;
