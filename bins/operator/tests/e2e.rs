@@ -1458,19 +1458,16 @@ async fn an_idle_pool_scales_to_zero_and_a_lease_wakes_it() {
 
 /// Each operator pod's name and its container's restart count.
 async fn restart_counts(client: &Client) -> Vec<(String, i32)> {
-    operator_pods(client)
-        .await
-        .iter()
-        .map(|pod| {
-            let restarts = pod
-                .status
-                .as_ref()
-                .and_then(|status| status.container_statuses.as_ref())
-                .and_then(|statuses| statuses.first())
-                .map_or(0, |status| status.restart_count);
-            (pod.name_any(), restarts)
-        })
-        .collect()
+    operator_pods(client).await.iter().map(|pod| (pod.name_any(), restarts(pod))).collect()
+}
+
+/// How often a pod's (first) container was restarted.
+fn restarts(pod: &Pod) -> i32 {
+    pod.status
+        .as_ref()
+        .and_then(|status| status.container_statuses.as_ref())
+        .and_then(|statuses| statuses.first())
+        .map_or(0, |status| status.restart_count)
 }
 
 /// An address of the tests' pod network that no pod and no other client uses, so connections from it come from a
@@ -2022,13 +2019,7 @@ async fn flood_one(
 async fn all_restart_counts(client: &Client) -> Vec<(String, i32)> {
     let mut counts = restart_counts(client).await;
     for pod in cluster().installation.gateway_pods().await.expect("gateway pods") {
-        let restarts = pod
-            .status
-            .as_ref()
-            .and_then(|status| status.container_statuses.as_ref())
-            .and_then(|statuses| statuses.first())
-            .map_or(0, |status| status.restart_count);
-        counts.push((pod.name_any(), restarts));
+        counts.push((pod.name_any(), restarts(&pod)));
     }
     counts.sort();
     counts
