@@ -285,7 +285,10 @@ class EgressProxyMiddleware:
         loop = asyncio.get_running_loop()
         started = loop.time()
         held = await self._lease_for(self._key(request), request.url)
-        await self._pace(request, loop.time() - started > _HELD)
+        if await self._pace(request, loop.time() - started > _HELD):
+            # While the request waited its turn the site may have refused that lease's proxy (the lease is dropped
+            # then): the request takes the lease of its (site, session) as it is now.
+            held = await self._lease_for(self._key(request), request.url)
         proxy, authorization = _split_credentials(held.lease.proxy_url)
         request.meta["proxy"] = proxy
         # HttpProxyMiddleware's record of which proxy the header belongs to: a retry of this request keeps both.
@@ -297,28 +300,34 @@ class EgressProxyMiddleware:
         request.meta[LEASE_META] = held.lease.id
         request.meta[PROXY_META] = held.lease.proxy
 
-    async def _pace(self, request: Request, held_up: bool) -> None:
+    async def _pace(self, request: Request, held_up: bool) -> bool:
         """Keeps the download slot's delay between requests that a wait for a lease held up: Scrapy spaced them
         when they left its queue, but those that queued behind one wait (for a proxy, or another request's lease)
-        would all leave together once it ends. A request is spaced from the slot's last one when it was held up, or
-        when one held up before it is still waiting for its turn."""
+        would all leave together once it ends. A request that was held up, or that comes while held-up ones still
+        wait their turn, leaves the slot's delay after the slot's latest request. Returns whether it waited (its
+        lease may have changed meanwhile)."""
         slot_key, slot = self._download_slot(request)
         if slot is None:
-            return
+            return False
         loop = asyncio.get_running_loop()
         now = loop.time()
-        last = self.paced.get(slot_key)
-        at = now
-        if last is not None and (held_up or last > now):
-            at = max(now, last + slot.download_delay())
         if len(self.paced) > 1000:
             # Slots of hosts no longer crawled (Scrapy drops its idle slots too).
             self.paced = {key: when for key, when in self.paced.items() if when > now - 60}
+        last = self.paced.get(slot_key)
+        if last is None or not (held_up or last > now):
+            self.paced[slot_key] = now
+            return False
+        # Behind the held-up requests still waiting their turn too: the slot's other requests count against its
+        # concurrency while they wait here, so Scrapy lets no more in than that and the queue stays that short.
+        at = max(now, last + slot.download_delay())
         # Taken before sleeping: requests released together line up behind one another.
         self.paced[slot_key] = at
-        if at > now:
-            self.stats.inc_value("egress/paced")
-            await self._wait_unless_closing(at - now)
+        if at <= now:
+            return False
+        self.stats.inc_value("egress/paced")
+        await self._wait_unless_closing(at - now)
+        return True
 
     def _download_slot(self, request: Request) -> Tuple[str, Any]:
         """The downloader's slot `request` goes through (by its key), or `None` when it has none or no delay."""
