@@ -10,6 +10,7 @@
 //! No `kube` in its contract: the router and the authenticator are traits.
 
 pub mod admission;
+pub mod autoanswer;
 pub mod leases;
 pub mod metrics;
 pub mod options;

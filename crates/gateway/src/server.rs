@@ -121,6 +121,8 @@ pub struct Gateway {
 struct Peer {
     source: IpAddr,
     unauthenticated: SourceSlot,
+    /// Set once the connection carries a tunnel ([`crate::autoanswer::ClientIo`] then looks at nothing).
+    tunnelled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// One of a tenant's tunnels or requests in flight, counted until dropped.
@@ -246,13 +248,16 @@ impl Gateway {
                     continue;
                 }
             };
-            let peer = Arc::new(Peer { source, unauthenticated });
+            let tunnelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let peer = Arc::new(Peer { source, unauthenticated, tunnelled: tunnelled.clone() });
             let _ = stream.set_nodelay(true);
             let gateway = self.clone();
             let service = hyper::service::service_fn(move |request| {
                 let (gateway, peer) = (gateway.clone(), peer.clone());
                 async move { Ok::<_, Infallible>(gateway.handle(request, &peer).await) }
             });
+            // hyper's own answers to heads it cannot parse gain the Proxy-Status the gateway's carry.
+            let stream = crate::autoanswer::ClientIo::new(stream, tunnelled);
             let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
             let mut draining = self.draining.subscribe();
             tokio::spawn(async move {
@@ -332,6 +337,10 @@ impl Gateway {
         .await;
         match result {
             Ok(response) => {
+                if connect && response.status().is_success() {
+                    // From here on the connection's bytes are the tunnel's.
+                    peer.tunnelled.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 span.record("status", response.status().as_u16());
                 self.metrics.request(&tenant, kind, status_class(response.status().as_u16()));
                 response
