@@ -227,7 +227,23 @@ impl GatewayProcess {
     }
 }
 
-/// A plain HTTP/1.1 GET of `url` (`http://host:port/path`); returns the status and the body.
+/// A chunked body's content (RFC 9112, 7.1): each chunk's size line (extensions ignored), then its bytes, until the
+/// last chunk.
+fn dechunk(mut body: &str) -> Option<String> {
+    let mut content = String::new();
+    loop {
+        let (size, rest) = body.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(content);
+        }
+        content.push_str(rest.get(..size)?);
+        body = rest.get(size..)?.strip_prefix("\r\n")?;
+    }
+}
+
+/// A plain HTTP/1.1 GET of `url` (`http://host:port/path`); returns the status and the body (a chunked one decoded:
+/// Prometheus's API sends larger answers chunked).
 pub async fn http_get(url: &str) -> Result<(u16, String)> {
     let uri: http::Uri = url.parse().with_context(|| format!("{url:?} is not a URL"))?;
     anyhow::ensure!(uri.scheme_str() == Some("http"), "only http:// URLs: {url}");
@@ -243,8 +259,21 @@ pub async fn http_get(url: &str) -> Result<(u16, String)> {
         stream.read_to_end(&mut response).await?;
         let text = String::from_utf8_lossy(&response).into_owned();
         let status = text.split_whitespace().nth(1).context("no status line")?.parse::<u16>()?;
-        let body = text.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
+        let chunked =
+            head.lines().any(|line| line.to_ascii_lowercase().replace(' ', "") == "transfer-encoding:chunked");
+        let body = if chunked { dechunk(body).context("a malformed chunked body")? } else { body.to_owned() };
         anyhow::Ok((status, body))
     };
     tokio::time::timeout(Duration::from_secs(10), exchange).await.context("the request timed out")?
+}
+
+#[cfg(test)]
+mod chunked_tests {
+    #[test]
+    fn a_chunked_body_is_decoded() {
+        assert_eq!(super::dechunk("5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n").as_deref(), Some("hello, world"));
+        assert_eq!(super::dechunk("5\r\nhel"), None, "cut short");
+        assert_eq!(super::dechunk("x\r\n"), None, "not a size");
+    }
 }
