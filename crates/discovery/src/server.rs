@@ -409,14 +409,17 @@ async fn read_body_in_time(
     {
         return Err(too_large());
     }
-    match tokio::time::timeout(timeout, axum::body::to_bytes(Body::new(body), MAX_BODY_BYTES)).await {
-        Ok(Ok(bytes)) => Ok(Request::from_parts(parts, Body::from(bytes))),
-        Ok(Err(error))
-            if std::error::Error::source(&error)
-                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>()) =>
-        {
-            Err(too_large())
-        }
+    // A small body usually came with the head: read what is there first, and only a body still on its way is
+    // timed (a timer armed and disarmed per request shows in the request rate).
+    let mut collect = std::pin::pin!(http_body_util::Limited::new(body, MAX_BODY_BYTES).collect());
+    let ready = std::future::poll_fn(|context| std::task::Poll::Ready(collect.as_mut().poll(context))).await;
+    let read = match ready {
+        std::task::Poll::Ready(read) => Ok(read),
+        std::task::Poll::Pending => tokio::time::timeout(timeout, collect).await,
+    };
+    match read {
+        Ok(Ok(collected)) => Ok(Request::from_parts(parts, Body::from(collected.to_bytes()))),
+        Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Ok(Err(error)) => {
             Err(Problem::bad_request(format!("the request body could not be read: {error}")).into_response())
         }

@@ -3,6 +3,12 @@
 
 use super::*;
 
+/// A map keyed by what the store makes or an administrator names (serials, slots, proxies, tenants): foldhash,
+/// seeded per process, at a fraction of SipHash's cost on the hot path. Keys a client chooses (sites) stay on SipHash.
+pub(super) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// See [`FastMap`].
+pub(super) type FastSet<K> = HashSet<K, foldhash::fast::RandomState>;
+
 pub(super) struct ProxyState {
     pub(super) info: ProxyInfo,
     /// The slots its live leases take, the number its cap bounds: one per lease without a session, one per
@@ -10,14 +16,14 @@ pub(super) struct ProxyState {
     pub(super) active: u32,
     pub(super) last_leased: u64,
     /// Serials of its live leases.
-    pub(super) leases: HashSet<u64>,
+    pub(super) leases: FastSet<u64>,
     /// The live leases sharing each session's slot, by [`InMemoryLeaseStore::slot`].
-    pub(super) slots: HashMap<u64, u32>,
+    pub(super) slots: FastMap<u64, u32>,
 }
 
 impl ProxyState {
     pub(super) fn new(info: ProxyInfo) -> Self {
-        Self { info, active: 0, last_leased: 0, leases: HashSet::new(), slots: HashMap::new() }
+        Self { info, active: 0, last_leased: 0, leases: FastSet::default(), slots: FastMap::default() }
     }
     /// Whether a lease in `slot` may be granted here: the proxy is eligible, or it is healthy and the session
     /// already holds a slot here (each gateway replica the session's requests reach holds a lease of its own, and
@@ -146,14 +152,14 @@ pub(super) struct Sticky {
 
 #[derive(Default)]
 pub(super) struct Inner {
-    pub(super) proxies: HashMap<ProxyId, ProxyState>,
+    pub(super) proxies: FastMap<ProxyId, ProxyState>,
     /// Eligible proxies by (active leases, last leased sequence, id).
     pub(super) available: BTreeSet<(u32, u64, ProxyId)>,
     /// Live leases by serial.
-    pub(super) leases: HashMap<u64, LeaseState>,
+    pub(super) leases: FastMap<u64, LeaseState>,
     pub(super) lease_expiries: BTreeSet<(SystemTime, u64)>,
     /// Leases revoked or released before their expiry, kept until then.
-    pub(super) ended: HashMap<u64, EndedLease>,
+    pub(super) ended: FastMap<u64, EndedLease>,
     pub(super) ended_expiries: BTreeSet<(SystemTime, u64)>,
     /// Changes whenever a lease ends (or an ended one turns from revoked to released), so a caller that keeps the
     /// ended leases elsewhere knows when to write them again.
@@ -164,7 +170,7 @@ pub(super) struct Inner {
     pub(super) cooldowns: HashMap<(ProxyId, String), CooldownState>,
     pub(super) cooldown_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
     /// Sticky sessions by their slot ([`InMemoryLeaseStore::slot`] of owner, session and target).
-    pub(super) sessions: HashMap<u64, Sticky>,
+    pub(super) sessions: FastMap<u64, Sticky>,
     pub(super) session_expiries: BTreeSet<(SystemTime, u64)>,
     /// Proxies by the egress IP they were last seen leaving through.
     pub(super) by_egress: HashMap<String, BTreeSet<ProxyId>>,
@@ -175,7 +181,7 @@ pub(super) struct Inner {
     /// How many leases were taken over from IDs this store had not issued.
     pub(super) adopted: u64,
     /// Live leases by owner.
-    pub(super) owners: HashMap<String, HashSet<u64>>,
+    pub(super) owners: FastMap<String, FastSet<u64>>,
 }
 
 /// The key of an owner's session: sessions of different owners never meet, whatever they are called.
@@ -494,7 +500,7 @@ impl Inner {
                 held.insert(serial);
             }
             None => {
-                self.owners.insert(owner.to_owned(), [serial].into());
+                self.owners.insert(owner.to_owned(), FastSet::from_iter([serial]));
             }
         }
         let granted = Granted {
