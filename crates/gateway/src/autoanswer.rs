@@ -33,6 +33,11 @@ impl<T> ClientIo<T> {
     pub fn new(inner: T, tunnelled: Arc<AtomicBool>) -> Self {
         Self { inner, tunnelled, pending: None }
     }
+
+    /// The connection itself, for a tunnel: nothing of its bytes is looked at any more.
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
 }
 
 /// The answer hyper wrote for a head it could not parse, with `Proxy-Status` added, or `None` when `written` is not

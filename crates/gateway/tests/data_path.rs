@@ -90,6 +90,33 @@ async fn plain_http_and_tunnels_reach_the_origin_through_squid() {
     }
 }
 
+/// A client that sends its first bytes for the site with the CONNECT, before the gateway answered it (hyper reads
+/// them with the head): they reach the site, and its answer comes back through the tunnel. The gateway takes the
+/// client's TCP stream back from hyper for the tunnel, and what hyper had read must go with it.
+#[tokio::test]
+async fn bytes_sent_with_the_connect_head_go_through_the_tunnel_first() {
+    let origin = LocalOrigin::start().await.expect("origin");
+    let squid = Squid::start(SquidOptions::default()).await.expect("Squid");
+    let metrics = GatewayMetrics::register(&mut Registry::default());
+    let gateway = gateway_counting(Upstream::new(squid.address().to_string(), None, "crawl/squid-1"), metrics).await;
+    let target = origin.address();
+    let mut stream = tokio::net::TcpStream::connect(gateway).await.expect("connect");
+    let auth = base64_basic("", TOKEN);
+    let connect = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth}\r\n\r\n");
+    let inside = format!("GET /ip HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    stream.write_all(format!("{connect}{inside}").as_bytes()).await.expect("CONNECT and GET in one write");
+    // The origin answers once and closes; bounded, so bytes that never reach it fail the test rather than hang it.
+    let mut answer = String::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), stream.read_to_string(&mut answer))
+        .await
+        .expect("the tunnel answered in time")
+        .expect("read");
+    let (tunnel, inside) = answer.split_once("\r\n\r\n").expect("the CONNECT's answer");
+    assert!(tunnel.starts_with("HTTP/1.1 200 Connection established\r\n"), "{answer}");
+    assert!(inside.starts_with("HTTP/1.1 200"), "the GET sent with the CONNECT: {answer}");
+    assert!(inside.ends_with(&squid.address().ip().to_string()), "{answer}");
+}
+
 /// Opens a tunnel to `target` through the gateway at `gateway`; returns the stream and the answer's head.
 async fn open_tunnel(gateway: SocketAddr, target: SocketAddr) -> (tokio::net::TcpStream, String) {
     open_tunnel_as(gateway, target, TOKEN).await
