@@ -6,7 +6,6 @@
 
 use std::time::Duration as StdDuration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::core::Duration;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -14,7 +13,9 @@ use serde::{Deserialize, Serialize};
 
 mod status;
 
-pub use status::*;
+pub use status::{
+    CooldownStatus, EndpointStatus, FailureStatus, HealthStatus, InstanceState, InstanceStatus, ProxyPhase, ProxyStatus,
+};
 
 /// The Squid port when `spec.port` is not given.
 pub const DEFAULT_PORT: i32 = 3128;

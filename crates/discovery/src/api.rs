@@ -12,14 +12,11 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
-use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 
+use crate::Discovery;
 use crate::auth::{Auth, Identity, Scope};
 use crate::problem::Problem;
-use crate::{Discovery, PoolId, PoolRecord, ProxyId, ProxyRecord};
 
 mod cooldowns;
 mod leases;
@@ -27,9 +24,9 @@ mod proxies;
 mod refusals;
 mod sessions;
 
-use cooldowns::*;
-use leases::*;
-use proxies::*;
+use cooldowns::{clear_cooldowns, list_cooldowns};
+use leases::{create_lease, release_lease, renew_lease, report_lease};
+use proxies::list_proxies;
 
 pub mod openapi;
 

@@ -221,7 +221,7 @@ fn parse_refusal(payload: &[u8]) -> Option<Refused> {
 const SCRIPT: &str = include_str!("state.lua");
 
 mod reply;
-use reply::*;
+use reply::{cooldown_list, id_args, integer, malformed, ms, never_sent, number, policy_args, proxy_id, strings, time};
 
 impl RedisLeaseState {
     /// Connects, failing when the server does not answer within the timeout (or refuses the password).

@@ -6,7 +6,7 @@
 //! at the rest. Expiries of leases, cooldowns, revocations and sessions sit in ordered sets too, so expiring is
 //! proportional to what expires and memory stays bounded by what is live.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -16,7 +16,7 @@ mod invariants;
 mod state;
 
 pub use state::session_weight;
-use state::*;
+use state::{EndedLease, Granted, Inner, ProxyState, rendezvous, session_key};
 
 use crate::id::{Claims, LeaseKey};
 use crate::{

@@ -4,48 +4,40 @@
 //! `error_policy` alone decides error backoff (1 s doubling to 5 min per object, reset on success). Objects are
 //! watched through `DeserializeGuard`, so one malformed Proxy is reported and skipped instead of breaking the stream.
 
-use std::collections::{BTreeSet, HashMap};
-use std::future::Future;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use egress_api::annotations::{self, FINALIZER};
-use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
+use egress_api::annotations::FINALIZER;
+use egress_api::{Proxy, ProxyMode};
 use egress_fleet::ProxyId;
-use egress_provider::destinations::DestinationRule;
-use egress_provider::{CreateRequest, ErrorClass, Instance, Provider, ProviderError, Sensitive, Tags};
-use futures::{FutureExt, Stream, StreamExt};
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, Patch, PatchParams};
+use futures::Stream;
+use kube::api::Api;
 use kube::core::DeserializeGuard;
-use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
+use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{Error as FinalizerError, Event as FinalizerEvent, finalizer};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Client, Resource, ResourceExt};
-use tracing::{Instrument, debug, info, info_span, instrument, warn};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, ResourceExt};
+use tracing::{debug, instrument, warn};
 
 use crate::Error;
 use crate::credentials::CredentialStore;
-use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Observed, PreviousObserved, Requeue};
+use crate::decide::{EventSpec, Requeue};
 use crate::events::Events;
-use crate::feed::{Change, ProxyFeed};
-use crate::health::{ProxyVerdicts, verdict_of};
+use crate::health::ProxyVerdicts;
 use crate::ids::proxy_id;
 use crate::metrics::ReconcileMetrics;
 use crate::providers::Providers;
-use crate::status::time;
 
 mod act;
 mod lanes;
 mod observe;
 mod status;
 
-use act::*;
 pub(crate) use act::{age, recorded_names};
+use act::{apply, cleanup};
 pub use lanes::run;
-use lanes::*;
-use observe::*;
-use status::*;
+use lanes::{Lane, receiver_stream};
 
 /// The field manager of every status write.
 pub const FIELD_MANAGER: &str = "egress-operator";

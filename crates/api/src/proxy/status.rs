@@ -1,6 +1,10 @@
 //! The Proxy's status: phase, instances, endpoint, health, cooldowns, failure.
 
-use super::*;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Endpoint;
 
 /// The observed state of a proxy, written by the operator.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -1,6 +1,18 @@
 //! The cooldown routes: list the live cooldowns, and (admin) clear a site's.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+
+use super::leases::{lease_problem, parse_proxy};
+use super::{Headers, Shared, authorize, parse_query, timestamp};
+use crate::ProxyId;
+use crate::auth::Scope;
+use crate::problem::Problem;
 
 /// `DELETE /v1/cooldowns?target=…[&proxy=namespace/name]`: ends the cooldowns for a site now (of one proxy and
 /// those sharing its egress IP, or of every proxy) and forgets their streaks; answered once the change is kept.

@@ -1,8 +1,27 @@
 //! The lease routes: lease (by site, selector, proxy, session or pool), renew, release and report.
 
 use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
-use super::*;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::proxies::proxy_url;
+use super::{
+    Caller, DEFAULT_TTL_SECONDS, Headers, MAX_TTL_SECONDS, Shared, authorize, lease_id, over_quota, parse_body,
+    timestamp,
+};
+use crate::auth::Scope;
+use crate::problem::Problem;
+use crate::{Discovery, PoolId, PoolRecord, ProxyId};
 
 /// What to lease a proxy for.
 #[derive(Deserialize, JsonSchema)]

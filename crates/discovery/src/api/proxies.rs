@@ -1,6 +1,20 @@
 //! `GET /v1/proxies`: the healthy proxies with their load, credentials only on the caller's own leases.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use egress_lease::Selector;
+
+use super::leases::{lease_problem, resolve_pool};
+use super::{Headers, Shared, authorize, parse_query, timestamp};
+use crate::auth::Scope;
+use crate::problem::Problem;
+use crate::{ProxyId, ProxyRecord};
 
 /// Everything but RFC 3986's unreserved characters, which a URL userinfo part carries as they are.
 pub(super) const NOT_UNRESERVED: &percent_encoding::AsciiSet =

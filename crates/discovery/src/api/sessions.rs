@@ -1,6 +1,17 @@
 //! The session route: a tenant ends its sessions.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+
+use super::leases::lease_problem;
+use super::{Headers, Shared, authorize, parse_query};
+use crate::auth::Scope;
+use crate::problem::Problem;
 
 /// `DELETE /v1/sessions[?session=…]`: ends the caller's session of that name, or all of its sessions: their leases
 /// are released (a gateway holding one learns it at its next renewal and leases anew) and the proxies they kept are

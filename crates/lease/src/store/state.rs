@@ -1,7 +1,13 @@
 //! The store's state under its one mutex: proxies with their eligibility index, live and ended leases, cooldowns,
 //! sessions and outcomes, each with its expiry set; and the operations on it that keep those indexes in step.
 
-use super::*;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::{Duration, SystemTime};
+
+use egress_fleet::ProxyId;
+
+use super::{InMemoryLeaseStore, whole_seconds};
+use crate::{Outcomes, ProxyInfo};
 
 /// A map keyed by what the store makes or an administrator names (serials, slots, proxies, tenants): foldhash,
 /// seeded per process, at a fraction of SipHash's cost on the hot path. Keys a client chooses (sites) stay on SipHash.

@@ -1,7 +1,28 @@
 //! Acting on a decision: `apply` (observe, decide, create or delete, status, Events) for a live Proxy, `cleanup`
 //! under the finalizer for one being deleted, and the provider request a create sends.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant, SystemTime};
+
+use egress_api::annotations;
+use egress_api::{InstanceStatus, Proxy, ProxyMode, ProxyPhase, ProxyStatus};
+use egress_provider::destinations::DestinationRule;
+use egress_provider::{CreateRequest, ErrorClass, Instance, Provider, ProviderError, Sensitive, Tags};
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
+use kube::api::Api;
+use tracing::{debug, info, warn};
+
+use super::observe::{
+    ARRIVING_AUTH_SECRET_RECHECK, MISSING_AUTH_SECRET_RECHECK, auth_secret_exists, observe, provider_label,
+    provider_name, waiting_for_auth_secret,
+};
+use super::status::{provisioned_message, write_status};
+use super::{Context, QuotaRefusal};
+use crate::Error;
+use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Requeue};
+use crate::ids::proxy_id;
+use crate::status::time;
 
 pub(super) async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, Error> {
     let uid = proxy.uid().unwrap_or_default();

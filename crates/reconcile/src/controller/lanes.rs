@@ -3,7 +3,21 @@
 //! a per-Proxy lock keeps the two from reconciling one Proxy at once, and the urgent lane hands its requeues to the
 //! bulk lane, which alone keeps schedules.
 
-use super::*;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+
+use egress_api::Proxy;
+use futures::{FutureExt, Stream, StreamExt};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::{Context, Trigger, error_policy, reconcile};
+use crate::decide::Requeue;
+use crate::feed::{Change, ProxyFeed};
 
 /// Runs the controller on a shared [`ProxyFeed`] until `shutdown` resolves; in-flight reconciles finish first.
 ///
@@ -199,7 +213,7 @@ pub(super) async fn drive(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use egress_api::{CooldownStatus, ProxySpec};
+    use egress_api::{CooldownStatus, ProxyMode, ProxyPhase, ProxySpec, ProxyStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn guarded(proxy: &Proxy) -> DeserializeGuard<Proxy> {

@@ -1,7 +1,21 @@
 //! Observing the world for one Proxy: the provider's view of the recorded instances, the health verdicts, the
 //! drained leases of a replaced instance, and whether its auth Secret has arrived.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use egress_api::annotations;
+use egress_api::{Proxy, ProxyMode};
+use egress_provider::{Instance, Provider, ProviderError};
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
+use kube::api::Api;
+
+use super::Context;
+use crate::Error;
+use crate::decide::{Facts, Observed, PreviousObserved};
+use crate::health::verdict_of;
+use crate::ids::proxy_id;
 
 /// `maxAge` shortened by a per-Proxy jitter of up to 10%, so a fleet created together does not rotate together.
 pub(super) fn jittered_max_age(proxy: &Proxy) -> Option<Duration> {

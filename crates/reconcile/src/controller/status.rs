@@ -1,7 +1,13 @@
 //! The Proxy's status: read back for what the last pass recorded, written by server-side apply only when it
 //! changed.
 
-use super::*;
+use egress_api::{Proxy, ProxyStatus};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use tracing::debug;
+
+use super::{Context, FIELD_MANAGER};
+use crate::Error;
 
 /// The message of the status's `Provisioned` condition.
 pub(super) fn provisioned_message(status: &ProxyStatus) -> Option<&str> {

@@ -11,49 +11,30 @@
 //! Deleting a pool deletes its members through the owner references (the cluster's garbage collector); each
 //! member's own finalizer then deletes its instance. The pool needs no finalizer of its own.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
-use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
 
-use egress_api::pool::{CONDITION_AVAILABLE, CONDITION_PROGRESSING, POOL_LABEL, slot_of};
-use egress_api::proxy::CONDITION_READY;
-use egress_api::{
-    Proxy, ProxyPhase, ProxyPool, ProxyPoolStatus, ProxySpec, ScalingDecision, SpreadStatus, annotations,
-};
-use egress_fleet::{PoolDemand, PoolId, ProxyId};
 use futures::{Stream, StreamExt};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::ResourceExt;
 use kube::runtime::controller::{Action, Config as RuntimeConfig, Controller};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Client, Resource, ResourceExt};
-use serde_json::{Value, json};
-use tracing::{Instrument, debug, info, info_span, instrument, warn};
+use tracing::{Instrument, debug, info_span, instrument, warn};
 
-use super::decide::{AutoscaleFacts, Demand, Member, PoolDecision, PoolFacts, Slot, decide_pool};
-use super::index::{MemberIndex, pool_of};
-use super::metrics::{PoolCounts, PoolMetrics};
+use super::index::pool_of;
 use crate::Error;
-use crate::decide::EventSpec;
-use crate::events::Events;
-use crate::feed::{Change, GuardedPool, GuardedProxy, PoolFeed, ProxyFeed};
-use crate::ids::{pool_id, proxy_id};
-use crate::status::{ConditionSpec, merge_conditions, micro_time, system_micro_time, system_time};
+use crate::feed::{Change, GuardedPool, PoolFeed, ProxyFeed};
+use crate::ids::pool_id;
 
 mod act;
 mod context;
 mod status;
 
+use act::apply;
 pub use act::ordinal_of;
-use act::*;
-use context::*;
+use context::{CONCURRENCY, EXPECTATION_RECHECK};
 pub use context::{
     EXPECTATION_TIMEOUT, NoSignals, POOL_FIELD_MANAGER, PoolContext, PoolSignals, PoolTrigger,
     TEMPLATE_LABELS_ANNOTATION,
 };
-use status::*;
 
 /// Runs the pool controller until `shutdown` resolves; in-flight reconciles finish first.
 ///

@@ -1,7 +1,30 @@
 //! One pass over a pool: read its members, decide, act (create, delete, roll and recycle members, scale), and
 //! remember what the store must show before the next pass acts.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use egress_api::pool::{POOL_LABEL, slot_of};
+use egress_api::proxy::CONDITION_READY;
+use egress_api::{Proxy, ProxyPool, ProxySpec, ScalingDecision, annotations};
+use egress_fleet::PoolId;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+use tracing::{debug, info};
+
+use super::super::decide::{AutoscaleFacts, Demand, Member, PoolDecision, PoolFacts, Slot, decide_pool};
+use super::super::metrics::PoolCounts;
+use super::context::{AFTER_ACTING, Expectation, POOL_FIELD_MANAGER, PoolContext, TEMPLATE_LABELS_ANNOTATION};
+use super::status::{failed_members, pool_status, provisioning_seconds};
+use crate::Error;
+use crate::feed::GuardedPool;
+use crate::ids::proxy_id;
+use crate::status::{micro_time, system_micro_time, system_time};
 
 /// The members this pool owns (labelled for it and controlled by its UID), and the ordinals other Proxies
 /// labelled for it take.

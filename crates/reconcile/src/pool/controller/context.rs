@@ -1,7 +1,21 @@
 //! What the pool controller keeps between passes: its settings, the signals it reads (lease counts, demand), and
 //! per pool the expectations of its last pass, its last scale and its error count.
 
-use super::*;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use egress_api::{ProxyPool, ScalingDecision};
+use egress_fleet::{PoolDemand, PoolId, ProxyId};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Client, Resource};
+use tracing::warn;
+
+use super::super::index::MemberIndex;
+use super::super::metrics::PoolMetrics;
+use crate::decide::EventSpec;
+use crate::events::Events;
+use crate::feed::{GuardedPool, GuardedProxy, ProxyFeed};
 
 /// The field manager of every write the pool controller makes (members and pool status).
 pub const POOL_FIELD_MANAGER: &str = "egress-operator-pool";

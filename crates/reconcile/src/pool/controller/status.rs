@@ -1,6 +1,17 @@
 //! The pool's status: counts, spread, provisioning times, failed members and conditions.
 
-use super::*;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use egress_api::pool::{CONDITION_AVAILABLE, CONDITION_PROGRESSING};
+use egress_api::proxy::CONDITION_READY;
+use egress_api::{Proxy, ProxyPhase, ProxyPool, ProxyPoolStatus, ScalingDecision, SpreadStatus};
+use kube::ResourceExt;
+
+use super::super::decide::{Member, PoolDecision, PoolFacts};
+use super::super::metrics::PoolCounts;
+use super::act::SlotSpec;
+use crate::status::{ConditionSpec, merge_conditions, system_time};
 
 /// Per spread entry, the median time its Ready members took from creation to Ready, in seconds.
 pub(super) fn provisioning_seconds(owned: &[Arc<Proxy>], slots: &[SlotSpec]) -> Vec<Option<i32>> {
