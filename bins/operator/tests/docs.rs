@@ -193,11 +193,9 @@ fn the_code_map_is_the_workspace() {
 /// The longest a production source file may be (`docs/architecture.md`, "Architecture invariants").
 const MAX_PRODUCTION_LINES: usize = 800;
 
-/// No production source file is longer than [`MAX_PRODUCTION_LINES`]: every `.rs` file under a `src/` of `crates/`
-/// and `bins/`, but for the test-support crate `egress-testenv` and unit-test modules in files of their own
-/// (`tests.rs`). A file that grows past it is split by concern, as the controllers and the gateway's server were.
-#[test]
-fn no_production_file_is_over_800_lines() {
+/// Every production source file: every `.rs` file under a `src/` of `crates/` and `bins/`, but for the test-support
+/// crate `egress-testenv` and unit-test modules in files of their own (`tests.rs`).
+fn production_files() -> Vec<PathBuf> {
     let mut pending: Vec<PathBuf> = ["crates", "bins"]
         .iter()
         .flat_map(|top| std::fs::read_dir(root().join(top)).expect("a workspace directory"))
@@ -206,7 +204,7 @@ fn no_production_file_is_over_800_lines() {
         .map(|package| package.join("src"))
         .filter(|src| src.is_dir())
         .collect();
-    let (mut counted, mut over) = (0, Vec::new());
+    let mut files = Vec::new();
     while let Some(directory) = pending.pop() {
         for entry in std::fs::read_dir(&directory).expect("read a source directory") {
             let path = entry.expect("a directory entry").path();
@@ -215,16 +213,44 @@ fn no_production_file_is_over_800_lines() {
             } else if path.extension().is_some_and(|extension| extension == "rs")
                 && path.file_name().is_some_and(|name| name != "tests.rs")
             {
-                let lines = std::fs::read_to_string(&path).expect("a source file").lines().count();
-                counted += 1;
-                if lines > MAX_PRODUCTION_LINES {
-                    over.push(format!("{} ({lines} lines)", path.strip_prefix(root()).unwrap_or(&path).display()));
-                }
+                files.push(path);
             }
         }
     }
-    assert!(counted > 100, "only {counted} production files found: is the walk looking in the right place?");
+    assert!(files.len() > 100, "only {} production files found: is the walk looking in the right place?", files.len());
+    files
+}
+
+/// No production source file is longer than [`MAX_PRODUCTION_LINES`]. A file that grows past it is split by
+/// concern, as the controllers and the gateway's server were.
+#[test]
+fn no_production_file_is_over_800_lines() {
+    let mut over = Vec::new();
+    for path in production_files() {
+        let lines = std::fs::read_to_string(&path).expect("a source file").lines().count();
+        if lines > MAX_PRODUCTION_LINES {
+            over.push(format!("{} ({lines} lines)", path.strip_prefix(root()).unwrap_or(&path).display()));
+        }
+    }
     assert!(over.is_empty(), "production files over {MAX_PRODUCTION_LINES} lines: {over:?}");
+}
+
+/// No production module glob-imports another (`use super::*`, `use child::*`, `pub use child::*`): a file says by
+/// name what it takes from its parent and siblings, so a reader sees what it uses (conventions; #45). Test modules
+/// inside a file are indented, and test modules in files of their own are not production files.
+#[test]
+fn no_production_module_glob_imports_another() {
+    let mut globs = Vec::new();
+    for path in production_files() {
+        let text = std::fs::read_to_string(&path).expect("a source file");
+        for (number, line) in text.lines().enumerate() {
+            let import = line.strip_prefix("pub ").or_else(|| line.strip_prefix("pub(crate) ")).unwrap_or(line);
+            if import.starts_with("use ") && import.trim_end().ends_with("::*;") {
+                globs.push(format!("{}:{}: {line}", path.strip_prefix(root()).unwrap_or(&path).display(), number + 1));
+            }
+        }
+    }
+    assert!(globs.is_empty(), "glob imports between production modules: {globs:#?}");
 }
 
 /// Builds the overlay `kustomization` (whose `../` entries name directories of `deploy/`) with the real
