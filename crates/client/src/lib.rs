@@ -261,17 +261,7 @@ fn encode(text: &str) -> String {
 /// A transport error with every cause in its chain (hyper's own message says only which step failed, such as
 /// `client error (SendRequest)`; the cause says why, such as `connection closed before message completed`).
 fn transport(error: &(dyn std::error::Error + 'static)) -> ClientError {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(error) = cause {
-        let part = error.to_string();
-        if !text.ends_with(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        cause = error.source();
-    }
-    ClientError::Transport(text)
+    ClientError::Transport(egress_fleet::error_chain(error))
 }
 
 /// The `Retry-After` of an answer, in seconds.

@@ -8,7 +8,10 @@
 //! (`egress_reconcile::ids`). [`sources`] counts connections per client address, the admission the discovery API's
 //! servers and the gateway share.
 
+pub mod errors;
 pub mod sources;
+
+pub use errors::error_chain;
 
 use std::fmt;
 use std::str::FromStr;

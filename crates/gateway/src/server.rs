@@ -34,6 +34,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tracing::{Instrument, debug};
 
+use egress_fleet::error_chain;
 use egress_fleet::sources::SourceSlot;
 
 use crate::Body;
@@ -44,7 +45,7 @@ use crate::options::Options;
 use crate::route::{Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, Upstream, Verdict};
 use crate::status::{GatewayError, full};
 use crate::tunnel::{Buffers, splice};
-use crate::upstream::{POLICY_HEADER, UpstreamConnector, error_chain, open_tunnel, policy_denial};
+use crate::upstream::{POLICY_HEADER, UpstreamConnector, open_tunnel, policy_denial};
 
 /// The answer header naming the proxy a request went through (`namespace/name`).
 pub const PROXY_HEADER: &str = "x-egress-proxy";

@@ -104,18 +104,6 @@ pub(crate) async fn open_tunnel(upstream: &Upstream, authority: &str) -> Result<
     }
 }
 
-/// An error and its sources, for a message.
-pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// Connects the pooled client to one upstream proxy, whatever the request's host: the connection is marked as a
 /// proxy's, so requests keep their absolute URL.
 #[derive(Clone)]

@@ -466,13 +466,7 @@ impl LeaseStore for InMemoryLeaseStore {
             .cooldowns
             .iter()
             .filter(|((cooled, _), _)| cooled == proxy)
-            .map(|((proxy, target), cooldown)| Cooldown {
-                proxy: proxy.clone(),
-                target: target.clone(),
-                until: cooldown.until,
-                streak: cooldown.streak,
-                reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
-            })
+            .map(|((proxy, target), cooldown)| cooldown.shown(proxy, target))
             .collect();
         cooldowns.sort_by(|a, b| (b.until, &a.target).cmp(&(a.until, &b.target)));
         cooldowns
@@ -622,13 +616,7 @@ impl LeaseStore for InMemoryLeaseStore {
             let key = (id, target.clone());
             let Some(cooldown) = inner.cooldowns.get_mut(&key) else { continue };
             if cooldown.until > now {
-                cleared.push(Cooldown {
-                    proxy: key.0.clone(),
-                    target: key.1.clone(),
-                    until: cooldown.until,
-                    streak: cooldown.streak,
-                    reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
-                });
+                cleared.push(cooldown.shown(&key.0, &key.1));
             }
             // Ended now, the streak forgotten; remembered as cleared until it would have been forgotten.
             cooldown.cleared_until = cooldown.cleared_until.max(Some(cooldown.until));
@@ -665,13 +653,7 @@ impl LeaseStore for InMemoryLeaseStore {
             .filter(|((_, cooled), cooldown)| {
                 cooldown.until > now && target.as_ref().is_none_or(|target| target == cooled)
             })
-            .map(|((proxy, target), cooldown)| Cooldown {
-                proxy: proxy.clone(),
-                target: target.clone(),
-                until: cooldown.until,
-                streak: cooldown.streak,
-                reporters: cooldown.reporters.iter().map(|(who, _)| who.clone()).collect(),
-            })
+            .map(|((proxy, target), cooldown)| cooldown.shown(proxy, target))
             .collect();
         live.sort_by(|a, b| (a.until, &a.proxy, &a.target).cmp(&(b.until, &b.proxy, &b.target)));
         Ok(live)

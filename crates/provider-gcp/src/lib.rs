@@ -337,18 +337,8 @@ fn log_call(operation: &str, target: &str, started: Instant, outcome: &str, oper
 
 #[async_trait]
 impl Provider for GcpProvider {
-    fn instance_fingerprint(&self) -> Option<String> {
-        self.destinations.fingerprint()
-    }
-
-    fn destination_denial(
-        &self,
-        host: &str,
-        port: u16,
-        connect: bool,
-        deny: &[egress_provider::destinations::DestinationRule],
-    ) -> Option<egress_provider::destinations::Denial> {
-        self.destinations.narrowed_by(deny).check_host(host, port, connect, &[])
+    fn destination_policy(&self) -> Option<&DestinationPolicy> {
+        Some(&self.destinations)
     }
 
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {

@@ -157,18 +157,12 @@ pub fn instance_from_pod(pod: &Pod) -> Instance {
 
 #[async_trait]
 impl Provider for KubernetesProvider {
-    fn instance_fingerprint(&self) -> Option<String> {
-        self.destinations.fingerprint()
+    fn destination_policy(&self) -> Option<&DestinationPolicy> {
+        Some(&self.destinations)
     }
 
-    fn destination_denial(
-        &self,
-        host: &str,
-        port: u16,
-        connect: bool,
-        deny: &[egress_provider::destinations::DestinationRule],
-    ) -> Option<egress_provider::destinations::Denial> {
-        self.destinations.narrowed_by(deny).check_host(host, port, connect, &self.config.cluster_networks)
+    fn denied_networks(&self) -> &[ipnet::IpNet] {
+        &self.config.cluster_networks
     }
 
     #[instrument(skip(self, request), fields(provider = "kubernetes", instance = %request.name))]

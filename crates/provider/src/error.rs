@@ -105,15 +105,10 @@ impl ProviderError {
     /// The message followed by every cause in the chain, `: `-separated.
     pub fn chain(&self) -> String {
         let mut text = self.message.clone();
-        let mut cause = self.source.as_deref().map(|source| source as &(dyn StdError + 'static));
-        while let Some(error) = cause {
-            let part = error.to_string();
-            if !text.ends_with(&part) {
-                text.push_str(": ");
-                text.push_str(&part);
-            }
-            cause = error.source();
-        }
+        egress_fleet::errors::push_causes(
+            &mut text,
+            self.source.as_deref().map(|source| source as &(dyn StdError + 'static)),
+        );
         text
     }
 }

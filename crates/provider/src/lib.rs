@@ -50,21 +50,31 @@ pub trait Provider: Send + Sync {
     /// Every instance carrying all of `tags`, across all zones, hosts or namespaces of this provider.
     async fn list_by_tag(&self, tags: &Tags) -> Result<Vec<Instance>, ProviderError>;
 
+    /// The destination policy this provider renders into every proxy it creates; `None` (the default) when it
+    /// renders none. [`Self::destination_denial`] and [`Self::instance_fingerprint`] follow from it.
+    fn destination_policy(&self) -> Option<&destinations::DestinationPolicy> {
+        None
+    }
+
+    /// Networks the rendered policy refuses besides the policy's own rules (the Kubernetes provider's cluster
+    /// networks); none by default.
+    fn denied_networks(&self) -> &[ipnet::IpNet] {
+        &[]
+    }
+
     /// Why a proxy this provider renders, with `deny` added to its policy, would refuse a request to `host`:`port`
     /// (a CONNECT tunnel when `connect`), when that is known without DNS (an IP literal or `localhost`). `None`
-    /// when it is allowed, when only DNS can tell, or when the provider renders no destination policy (the
-    /// default).
+    /// when it is allowed, when only DNS can tell, or when the provider renders no destination policy.
     fn destination_denial(&self, host: &str, port: u16, connect: bool, deny: &[DestinationRule]) -> Option<Denial> {
-        let _ = (host, port, connect, deny);
-        None
+        self.destination_policy()?.narrowed_by(deny).check_host(host, port, connect, self.denied_networks())
     }
 
     /// What of this provider's own configuration every instance it creates bakes in, as a short digest: its
     /// destination policy ([`destinations::DestinationPolicy::fingerprint`]). The reconciler mixes it into each
-    /// Proxy's desired spec hash, so a change rolls the provider's proxies make-before-break. `None` (the default)
-    /// when nothing is baked in.
+    /// Proxy's desired spec hash, so a change rolls the provider's proxies make-before-break. `None` when nothing
+    /// is baked in.
     fn instance_fingerprint(&self) -> Option<String> {
-        None
+        self.destination_policy()?.fingerprint()
     }
 }
 

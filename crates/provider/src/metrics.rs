@@ -130,6 +130,14 @@ impl Provider for WithMetrics {
         result
     }
 
+    fn destination_policy(&self) -> Option<&crate::destinations::DestinationPolicy> {
+        self.inner.destination_policy()
+    }
+
+    fn denied_networks(&self) -> &[ipnet::IpNet] {
+        self.inner.denied_networks()
+    }
+
     fn destination_denial(
         &self,
         host: &str,

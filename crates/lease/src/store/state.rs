@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use egress_fleet::ProxyId;
 
 use super::{InMemoryLeaseStore, whole_seconds};
-use crate::{Outcomes, ProxyInfo};
+use crate::{Cooldown, Outcomes, ProxyInfo};
 
 /// A map keyed by what the store makes or an administrator names (serials, slots, proxies, tenants): foldhash,
 /// seeded per process, at a fraction of SipHash's cost on the hot path. Keys a client chooses (sites) stay on SipHash.
@@ -144,6 +144,19 @@ pub(super) struct CooldownState {
     pub(super) reporters: Vec<(String, bool)>,
     /// The end of a cooldown an administrator cleared: an older record of it (in the journal) is not restored.
     pub(super) cleared_until: Option<SystemTime>,
+}
+
+impl CooldownState {
+    /// The running cooldown of `proxy` for `target`, as the store's callers see it.
+    pub(super) fn shown(&self, proxy: &ProxyId, target: &str) -> Cooldown {
+        Cooldown {
+            proxy: proxy.clone(),
+            target: target.to_owned(),
+            until: self.until,
+            streak: self.streak,
+            reporters: self.reporters.iter().map(|(who, _)| who.clone()).collect(),
+        }
+    }
 }
 
 /// A session's proxy for one target, kept after its leases end so its next lease goes there again.
