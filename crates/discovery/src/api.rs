@@ -217,15 +217,51 @@ async fn readyz(State(state): Shared) -> Response {
     "ok".into_response()
 }
 
-/// A request's headers, moved out of it (axum's `HeaderMap` extractor copies them, on every request). No extractor
-/// after it sees any header: the body's does not look at them.
-struct Headers(HeaderMap);
+/// The scope a route's token needs, as a type: the argument of [`Authorized`].
+mod needs {
+    use crate::auth::Scope;
 
-impl<S: Send + Sync> FromRequestParts<S> for Headers {
-    type Rejection = std::convert::Infallible;
+    /// A scope a route needs.
+    pub(in crate::api) trait Needs: Send + Sync {
+        /// The least scope the token must have.
+        const SCOPE: Scope;
+    }
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(std::mem::take(&mut parts.headers)))
+    /// Routes that list.
+    pub(in crate::api) struct Read;
+    /// Routes that lease, renew, release and report.
+    pub(in crate::api) struct Lease;
+    /// Routes that change what every tenant sees.
+    pub(in crate::api) struct Admin;
+
+    impl Needs for Read {
+        const SCOPE: Scope = Scope::Read;
+    }
+    impl Needs for Lease {
+        const SCOPE: Scope = Scope::Lease;
+    }
+    impl Needs for Admin {
+        const SCOPE: Scope = Scope::Admin;
+    }
+}
+
+/// Every API route's preamble, as an extractor: the caller, its token checked for the scope `N` names and the
+/// replica's gate passed ([`authorize`]), or the problem document that refuses the request. The request's headers
+/// come with it, moved out of the request (axum's `HeaderMap` extractor copies them, on every request): the body's
+/// Content-Type is read from them, and no extractor after this one looks at any header.
+struct Authorized<N> {
+    caller: Caller,
+    headers: HeaderMap,
+    scope: std::marker::PhantomData<N>,
+}
+
+impl<N: needs::Needs> FromRequestParts<Arc<Discovery>> for Authorized<N> {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Arc<Discovery>) -> Result<Self, Self::Rejection> {
+        let headers = std::mem::take(&mut parts.headers);
+        let caller = authorize(state, &headers, N::SCOPE)?;
+        Ok(Self { caller, headers, scope: std::marker::PhantomData })
     }
 }
 

@@ -9,7 +9,7 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 
 use super::leases::{lease_problem, parse_proxy};
-use super::{Headers, Shared, authorize, parse_query, timestamp};
+use super::{Authorized, Shared, needs, parse_query, timestamp};
 use crate::ProxyId;
 use crate::auth::Scope;
 use crate::problem::Problem;
@@ -18,10 +18,9 @@ use crate::problem::Problem;
 /// those sharing its egress IP, or of every proxy) and forgets their streaks; answered once the change is kept.
 pub(super) async fn clear_cooldowns(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { .. }: Authorized<needs::Admin>,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    authorize(&state, &headers, Scope::Admin)?;
     let query = parse_query(query, &["target", "proxy"])?;
     let Some(target) = query.get("target") else {
         return Err(Problem::bad_request("give the site whose cooldowns to clear: ?target=<host or URL>"));
@@ -55,10 +54,9 @@ fn listed(cooldown: egress_lease::Cooldown) -> egress_wire::Cooldown {
 
 pub(super) async fn list_cooldowns(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { caller, .. }: Authorized<needs::Read>,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Read)?;
     let query = parse_query(query, &["target"])?;
     let cooldowns = state
         .store

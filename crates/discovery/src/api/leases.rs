@@ -16,10 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use super::proxies::proxy_url;
 use super::{
-    Caller, DEFAULT_TTL_SECONDS, Headers, MAX_TTL_SECONDS, Shared, authorize, lease_id, over_quota, parse_body,
+    Authorized, Caller, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS, Shared, lease_id, needs, over_quota, parse_body,
     timestamp,
 };
-use crate::auth::Scope;
 use crate::problem::Problem;
 use crate::{Discovery, PoolId, PoolRecord, ProxyId};
 
@@ -154,10 +153,9 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
 
 pub(super) async fn create_lease(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { caller, headers, .. }: Authorized<needs::Lease>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Lease)?;
     let body: LeaseBody = parse_body(&headers, body, false)?;
     if body.target.trim().is_empty() || body.target.len() > 2048 {
         return Err(Problem::bad_request("target must be a host name or URL of at most 2048 characters"));
@@ -322,10 +320,9 @@ pub(super) struct RenewBody {
 pub(super) async fn renew_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    Headers(headers): Headers,
+    Authorized { caller, headers, .. }: Authorized<needs::Lease>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let body: RenewBody = parse_body(&headers, body, true)?;
     let renewed = state
@@ -340,9 +337,8 @@ pub(super) async fn renew_lease(
 pub(super) async fn release_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    Headers(headers): Headers,
+    Authorized { caller, .. }: Authorized<needs::Lease>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     state.store.release(&id, caller.owner(), SystemTime::now()).await.map_err(lease_problem)?;
     Ok(StatusCode::NO_CONTENT.into_response())
@@ -445,10 +441,9 @@ pub(super) fn report_of(body: ReportBody) -> Result<Report, Problem> {
 pub(super) async fn report_lease(
     State(state): Shared,
     id: Result<Path<String>, PathRejection>,
-    Headers(headers): Headers,
+    Authorized { caller, headers, .. }: Authorized<needs::Lease>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Lease)?;
     let id = lease_id(id)?;
     let report = report_of(parse_body(&headers, body, false)?)?;
     if let Some(per_minute) = caller.quota.reports_per_minute

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use egress_lease::Selector;
 
 use super::leases::{lease_problem, resolve_pool};
-use super::{Headers, Shared, authorize, parse_query, timestamp};
+use super::{Authorized, Shared, needs, parse_query, timestamp};
 use crate::auth::Scope;
 use crate::problem::Problem;
 use crate::{ProxyId, ProxyRecord};
@@ -47,10 +47,9 @@ fn cooldown_policy(policy: egress_lease::CooldownPolicy) -> egress_wire::Cooldow
 
 pub(super) async fn list_proxies(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { caller, .. }: Authorized<needs::Read>,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Read)?;
     let query = parse_query(query, &["selector", "target", "pool"])?;
     let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
         .map_err(|error| Problem::bad_request(error.to_string()))?;

@@ -21,8 +21,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
-use super::{Headers, Shared, authorize, parse_query, timestamp};
-use crate::auth::Scope;
+use super::{Authorized, Shared, needs, parse_query, timestamp};
 use crate::metrics::StreamGuard;
 use crate::problem::Problem;
 use crate::{Discovery, Refusal};
@@ -119,10 +118,9 @@ impl Follow {
 /// `GET /v1/refusals`: the caller's tenant's live cooldowns, then its refusals as they come.
 pub(super) async fn watch_refusals(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { caller, .. }: Authorized<needs::Read>,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Read)?;
     parse_query(query, &[])?;
     // Subscribed before the snapshot is read, so a refusal between the two is sent (twice at worst), never lost.
     let receiver = state.refusals();

@@ -9,8 +9,7 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 
 use super::leases::lease_problem;
-use super::{Headers, Shared, authorize, parse_query};
-use crate::auth::Scope;
+use super::{Authorized, Shared, needs, parse_query};
 use crate::problem::Problem;
 
 /// `DELETE /v1/sessions[?session=…]`: ends the caller's session of that name, or all of its sessions: their leases
@@ -18,10 +17,9 @@ use crate::problem::Problem;
 /// forgotten, so their next leases choose afresh. Leases without a session are left alone.
 pub(super) async fn end_sessions(
     State(state): Shared,
-    Headers(headers): Headers,
+    Authorized { caller, .. }: Authorized<needs::Lease>,
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let caller = authorize(&state, &headers, Scope::Lease)?;
     let query = parse_query(query, &["session"])?;
     let session = query.get("session").map(String::as_str);
     if session.is_some_and(|session| session.is_empty() || session.len() > 256) {
