@@ -30,6 +30,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+/// What happened with a leased proxy, for [`LeaseGuard::report`]: the type the lease store and the gateway share.
+pub use egress_fleet::Outcome;
 pub use egress_fleet::ProxyId;
 pub use egress_wire::{Credentials, OwnedLease, ProxyRef};
 pub use refusals::{REFUSAL_STREAM_SILENCE, RefusalEvent, RefusalStream};
@@ -110,23 +112,6 @@ pub enum ClientError {
     /// The answer was not what the API promises.
     #[error("unexpected response: {0}")]
     Decode(String),
-}
-
-/// What happened with a leased proxy, for [`LeaseGuard::report`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// The site served the request.
-    Ok,
-    /// The site blocked the proxy: it cools down for that site, longer with each ban in a row.
-    Banned,
-    /// The site asked to slow down (429 and the like): a short cooldown for that site, for the site's own
-    /// `Retry-After` when given; the ban streak is left alone.
-    Throttled {
-        /// The site's `Retry-After`.
-        retry_after: Option<Duration>,
-    },
-    /// The request failed otherwise.
-    Failed,
 }
 
 /// What to lease.

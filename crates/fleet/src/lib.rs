@@ -9,9 +9,11 @@
 //! servers and the gateway share.
 
 pub mod errors;
+mod outcome;
 pub mod sources;
 
 pub use errors::error_chain;
+pub use outcome::Outcome;
 
 use std::fmt;
 use std::str::FromStr;

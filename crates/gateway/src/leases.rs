@@ -23,13 +23,11 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use egress_client::{
-    ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome as Reported, ProxyId, RefusalEvent,
-};
+use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome, ProxyId, RefusalEvent};
 use tokio::sync::watch;
 use tracing::{debug, info};
 
-use crate::route::{Outcome, Report, RouteRequest, Router, Upstream, Verdict};
+use crate::route::{Report, RouteRequest, Routed, Router, Upstream, Verdict};
 use crate::status::GatewayError;
 
 /// How the gateway leases.
@@ -362,7 +360,7 @@ impl LeaseRouter {
         &self,
         tenant: &str,
         lease: &LeaseGuard,
-        reported: Reported,
+        reported: Outcome,
         status: Option<u16>,
     ) -> Result<Option<String>, ClientError> {
         let refused = Arc::new(Refused::of(tenant, lease));
@@ -441,8 +439,8 @@ impl LeaseRouter {
             None => self.lease(request).await?.0,
         };
         let reported = match report {
-            Report::Banned => Reported::Banned,
-            Report::Throttled(retry_after) => Reported::Throttled { retry_after },
+            Report::Banned => Outcome::Banned,
+            Report::Throttled(retry_after) => Outcome::Throttled { retry_after },
         };
         // Reported or not, the crawler saw the site refuse it: no session of the tenant goes on through it.
         let result = self.refuse(request.tenant, &lease, reported, None).await;
@@ -647,13 +645,13 @@ impl Router for LeaseRouter {
         self.report_session(request, &session, report).await
     }
 
-    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
-        let Outcome::Answered(status, retry_after) = outcome else { return Verdict::Accepted };
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Routed) -> Verdict {
+        let Routed::Answered(status, retry_after) = outcome else { return Verdict::Accepted };
         let code = status.as_u16();
         let reported = if self.config.ban_statuses.contains(&code) {
-            Reported::Banned
+            Outcome::Banned
         } else if self.config.throttle_statuses.contains(&code) {
-            Reported::Throttled { retry_after }
+            Outcome::Throttled { retry_after }
         } else {
             return Verdict::Accepted;
         };

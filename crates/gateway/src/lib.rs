@@ -27,7 +27,7 @@ pub use leases::{LeaseRouter, LeaseRouterConfig};
 pub use metrics::GatewayMetrics;
 pub use options::{OptionError, Options};
 pub use route::{
-    Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, StaticRouter, StaticTokens, TokenRefused,
+    Authenticator, REPORT_HEADER, Report, RouteRequest, Routed, Router, StaticRouter, StaticTokens, TokenRefused,
     Upstream, Verdict,
 };
 pub use server::{Gateway, GatewayLimits};

@@ -142,7 +142,7 @@ impl Upstream {
 
 /// What came of a routed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Routed {
     /// The upstream answered a plain HTTP request with this status (and `Retry-After`, in seconds, when given).
     Answered(StatusCode, Option<Duration>),
     /// The tunnel was set up (its traffic is the client's to judge).
@@ -172,7 +172,7 @@ pub trait Router: Send + Sync + 'static {
 
     /// What came of a request routed to `upstream` (bans and throttles are reported from here), and whether the
     /// site blocked the proxy.
-    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Outcome) -> Verdict {
+    async fn outcome(&self, request: &RouteRequest<'_>, upstream: &Upstream, outcome: Routed) -> Verdict {
         let _ = (request, upstream, outcome);
         Verdict::Accepted
     }

@@ -42,7 +42,7 @@ use crate::admission::{Admission, credentials};
 use crate::autoanswer::ClientIo;
 use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
-use crate::route::{Authenticator, Outcome, REPORT_HEADER, Report, RouteRequest, Router, Upstream, Verdict};
+use crate::route::{Authenticator, REPORT_HEADER, Report, RouteRequest, Routed, Router, Upstream, Verdict};
 use crate::status::{GatewayError, full};
 use crate::tunnel::{Buffers, splice};
 use crate::upstream::{POLICY_HEADER, UpstreamConnector, open_tunnel, policy_denial};
@@ -417,18 +417,18 @@ impl Gateway {
         let (stream, leftover) = match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(error)) => {
-                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                self.router.outcome(&route, &upstream, Routed::Failed).await;
                 return Err(error);
             }
             Err(_) => {
-                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                self.router.outcome(&route, &upstream, Routed::Failed).await;
                 return Err(GatewayError::upstream_timeout(format!(
                     "proxy {} did not open the tunnel in time",
                     upstream.proxy
                 )));
             }
         };
-        self.router.outcome(&route, &upstream, Outcome::Tunnelled).await;
+        self.router.outcome(&route, &upstream, Routed::Tunnelled).await;
         let buffers = self.limits.tunnel_buffers;
         let upgrade = hyper::upgrade::on(request);
         // Kept until the tunnel closes (a lease of the tunnel's own is released then).
@@ -583,12 +583,12 @@ impl Gateway {
         let response = match answer {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
-                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                self.router.outcome(&route, &upstream, Routed::Failed).await;
                 let kind = if error.is_connect() { "connection_refused" } else { "http_response_incomplete" };
                 return Err(GatewayError::upstream(kind, format!("proxy {}: {}", upstream.proxy, error_chain(&error))));
             }
             Err(_) => {
-                self.router.outcome(&route, &upstream, Outcome::Failed).await;
+                self.router.outcome(&route, &upstream, Routed::Failed).await;
                 return Err(GatewayError::upstream_timeout(format!("proxy {} sent no answer in time", upstream.proxy)));
             }
         };
@@ -605,7 +605,7 @@ impl Gateway {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let verdict = self.router.outcome(&route, &upstream, Outcome::Answered(response.status(), retry_after)).await;
+        let verdict = self.router.outcome(&route, &upstream, Routed::Answered(response.status(), retry_after)).await;
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         identify(&mut parts.headers, &upstream);

@@ -21,6 +21,8 @@ mod target;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+/// What a crawler reports about a lease: the type the discovery client and the gateway share.
+pub use egress_fleet::Outcome;
 pub use egress_fleet::{PoolId, ProxyId};
 
 pub use id::{Claims, LeaseKey, MIN_KEY_BYTES, ShortKey};
@@ -187,24 +189,6 @@ pub struct Reported {
     pub cooldown_until: Option<SystemTime>,
     /// Every proxy whose cooldowns the report changed: the lease's, and those leaving through the same egress IP.
     pub cooled: Vec<ProxyId>,
-}
-
-/// What a crawler reports about a lease.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// The target served the request: the ban streak for (proxy, target) resets.
-    Ok,
-    /// The target blocked the proxy: (proxy, target) cools down, for longer with each ban in a row. A ban while
-    /// that cooldown runs changes it only when it comes from an owner whose ban has not counted in it yet.
-    Banned,
-    /// The target asked to slow down (429 or the like): (proxy, target) cools down briefly, for the site's own
-    /// `Retry-After` when given, without touching the ban streak.
-    Throttled {
-        /// The site's `Retry-After`.
-        retry_after: Option<Duration>,
-    },
-    /// The request failed for another reason (counted, no cooldown).
-    Failed,
 }
 
 /// One report on a lease: an outcome, counts of requests made through it since the last report, or both.
