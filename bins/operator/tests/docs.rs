@@ -253,6 +253,44 @@ fn no_production_module_glob_imports_another() {
     assert!(globs.is_empty(), "glob imports between production modules: {globs:#?}");
 }
 
+/// `docs/benchmarks.md`'s table names every benchmark `cargo xtask bench` runs, by its name and its package and
+/// target, and no other: the list in `xtask/src/bench.rs` (`BENCHES`) is the truth.
+#[test]
+fn the_benchmarks_page_lists_what_cargo_xtask_bench_runs() {
+    let source = std::fs::read_to_string(root().join("xtask/src/bench.rs")).expect("xtask/src/bench.rs");
+    let list = source.split_once("const BENCHES").expect("the BENCHES list").1;
+    let list = &list[..list.find("];").expect("the end of the BENCHES list")];
+    let quoted = |text: &str| -> Vec<String> { text.split('"').skip(1).step_by(2).map(str::to_owned).collect() };
+    let mut run: Vec<(String, String, String)> = list
+        .lines()
+        .map(str::trim)
+        .filter(|line| line.starts_with("(\""))
+        .map(|line| match quoted(line).as_slice() {
+            [name, package, target] => (name.clone(), package.clone(), target.clone()),
+            other => panic!("a BENCHES entry of three strings, not {other:?}"),
+        })
+        .collect();
+    assert!(run.len() >= 6, "only {} benchmarks read from xtask/src/bench.rs", run.len());
+    let page = std::fs::read_to_string(root().join("docs/benchmarks.md")).expect("docs/benchmarks.md");
+    let ticked = |cell: &str| -> Vec<String> { cell.split('`').skip(1).step_by(2).map(str::to_owned).collect() };
+    let table = page.split_once("| --- |").expect("the figures table").1;
+    let mut listed: Vec<(String, String, String)> = table
+        .lines()
+        .skip(1)
+        .take_while(|line| line.starts_with('|'))
+        .map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            match (ticked(cells[1]).as_slice(), ticked(cells[2]).as_slice()) {
+                ([name], [package, target]) => (name.clone(), package.clone(), target.clone()),
+                other => panic!("a row names `bench` and `package`, `target`: {line} ({other:?})"),
+            }
+        })
+        .collect();
+    run.sort();
+    listed.sort();
+    assert_eq!(listed, run, "docs/benchmarks.md's table and cargo xtask bench's list differ");
+}
+
 /// Builds the overlay `kustomization` (whose `../` entries name directories of `deploy/`) with the real
 /// `kubectl kustomize`, from a directory of its own; the error kustomize prints when it fails.
 fn kustomize_beside_deploy(kustomization: &str) -> Result<(), String> {

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta};
 use kube::core::Duration;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -470,6 +470,21 @@ impl ProxyPool {
     }
 }
 
+/// The pool a Proxy is a member of, from its metadata: the pool its [`POOL_LABEL`] names, when that pool also controls
+/// it (a controller owner reference of kind `ProxyPool` with that name); the pool's name and UID. A Proxy that only
+/// carries the label is no member: it is not leased as one, and the pool neither counts nor replaces it (its
+/// ordinal stays taken). The one definition of membership: discovery, the pool controller and its member index
+/// (which keeps the labelled Proxies, the candidates) all go by it.
+pub fn member_of(metadata: &ObjectMeta) -> Option<(&str, &str)> {
+    let pool = metadata.labels.as_ref()?.get(POOL_LABEL)?;
+    metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|owner| owner.controller == Some(true) && owner.kind == "ProxyPool" && &owner.name == pool)
+        .map(|owner| (pool.as_str(), owner.uid.as_str()))
+}
+
 /// The spread entry a member spec runs on: its provider and zone.
 pub fn slot_of(spec: &ProxySpec) -> (Option<&str>, Option<&str>) {
     (spec.provider.as_deref(), spec.placement.as_ref().and_then(|placement| placement.zone.as_deref()))
@@ -478,6 +493,32 @@ pub fn slot_of(spec: &ProxySpec) -> (Option<&str>, Option<&str>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Membership needs both the label and the named pool's controller reference; the UID comes with it.
+    #[test]
+    fn a_member_is_labelled_for_its_pool_and_controlled_by_it() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let owner = |name: &str, kind: &str, controller: Option<bool>| OwnerReference {
+            api_version: "crawl.example.com/v1alpha1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            controller,
+            ..OwnerReference::default()
+        };
+        let meta = |label: Option<&str>, owners: Vec<OwnerReference>| ObjectMeta {
+            labels: label.map(|pool| [(POOL_LABEL.to_owned(), pool.to_owned())].into()),
+            owner_references: Some(owners),
+            ..ObjectMeta::default()
+        };
+        let eu = owner("eu", "ProxyPool", Some(true));
+        assert_eq!(member_of(&meta(Some("eu"), vec![eu.clone()])), Some(("eu", "uid-eu")));
+        assert_eq!(member_of(&meta(Some("eu"), vec![])), None, "the label alone");
+        assert_eq!(member_of(&meta(None, vec![eu])), None, "the owner alone");
+        assert_eq!(member_of(&meta(Some("eu"), vec![owner("us", "ProxyPool", Some(true))])), None, "another pool");
+        assert_eq!(member_of(&meta(Some("eu"), vec![owner("eu", "ProxyPool", None)])), None, "not the controller");
+        assert_eq!(member_of(&meta(Some("eu"), vec![owner("eu", "ReplicaSet", Some(true))])), None, "another kind");
+    }
 
     fn template(provider: Option<&str>) -> ProxyTemplate {
         ProxyTemplate {

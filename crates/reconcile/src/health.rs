@@ -28,6 +28,11 @@ impl ProbeKey {
     pub fn new(namespace: &str, name: &str, endpoint: Endpoint) -> Self {
         Self { proxy: ObjectRef::new(name).within(namespace), endpoint }
     }
+
+    /// The key of `endpoint` of the Proxy `proxy`.
+    pub fn of(proxy: &egress_fleet::ProxyId, endpoint: Endpoint) -> Self {
+        Self { proxy: crate::ids::proxy_ref(proxy), endpoint }
+    }
 }
 
 /// The operator's one verdict store.
@@ -96,6 +101,6 @@ pub fn status_verdict(proxy: &Proxy, key: &ProbeKey) -> Option<CurrentVerdict> {
 
 /// The verdict for `endpoint` of `proxy`, as the state machine reads it (see [`current_verdict`]).
 pub fn verdict_of(verdicts: &ProxyVerdicts, proxy: &Proxy, endpoint: &Endpoint) -> Option<Verdict> {
-    let id = crate::ids::proxy_id(proxy);
-    current_verdict(verdicts, proxy, &ProbeKey::new(id.namespace(), id.name(), endpoint.clone())).map(Verdict::from)
+    let key = ProbeKey::of(&crate::ids::proxy_id(proxy), endpoint.clone());
+    current_verdict(verdicts, proxy, &key).map(Verdict::from)
 }

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use egress_api::pool::POOL_LABEL;
+use egress_api::pool::member_of;
 use egress_api::{Proxy, ProxyPool};
 use egress_discovery::{Discovery, PoolRecord, ProxyRecord};
 use egress_reconcile::ids::{PoolId, ProxyId, pool_id, pool_id_of, proxy_id, proxy_id_of, proxy_ref};
@@ -19,7 +19,6 @@ use egress_reconcile::{
     current_verdict, reference_of,
 };
 use futures::StreamExt;
-use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::broadcast::error::RecvError;
 use tracing::{Instrument, debug, info_span};
@@ -58,11 +57,11 @@ pub fn proxy_record(
     let endpoint = proxy.effective_endpoint()?;
     let port = u16::try_from(endpoint.port).ok()?;
     let id = proxy_id(proxy);
-    let (namespace, name) = (id.namespace(), id.name());
+    let namespace = id.namespace();
     let host = endpoint.host.trim_start_matches('[').trim_end_matches(']').to_owned();
     // The engine's verdict is the newest, ahead of the status write it triggers; without one (on a replica that does
     // not lead) the leader's, from the status.
-    let key = ProbeKey::new(namespace, name, endpoint);
+    let key = ProbeKey::of(&id, endpoint);
     let healthy = current_verdict(verdicts, proxy, &key).is_some_and(|verdict| verdict.healthy);
     let credentials =
         proxy.spec.auth.as_ref().and_then(|auth| credentials.credentials(namespace, &auth.secret_ref.name));
@@ -77,21 +76,10 @@ pub fn proxy_record(
         port,
         healthy,
         cooldowns: crate::durable::cooldowns_of(proxy),
-        pool: pool_of(proxy).map(|pool| PoolId::new(namespace, pool)),
+        pool: member_of(&proxy.metadata).map(|(pool, _)| PoolId::new(namespace, pool)),
         cooldown: Some(cooldown_policy(proxy, cooldowns)),
         id,
     })
-}
-
-/// The pool a Proxy is a member of: the one its label names, when that pool controls it (a Proxy that only
-/// carries the label is not leased as a member).
-fn pool_of(proxy: &Proxy) -> Option<&str> {
-    let pool = proxy.labels().get(POOL_LABEL)?;
-    proxy
-        .owner_references()
-        .iter()
-        .any(|owner| owner.controller == Some(true) && owner.kind == "ProxyPool" && &owner.name == pool)
-        .then_some(pool.as_str())
 }
 
 /// The record discovery keeps for a pool, or `None` for one being deleted.

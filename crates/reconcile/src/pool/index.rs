@@ -9,7 +9,9 @@ use kube::runtime::reflector::ObjectRef;
 
 use crate::feed::{GuardedPool, GuardedProxy};
 
-/// The pool a Proxy's label names (in the Proxy's namespace), valid object or not.
+/// The pool a Proxy's label names (in the Proxy's namespace), valid object or not: a candidate member, which
+/// [`egress_api::pool::member_of`] confirms or not (the index wakes a pool for every Proxy labelled for it, its
+/// own or one that took a member's name).
 pub fn pool_of(proxy: &GuardedProxy) -> Option<ObjectRef<GuardedPool>> {
     let metadata = proxy.meta();
     let name = metadata.labels.as_ref()?.get(POOL_LABEL)?;

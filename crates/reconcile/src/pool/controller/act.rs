@@ -6,7 +6,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use egress_api::pool::{POOL_LABEL, slot_of};
+use egress_api::pool::{POOL_LABEL, member_of, slot_of};
 use egress_api::proxy::CONDITION_READY;
 use egress_api::{Proxy, ProxyPool, ProxySpec, ScalingDecision, annotations};
 use egress_fleet::PoolId;
@@ -36,9 +36,7 @@ pub(super) fn members(pool: &ProxyPool, namespace: &str, context: &PoolContext) 
     let mut foreign = BTreeSet::new();
     for name in names {
         let Some(object) = context.proxies.get(&ObjectRef::new(&name).within(namespace)) else { continue };
-        let controlled = object.meta().owner_references.iter().flatten().any(|owner| {
-            owner.controller == Some(true) && Some(owner.uid.as_str()) == uid && owner.kind == "ProxyPool"
-        });
+        let controlled = member_of(object.meta()).is_some_and(|(_, owner)| Some(owner) == uid);
         match (&object.0, controlled) {
             (Ok(proxy), true) => owned.push(Arc::new(proxy.clone())),
             _ => {
@@ -412,9 +410,10 @@ pub(super) async fn act(
             Err(kube::Error::Api(status)) if status.code == 409 => {
                 // Made by an earlier pass whose write the store does not show yet, or a Proxy somebody else owns.
                 let existing = api.get_opt(&member_name).await?;
-                let ours = existing.as_ref().is_some_and(|proxy| {
-                    proxy.owner_references().iter().any(|owner| Some(&owner.uid) == pool.metadata.uid.as_ref())
-                });
+                let ours = existing
+                    .as_ref()
+                    .and_then(|proxy| member_of(&proxy.metadata))
+                    .is_some_and(|(_, owner)| Some(owner) == pool.metadata.uid.as_deref());
                 if ours {
                     acted.expected.push(Expectation::Present(member_name));
                 } else {
