@@ -17,14 +17,18 @@
 //! proxy replaced moves the session to the new instance. A request without a session takes a lease of its own,
 //! held until its answer (or its tunnel) ends, so consecutive requests rotate: the store hands out the least-loaded
 //! proxy, ties to the least recently leased.
+//!
+//! Every time here is read from tokio's clock, so `tests/router.rs` drives stickiness, renewals, the echo window and
+//! waits for a proxy on a paused clock, in milliseconds.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use egress_client::{ClientError, DiscoveryClient, LeaseGuard, LeaseOptions, Outcome, ProxyId, RefusalEvent};
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{debug, info};
 
 use crate::route::{Report, RouteRequest, Routed, Router, Upstream, Verdict};
@@ -271,7 +275,7 @@ impl LeaseRouter {
             options = options.provider(provider.clone());
         }
         let client = self.client(request.token, request.tenant)?;
-        let deadline = tokio::time::Instant::now() + self.config.max_wait;
+        let deadline = Instant::now() + self.config.max_wait;
         let lease = loop {
             match client.lease(options.clone()).await {
                 Ok(lease) => {
@@ -297,7 +301,7 @@ impl LeaseRouter {
                 Err(
                     ClientError::Unavailable { retry_after: Some(wait), .. }
                     | ClientError::Conflict { retry_after: Some(wait), .. },
-                ) if tokio::time::Instant::now() + wait <= deadline => {
+                ) if Instant::now() + wait <= deadline => {
                     debug!(host = request.host, ?wait, "no proxy can take the request yet; waiting");
                     tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
                 }
