@@ -12,6 +12,10 @@
 //! Stopping is two steps: [`Gateway::serve`]'s `shutdown` stops accepting and asks every client connection to close
 //! once its request in flight is answered; [`Gateway::drain`] then waits for the answers still streaming and the
 //! tunnels still open, up to a deadline.
+//!
+//! This module serves connections and holds the slots; each kind of request is a child's: `authenticate` (who a
+//! request is from), `forward` (plain requests), `connect` (tunnels) and `report` (the gateway's own
+//! `POST /report` and the crawler's `X-Egress-Report`).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -23,38 +27,39 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::uri::Scheme;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Version, header};
+use http::{HeaderValue, Method, Request, Response, header};
 use http_body_util::BodyExt;
-use hyper::body::{Body as _, Bytes, Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use hyper::body::{Bytes, Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tracing::{Instrument, debug};
 
-use egress_fleet::error_chain;
 use egress_fleet::sources::SourceSlot;
 
 use crate::Body;
-use crate::admission::{Admission, credentials};
+use crate::admission::Admission;
 use crate::autoanswer::ClientIo;
 use crate::metrics::{GatewayMetrics, status_class};
 use crate::options::Options;
-use crate::route::{Authenticator, REPORT_HEADER, Report, RouteRequest, Routed, Router, Upstream, Verdict};
-use crate::status::{GatewayError, full};
-use crate::tunnel::{Buffers, splice};
-use crate::upstream::{POLICY_HEADER, UpstreamConnector, open_tunnel, policy_denial};
+use crate::route::{Authenticator, Report, Router};
+use crate::status::GatewayError;
+use crate::tunnel::Buffers;
+use forward::UpstreamClient;
+use report::reported;
+
+mod authenticate;
+mod connect;
+mod forward;
+mod report;
+
+pub use report::REPORT_PATH;
 
 /// The answer header naming the proxy a request went through (`namespace/name`).
 pub const PROXY_HEADER: &str = "x-egress-proxy";
 
 /// The answer header naming the lease a request went under.
 pub const LEASE_HEADER: &str = "x-egress-lease";
-
-/// The path of the gateway's own report endpoint.
-pub const REPORT_PATH: &str = "/report";
 
 /// The gateway's limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,8 +103,6 @@ impl Default for GatewayLimits {
         }
     }
 }
-
-type UpstreamClient = Client<UpstreamConnector, Body>;
 
 /// The gateway: a router, an authenticator, limits, and the connection pools to upstreams.
 pub struct Gateway {
@@ -355,284 +358,6 @@ impl Gateway {
             }
         }
     }
-
-    /// The tenant, token and options of a request's credentials; a connection that shows a valid token leaves the
-    /// unauthenticated ones. An address out of wrong tokens to send is told to wait, its credentials unchecked.
-    fn authenticate(&self, headers: &HeaderMap, peer: &Peer) -> Result<(String, String, Options), GatewayError> {
-        let offered = headers.contains_key(header::PROXY_AUTHORIZATION);
-        let now = std::time::Instant::now();
-        if offered && let Some(wait) = self.admission.throttled(peer.source, now) {
-            self.metrics.throttled_credentials();
-            return Err(GatewayError::quota(
-                "this address sent too many wrong tokens; its credentials are checked again after Retry-After",
-                Some(wait.max(Duration::from_secs(1))),
-            ));
-        }
-        match credentials(headers, self.auth.as_ref()) {
-            Ok(found) => {
-                peer.unauthenticated.release();
-                Ok(found)
-            }
-            Err(error) => {
-                if offered && error.status == http::StatusCode::PROXY_AUTHENTICATION_REQUIRED {
-                    self.admission.failed(peer.source, now);
-                }
-                Err(error)
-            }
-        }
-    }
-
-    async fn tunnel(
-        &self,
-        request: Request<Incoming>,
-        who: Who<'_>,
-        tenant_slot: TenantSlot,
-    ) -> Result<Response<Body>, GatewayError> {
-        let authority = request
-            .uri()
-            .authority()
-            .filter(|authority| request.uri().scheme().is_none() && authority.port_u16().is_some_and(|port| port != 0))
-            .cloned()
-            .ok_or_else(|| GatewayError::bad_request("CONNECT takes host:port, with a port from 1 to 65535"))?;
-        let port = authority.port_u16().unwrap_or_default();
-        tracing::Span::current().record("host", authority.host());
-        // The tunnel outlives the client connection's slot (which is given back once the connection is upgraded).
-        let slot = self.slots.clone().try_acquire_owned().map_err(|_| {
-            self.metrics.refused_connection();
-            GatewayError::busy("the gateway has as many connections and tunnels open as it takes")
-        })?;
-        let route = RouteRequest {
-            tenant: who.tenant,
-            token: who.token,
-            host: authority.host(),
-            port,
-            options: who.options,
-            connect: true,
-            report: who.report,
-        };
-        let upstream = self.router.route(&route).await?;
-        tracing::Span::current().record("proxy", upstream.proxy.as_str());
-        let opened =
-            tokio::time::timeout(self.limits.connect_timeout, open_tunnel(&upstream, authority.as_str())).await;
-        let (stream, leftover) = match opened {
-            Ok(Ok(opened)) => opened,
-            Ok(Err(error)) => {
-                self.router.outcome(&route, &upstream, Routed::Failed).await;
-                return Err(error);
-            }
-            Err(_) => {
-                self.router.outcome(&route, &upstream, Routed::Failed).await;
-                return Err(GatewayError::upstream_timeout(format!(
-                    "proxy {} did not open the tunnel in time",
-                    upstream.proxy
-                )));
-            }
-        };
-        self.router.outcome(&route, &upstream, Routed::Tunnelled).await;
-        let buffers = self.limits.tunnel_buffers;
-        let upgrade = hyper::upgrade::on(request);
-        // Kept until the tunnel closes (a lease of the tunnel's own is released then).
-        let hold = upstream.hold.clone();
-        let revoked = upstream.clone();
-        let mut gauge = self.metrics.tunnel(who.tenant, &upstream.proxy);
-        tokio::spawn(async move {
-            let _hold = hold;
-            let _slot = slot;
-            let _tenant_slot = tenant_slot;
-            let upgraded = match upgrade.await {
-                Ok(upgraded) => upgraded,
-                Err(error) => {
-                    debug!(%error, "the client left before its tunnel opened");
-                    return;
-                }
-            };
-            // The client's own TCP stream, out of hyper's wrapping (a boxed stream behind a buffer of what was read
-            // past the CONNECT head, behind the rewriting of hyper's own answers, which a tunnel never needs): each
-            // read and write of the tunnel goes through three layers fewer.
-            match upgraded.downcast::<TokioIo<ClientIo<TcpStream>>>() {
-                Ok(parts) => {
-                    let client = parts.io.into_inner().into_inner();
-                    carry(client, &parts.read_buf, stream, &leftover, buffers, &revoked, &mut gauge).await;
-                }
-                Err(upgraded) => {
-                    carry(TokioIo::new(upgraded), &[], stream, &leftover, buffers, &revoked, &mut gauge).await;
-                }
-            }
-        });
-        let mut response = Response::new(full(Bytes::new()));
-        // What proxies (and RFC 9110's examples) answer a CONNECT with, and what the docs show.
-        response.extensions_mut().insert(hyper::ext::ReasonPhrase::from_static(b"Connection established"));
-        identify(response.headers_mut(), &upstream);
-        Ok(response)
-    }
-
-    /// A request to the gateway itself (origin form): `POST /report?target=<host>` with `X-Egress-Report`, which
-    /// reports the session's proxy for that site without sending anything through it.
-    async fn own(&self, request: &Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
-        if request.uri().path() != REPORT_PATH {
-            return Err(GatewayError::bad_request(format!(
-                "the gateway forwards absolute http:// URLs (and CONNECT for https://); the only request to the \
-                 gateway itself is POST {REPORT_PATH}, not {} {}",
-                request.method(),
-                request.uri().path()
-            )));
-        }
-        if request.method() != Method::POST {
-            return Err(GatewayError::bad_request(format!("{REPORT_PATH} takes POST, not {}", request.method())));
-        }
-        let target = report_target(request.uri().query().unwrap_or_default())?;
-        let report = who.report.ok_or_else(|| {
-            GatewayError::bad_request(format!(
-                "POST {REPORT_PATH} takes {REPORT_HEADER}: banned, or throttled[; retry-after=<seconds>]"
-            ))
-        })?;
-        tracing::Span::current().record("host", target.host());
-        let route = RouteRequest {
-            tenant: who.tenant,
-            token: who.token,
-            host: target.host(),
-            port: target.port_u16().unwrap_or(443),
-            options: who.options,
-            connect: false,
-            report: None,
-        };
-        let proxy = self.router.report(&route, report).await?;
-        tracing::Span::current().record("proxy", proxy.as_str());
-        let body = serde_json::json!({ "proxy": proxy, "target": target.host() }).to_string();
-        let mut response = Response::new(full(Bytes::from(body)));
-        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Ok(value) = HeaderValue::from_str(&proxy) {
-            response.headers_mut().insert(PROXY_HEADER, value);
-        }
-        Ok(response)
-    }
-
-    async fn forward(&self, request: Request<Incoming>, who: Who<'_>) -> Result<Response<Body>, GatewayError> {
-        let uri = request.uri().clone();
-        if uri.scheme() != Some(&Scheme::HTTP) {
-            return Err(GatewayError::bad_request(
-                "the gateway forwards absolute http:// URLs; send https:// through CONNECT (any HTTPS-capable client does)",
-            ));
-        }
-        let host = uri
-            .host()
-            .filter(|host| !host.is_empty())
-            .ok_or_else(|| GatewayError::bad_request("the URL has no host"))?;
-        if uri.port_u16() == Some(0) {
-            return Err(GatewayError::bad_request("the URL's port is 0"));
-        }
-        tracing::Span::current().record("host", host);
-        let route = RouteRequest {
-            tenant: who.tenant,
-            token: who.token,
-            host,
-            port: uri.port_u16().unwrap_or(80),
-            options: who.options,
-            connect: false,
-            report: who.report,
-        };
-        let (mut parts, body) = request.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
-        // The report is the gateway's to act on, not the site's to see.
-        parts.headers.remove(REPORT_HEADER);
-        parts.version = Version::HTTP_11;
-        // Tried again elsewhere only when sending it twice cannot do anything twice, and there is no body to keep.
-        let retryable = self.limits.retries > 0 && is_idempotent(&parts.method) && body.is_end_stream();
-        let mut body = Some(body.boxed());
-        let mut blocked: Option<Response<Body>> = None;
-        for attempt in 0..=self.limits.retries {
-            let upstream = match self.router.route(&route).await {
-                Ok(upstream) => upstream,
-                // No other proxy to try: the site's answer it is.
-                Err(_) if blocked.is_some() => break,
-                Err(error) => return Err(error),
-            };
-            let mut head = Request::new(body.take().unwrap_or_else(|| full(Bytes::new())));
-            *head.method_mut() = parts.method.clone();
-            *head.uri_mut() = parts.uri.clone();
-            *head.version_mut() = Version::HTTP_11;
-            *head.headers_mut() = parts.headers.clone();
-            if let Some(authorization) = &upstream.authorization {
-                head.headers_mut().insert(header::PROXY_AUTHORIZATION, authorization.clone());
-            }
-            let (response, verdict) = self.send(&route, upstream, head).await?;
-            if verdict == Verdict::Accepted || !retryable || attempt == self.limits.retries {
-                return Ok(response);
-            }
-            debug!(host = route.host, attempt, "the site blocked the proxy; trying another");
-            self.metrics.retried(who.tenant);
-            blocked = Some(response);
-        }
-        blocked.ok_or_else(|| GatewayError::internal("no attempt was made"))
-    }
-
-    /// Sends one request through `upstream`; returns the answer to pass on, and what the router made of it.
-    async fn send(
-        &self,
-        route: &RouteRequest<'_>,
-        upstream: Upstream,
-        request: Request<Body>,
-    ) -> Result<(Response<Body>, Verdict), GatewayError> {
-        let route = *route;
-        tracing::Span::current().record("proxy", upstream.proxy.as_str());
-        let client = self.client(&upstream);
-        self.metrics.proxied(&upstream.proxy, "plain");
-        let answer =
-            tokio::time::timeout(self.limits.connect_timeout.max(Duration::from_secs(60)), client.request(request))
-                .await;
-        let response = match answer {
-            Ok(Ok(response)) => response,
-            Ok(Err(error)) => {
-                self.router.outcome(&route, &upstream, Routed::Failed).await;
-                let kind = if error.is_connect() { "connection_refused" } else { "http_response_incomplete" };
-                return Err(GatewayError::upstream(kind, format!("proxy {}: {}", upstream.proxy, error_chain(&error))));
-            }
-            Err(_) => {
-                self.router.outcome(&route, &upstream, Routed::Failed).await;
-                return Err(GatewayError::upstream_timeout(format!("proxy {} sent no answer in time", upstream.proxy)));
-            }
-        };
-        // The proxy's own refusal (its destination policy), not the site's: no ban to report, nothing to retry.
-        if response.status() == http::StatusCode::FORBIDDEN
-            && let Some(policy) = response.headers().get(POLICY_HEADER)
-        {
-            let policy = String::from_utf8_lossy(policy.as_bytes()).into_owned();
-            return Err(policy_denial(&upstream.proxy, route.host, Some(policy)));
-        }
-        let retry_after = response
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let verdict = self.router.outcome(&route, &upstream, Routed::Answered(response.status(), retry_after)).await;
-        let (mut parts, body) = response.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
-        identify(&mut parts.headers, &upstream);
-        let body = match upstream.hold {
-            Some(hold) => Holding { inner: body.boxed(), _hold: hold }.boxed(),
-            None => body.boxed(),
-        };
-        Ok((Response::from_parts(parts, body), verdict))
-    }
-
-    /// The pooled client for `upstream`.
-    fn client(&self, upstream: &Upstream) -> UpstreamClient {
-        let mut clients = self.clients.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        clients
-            .entry(upstream.address.clone())
-            .or_insert_with(|| {
-                let connector = UpstreamConnector {
-                    address: upstream.address.clone().into(),
-                    timeout: self.limits.connect_timeout,
-                };
-                Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_timer(TokioTimer::new())
-                    .build(connector)
-            })
-            .clone()
-    }
 }
 
 /// Who sent a request and what its user name asked for.
@@ -664,128 +389,5 @@ impl hyper::body::Body for Holding {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// Removes the headers that belong to one hop: the standard ones and those `Connection` names.
-/// The `X-Egress-Report` of a request, which takes a session to report on.
-fn reported(headers: &HeaderMap, options: &Options) -> Result<Option<Report>, GatewayError> {
-    let Some(value) = headers.get(REPORT_HEADER) else { return Ok(None) };
-    let value = value.to_str().map_err(|_| GatewayError::bad_request(format!("{REPORT_HEADER} is not ASCII")))?;
-    let report = Report::parse(value).map_err(GatewayError::bad_request)?;
-    if options.session.is_none() {
-        return Err(GatewayError::bad_request(format!(
-            "{REPORT_HEADER} reports the proxy of a session: put session-<id> in the proxy user name"
-        )));
-    }
-    Ok(Some(report))
-}
-
-/// The site of a `POST /report`: its `target=` query parameter, a host or `host:port` (percent-encoded or not).
-fn report_target(query: &str) -> Result<http::uri::Authority, GatewayError> {
-    let value = query.split('&').find_map(|pair| pair.strip_prefix("target=")).ok_or_else(|| {
-        GatewayError::bad_request(format!("POST {REPORT_PATH} takes ?target=<host> (the site refused)"))
-    })?;
-    let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy().into_owned();
-    value
-        .parse::<http::uri::Authority>()
-        .ok()
-        .filter(|target| !target.host().is_empty() && !target.as_str().contains('@') && target.port_u16() != Some(0))
-        .ok_or_else(|| GatewayError::bad_request(format!("the report's target {value:?} is not a host or host:port")))
-}
-
-/// Whether sending a request with `method` twice has the effect of sending it once (RFC 9110, 9.2.2).
-fn is_idempotent(method: &Method) -> bool {
-    matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE)
-}
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in listed {
-        headers.remove(name);
-    }
-    for name in [
-        header::CONNECTION,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-}
-
-/// Adds the headers naming the proxy and lease a request went through.
-fn identify(headers: &mut HeaderMap, upstream: &Upstream) {
-    if let Ok(proxy) = HeaderValue::from_str(&upstream.proxy) {
-        headers.insert(PROXY_HEADER, proxy);
-    }
-    if let Some(lease) = upstream.lease.as_deref().and_then(|lease| HeaderValue::from_str(lease).ok()) {
-        headers.insert(LEASE_HEADER, lease);
-    }
-}
-
-/// Carries a tunnel between `client` and the proxy's `upstream` until either side ends it or the site refuses the
-/// proxy: first what the client sent past its CONNECT head (`early`) and what the proxy sent past its answer
-/// (`leftover`), then both ways.
-async fn carry<C>(
-    mut client: C,
-    early: &[u8],
-    mut upstream: TcpStream,
-    leftover: &[u8],
-    buffers: Buffers,
-    revoked: &Upstream,
-    gauge: &mut crate::metrics::TunnelGauge,
-) where
-    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    if !early.is_empty() && upstream.write_all(early).await.is_err() {
-        return;
-    }
-    if !leftover.is_empty() && client.write_all(leftover).await.is_err() {
-        return;
-    }
-    tokio::select! {
-        copied = splice(&mut client, &mut upstream, buffers) => match copied {
-            Ok((up, down)) => gauge.carried(up, down),
-            Err(error) => debug!(%error, "tunnel ended with an error"),
-        },
-        () = revoked.revocation() => {
-            debug!(proxy = %revoked.proxy, "closing a tunnel: its proxy was refused by the site");
-            gauge.revoked();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_are_dropped() {
-        let mut headers = HeaderMap::new();
-        for (name, value) in [
-            ("connection", "keep-alive, x-private"),
-            ("x-private", "1"),
-            ("keep-alive", "timeout=5"),
-            ("proxy-connection", "keep-alive"),
-            ("proxy-authorization", "Basic abc"),
-            ("te", "trailers"),
-            ("accept", "*/*"),
-        ] {
-            headers.append(name, HeaderValue::from_static(value));
-        }
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.keys().map(HeaderName::as_str).collect::<Vec<_>>(), ["accept"]);
     }
 }
