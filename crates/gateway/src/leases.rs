@@ -48,9 +48,10 @@ pub struct LeaseRouterConfig {
     pub ban_statuses: Vec<u16>,
     /// Upstream statuses reported as a throttle (with the answer's `Retry-After`).
     pub throttle_statuses: Vec<u16>,
-    /// How long a request waits for a proxy when none can take it now but one can within this (every proxy cooling
-    /// down for the site, or at its cap, or a pool waking, with a `Retry-After` inside it): a crawler that knows only
-    /// a proxy URL cannot be expected to read the gateway's 503 and wait. Zero answers 503 at once.
+    /// How long a request waits for a proxy when none can take it now: every proxy at its cap (asking again after
+    /// 50 ms, doubling to 1 s, since any lease ending frees a slot), or cooling down for the site or a pool waking
+    /// with a `Retry-After` inside it. A crawler that knows only a proxy URL cannot be expected to read the
+    /// gateway's 503 and wait. Zero answers 503 at once.
     pub max_wait: Duration,
 }
 
@@ -82,6 +83,13 @@ struct SessionKey {
     provider: Option<String>,
     selector: Option<String>,
 }
+
+/// The discovery API's reason for a lease refused because every matching proxy is at its cap.
+const AT_CAPACITY: &str = "all-at-capacity";
+
+/// How soon a request waiting for a slot at the cap asks again at first; the pause doubles up to [`MAX_CAP_POLL`].
+const FIRST_CAP_POLL: Duration = Duration::from_millis(50);
+const MAX_CAP_POLL: Duration = Duration::from_secs(1);
 
 /// How long after a session left a proxy a report with no lease held since is taken for an echo of the refusal
 /// that made it leave: long enough for the requests in flight through the proxy then to be answered.
@@ -276,6 +284,7 @@ impl LeaseRouter {
         }
         let client = self.client(request.token, request.tenant)?;
         let deadline = Instant::now() + self.config.max_wait;
+        let mut cap_poll = FIRST_CAP_POLL;
         let lease = loop {
             match client.lease(options.clone()).await {
                 Ok(lease) => {
@@ -297,6 +306,16 @@ impl LeaseRouter {
                             Some(Duration::from_secs(1)),
                         ));
                     }
+                }
+                // At the cap a slot frees whenever a lease on a matching proxy ends, and a request without a
+                // session ends its own with its answer: the API's Retry-After (the first lease's expiry, up to the
+                // lease TTL) is only the latest one frees, so the request asks again soon, then less often.
+                Err(ClientError::Unavailable { reason, retry_after, .. })
+                    if reason == AT_CAPACITY && Instant::now() + cap_poll <= deadline =>
+                {
+                    debug!(host = request.host, ?cap_poll, "every proxy is at its cap; asking again");
+                    tokio::time::sleep(retry_after.map_or(cap_poll, |after| after.min(cap_poll))).await;
+                    cap_poll = (cap_poll * 2).min(MAX_CAP_POLL);
                 }
                 Err(
                     ClientError::Unavailable { retry_after: Some(wait), .. }
