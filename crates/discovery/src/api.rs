@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use crate::Discovery;
 use crate::auth::{Auth, Identity, Scope};
 use crate::problem::Problem;
+use crate::server::MAX_BODY_BYTES;
 
 mod cooldowns;
 mod leases;
@@ -31,9 +32,6 @@ use proxies::list_proxies;
 pub mod openapi;
 
 pub use refusals::HEARTBEAT;
-
-/// The largest request body accepted.
-pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// The longest lease a request may ask for, in seconds.
 const MAX_TTL_SECONDS: u64 = 3600;

@@ -19,8 +19,8 @@ use http::header;
 use http_body_util::{BodyExt, Full};
 
 use crate::Discovery;
-use crate::api::MAX_BODY_BYTES;
 use crate::problem::Problem;
+use crate::server::MAX_BODY_BYTES;
 
 /// Where this replica's requests go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

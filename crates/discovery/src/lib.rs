@@ -30,14 +30,14 @@ use tracing::{debug, info, warn};
 
 pub use egress_fleet::{PoolDemand, PoolId, ProxyCredentials, ProxyId};
 
-pub use api::{HEARTBEAT as REFUSAL_HEARTBEAT, MAX_BODY_BYTES, openapi};
+pub use api::{HEARTBEAT as REFUSAL_HEARTBEAT, openapi};
 pub use auth::{Auth, Identity, Quota, Scope, TokenEntry, TokenFile, TokenFileError};
 pub use journal::{CooldownJournal, MAX_PERSISTED_COOLDOWNS};
 pub use metrics::DiscoveryMetrics;
 pub use problem::Problem;
 pub use server::{
-    Authenticated, DEFAULT_MAX_HEADER_BYTES, LISTEN_BACKLOG, ServerLimits, ServerMetrics, Streamed, bind, serve,
-    serve_with,
+    Authenticated, DEFAULT_MAX_HEADER_BYTES, LISTEN_BACKLOG, MAX_BODY_BYTES, ServerLimits, ServerMetrics, Streamed,
+    bind, serve, serve_with,
 };
 
 /// One proxy as the discovery API shows it.
@@ -118,6 +118,27 @@ impl ProxyRecord {
     pub fn endpoint(&self) -> String {
         egress_fleet::authority(&self.host, self.port)
     }
+
+    /// Its proxy URL; with its credentials only when `credentials` (the caller holds a lease on it, or is an
+    /// admin), each percent-encoded as a URL userinfo part.
+    pub fn url(&self, credentials: bool) -> String {
+        match &self.credentials {
+            Some(found) if credentials => {
+                let (user, password) = (userinfo(&found.username), userinfo(found.password.expose()));
+                format!("http://{user}:{password}@{}", self.endpoint())
+            }
+            _ => format!("http://{}", self.endpoint()),
+        }
+    }
+}
+
+/// Everything but RFC 3986's unreserved characters, which a URL userinfo part carries as they are.
+const NOT_UNRESERVED: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+/// Percent-encodes a URL userinfo part.
+fn userinfo(text: &str) -> String {
+    percent_encoding::utf8_percent_encode(text, NOT_UNRESERVED).to_string()
 }
 
 /// Why the server refuses to serve leases at the moment (for example: this replica is not the leader).
@@ -496,5 +517,16 @@ pub async fn run_expiry(state: Arc<Discovery>, interval: Duration, shutdown: imp
     tokio::select! {
         () = rounds => {}
         () = shutdown => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::userinfo;
+
+    #[test]
+    fn userinfo_is_percent_encoded() {
+        assert_eq!(userinfo("crawler"), "crawler");
+        assert_eq!(userinfo("p@ss:w/rd %"), "p%40ss%3Aw%2Frd%20%25");
     }
 }

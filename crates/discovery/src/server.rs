@@ -42,8 +42,10 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
-use crate::api::MAX_BODY_BYTES;
 use crate::problem::Problem;
+
+/// The largest request body any route takes: the server refuses a larger one before a route sees it.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// The default limit of a request head: far above any real client's, far below what fills memory.
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;

@@ -14,7 +14,6 @@ use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::proxies::proxy_url;
 use super::{
     Authorized, Caller, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS, Shared, lease_id, needs, over_quota, parse_body,
     timestamp,
@@ -135,7 +134,7 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
             name: Cow::Borrowed(record.id.name()),
             host: Cow::Borrowed(&record.host),
             port: record.port,
-            url: Cow::Owned(proxy_url(record, true)),
+            url: Cow::Owned(record.url(true)),
             credentials: record.credentials.as_ref().map(|credentials| egress_wire::Credentials {
                 username: Cow::Borrowed(&credentials.username),
                 password: Cow::Borrowed(credentials.password.expose()),

@@ -16,26 +16,6 @@ use crate::auth::Scope;
 use crate::problem::Problem;
 use crate::{ProxyId, ProxyRecord};
 
-/// Everything but RFC 3986's unreserved characters, which a URL userinfo part carries as they are.
-pub(super) const NOT_UNRESERVED: &percent_encoding::AsciiSet =
-    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
-
-/// Percent-encodes a URL userinfo part.
-pub(super) fn userinfo(text: &str) -> String {
-    percent_encoding::utf8_percent_encode(text, NOT_UNRESERVED).to_string()
-}
-
-/// The proxy URL; with credentials only when `credentials` (the caller holds a lease on it, or is an admin).
-pub(super) fn proxy_url(record: &ProxyRecord, credentials: bool) -> String {
-    match &record.credentials {
-        Some(found) if credentials => {
-            let (user, password) = (userinfo(&found.username), userinfo(found.password.expose()));
-            format!("http://{user}:{password}@{}", record.endpoint())
-        }
-        _ => format!("http://{}", record.endpoint()),
-    }
-}
-
 /// A lease store's cooldown policy as the API lists it.
 fn cooldown_policy(policy: egress_lease::CooldownPolicy) -> egress_wire::CooldownPolicy {
     egress_wire::CooldownPolicy {
@@ -85,7 +65,7 @@ pub(super) async fn list_proxies(
             name: record.id.name().to_owned(),
             host: record.host.clone(),
             port: record.port,
-            url: proxy_url(record, credentials(record)),
+            url: record.url(credentials(record)),
             egress_ip: record.egress_ip.clone(),
             labels: record.labels.clone(),
             zone: record.zone.clone(),
@@ -100,15 +80,4 @@ pub(super) async fn list_proxies(
         })
         .collect();
     Ok(Json(egress_wire::ProxyList { proxies }).into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn userinfo_is_percent_encoded() {
-        assert_eq!(userinfo("crawler"), "crawler");
-        assert_eq!(userinfo("p@ss:w/rd %"), "p%40ss%3Aw%2Frd%20%25");
-    }
 }

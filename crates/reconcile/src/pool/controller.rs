@@ -26,6 +26,7 @@ use crate::ids::pool_id;
 
 mod act;
 mod context;
+mod slots;
 mod status;
 
 use act::apply;

@@ -20,6 +20,7 @@ use tracing::{debug, info};
 use super::super::decide::{AutoscaleFacts, Demand, Member, PoolDecision, PoolFacts, Slot, decide_pool};
 use super::super::metrics::PoolCounts;
 use super::context::{AFTER_ACTING, Expectation, POOL_FIELD_MANAGER, PoolContext, TEMPLATE_LABELS_ANNOTATION};
+use super::slots::{SlotSpec, slot_specs};
 use super::status::{failed_members, pool_status, provisioning_seconds};
 use crate::Error;
 use crate::feed::GuardedPool;
@@ -83,35 +84,6 @@ pub(super) fn is_replacing(proxy: &Proxy) -> bool {
                 instance.spec_hash != proxy.desired_spec_hash_with(instance.provider_fingerprint.as_deref())
             })
     })
-}
-
-/// The member spec one spread entry asks for, and the provider and zone that tell its members apart.
-pub(super) struct SlotSpec {
-    pub(super) spec: ProxySpec,
-    pub(super) provider: Option<String>,
-    pub(super) zone: Option<String>,
-}
-
-impl SlotSpec {
-    /// Whether a member with `spec` runs where this entry asks.
-    pub(super) fn holds(&self, spec: &ProxySpec) -> bool {
-        let (provider, zone) = slot_of(spec);
-        self.provider.as_deref() == provider && self.zone.as_deref() == zone
-    }
-}
-
-/// The member spec each spread entry asks for.
-pub(super) fn slot_specs(pool: &ProxyPool) -> Vec<SlotSpec> {
-    pool.spec
-        .slots()
-        .iter()
-        .map(|slot| {
-            let spec = pool.spec.member_spec(slot);
-            let (provider, zone) = slot_of(&spec);
-            let (provider, zone) = (provider.map(str::to_owned), zone.map(str::to_owned));
-            SlotSpec { spec, provider, zone }
-        })
-        .collect()
 }
 
 pub(super) async fn apply(

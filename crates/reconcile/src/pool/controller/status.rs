@@ -10,7 +10,7 @@ use kube::ResourceExt;
 
 use super::super::decide::{Member, PoolDecision, PoolFacts};
 use super::super::metrics::PoolCounts;
-use super::act::SlotSpec;
+use super::slots::SlotSpec;
 use crate::status::{ConditionSpec, merge_conditions, system_time};
 
 /// Per spread entry, the median time its Ready members took from creation to Ready, in seconds.
