@@ -6,9 +6,9 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use egress_api::pool::{POOL_LABEL, member_of, slot_of};
+use egress_api::pool::{POOL_LABEL, member_of};
 use egress_api::proxy::CONDITION_READY;
-use egress_api::{Proxy, ProxyPool, ProxySpec, ScalingDecision, annotations};
+use egress_api::{Proxy, ProxyPool, ScalingDecision, annotations};
 use egress_fleet::PoolId;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
