@@ -257,13 +257,15 @@ async fn a_second_report_is_an_echo_inside_the_window_and_news_after_it() {
 /// With every proxy at its cap, a request waits for a slot to free (any lease ending frees one), not for the
 /// discovery API's `Retry-After`, which at the cap is the first lease's expiry (up to the TTL, 120 s by default, past
 /// any `max_wait`): it asks again after 50 ms, doubling to 1 s, takes the slot within a second of its release, and
-/// is told the fleet is busy once `max_wait` has run out.
+/// is told the fleet is busy once `max_wait` has run out. The slot is held through one gateway replica and waited
+/// for at another, as the two replicas `deploy/default` ships share one fleet.
 #[tokio::test(start_paused = true)]
 async fn a_request_at_the_cap_waits_for_a_slot_to_free_within_max_wait() {
     let fleet = Fleet::start(vec![record(1, 1, true)]).await;
+    let replica = fleet.router(|config| LeaseRouterConfig { max_wait: Duration::from_secs(10), ..config });
     let router = fleet.router(|config| LeaseRouterConfig { max_wait: Duration::from_secs(10), ..config });
     let rotating = Ask::new("", "a.test");
-    let holding = rotating.route(&router).await;
+    let holding = rotating.route(&replica).await;
     let started = Instant::now();
     let waiting = {
         let router = router.clone();
