@@ -1,8 +1,8 @@
 //! `cargo xtask test`: everything CI runs, in the order that fails fastest.
 //!
-//! Set-up first (Debian packages; the control-plane binaries and helm, the Python client's venv, the Node client's
-//! modules and the kvm boot test's guest image are made beside the Rust build), then formatting, lints, the CRD drift
-//! check and the operator's OCI image (`cargo xtask image`), then every test in the workspace, which needs the
+//! Set-up first (Debian packages; the control-plane binaries and helm, the Python client's venv and moto's, the Node
+//! client's modules and the kvm boot test's guest image are made beside the Rust build), then formatting, lints, the
+//! CRD drift check and the operator's OCI image (`cargo xtask image`), then every test in the workspace, which needs the
 //! control plane, inside a network namespace with a pod network (see [`crate::podnet`]); last, when no test filter
 //! was given, `cargo xtask quickstart --exit`, then a quickstart stopped with SIGTERM; and at the very end, a check
 //! that no process, network namespace or temp entry the run made is left.
@@ -24,12 +24,15 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     let control_plane = std::thread::spawn(|| envtest::ensure_built().and_then(|_| helm::ensure_built()));
     // So does the Python client's venv (a download on a fresh machine, nothing on a warm one).
     let venv = std::thread::spawn(python::ensure_venv);
+    // And moto's EC2 emulator, for the aws provider's tests.
+    let moto = std::thread::spawn(python::ensure_moto);
     // And the Node client's modules, and the guest image (two minutes of packages on a fresh machine, then cached).
     let modules = std::thread::spawn(node::ensure_modules);
     let image = std::thread::spawn(guest::ensure_built);
     let checked = check_and_build();
     let built = control_plane.join().map_err(|_| anyhow!("building the control plane panicked"))?;
     let python = venv.join().map_err(|_| anyhow!("making the Python venv panicked"))?;
+    let moto = moto.join().map_err(|_| anyhow!("making the moto venv panicked"))?;
     let modules = modules.join().map_err(|_| anyhow!("installing the Node modules panicked"))?;
     let image = image.join().map_err(|_| anyhow!("building the guest image panicked"))?;
     checked?;
@@ -38,12 +41,14 @@ pub fn run_all(cargo_test_args: &[String]) -> Result<()> {
     image::ensure_built()?;
     built?;
     let python = python?;
+    let moto = moto?;
     modules?;
     image?;
     let network = podnet::PodNetwork::create()?;
     let mut tests = network.command(cargo_program());
     run(crate::process::forget_cargo_run(&mut tests)
         .env("EGRESS_PYTHON", &python)
+        .env("EGRESS_MOTO_PYTHON", &moto)
         .args(["test", "--workspace", "--locked", "--offline"])
         .args(cargo_test_args))?;
     drop(network);

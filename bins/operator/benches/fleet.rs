@@ -345,6 +345,7 @@ async fn measure(binary: &Path, n: usize, ticks: f64) -> Figures {
         default_probe_url: origin.url(),
         leader_election_namespace: None,
         extra_args: vec![format!("--watch-namespace={NAMESPACE}"), "--probe-concurrency=128".into()],
+        environment: Vec::new(),
     };
     let operator = OperatorProcess::start(binary, plane.kubeconfig_path(), &options).await.expect("operator");
     let pid = operator.pid().expect("operator pid");

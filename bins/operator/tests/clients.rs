@@ -53,6 +53,7 @@ impl Live {
             default_probe_url: origin.ip_url(),
             leader_election_namespace: None,
             extra_args: vec![format!("--watch-namespace={}", ns.name())],
+            environment: Vec::new(),
         };
         let binary = Path::new(env!("CARGO_BIN_EXE_egress-operator"));
         let operator =

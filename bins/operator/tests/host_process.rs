@@ -132,6 +132,7 @@ impl Env {
                 .into_iter()
                 .chain((!leader_election).then(|| format!("--leader-election-namespace={}", self.ns.name())))
                 .collect(),
+            environment: Vec::new(),
         }
     }
 
@@ -862,6 +863,7 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
             format!("--watch-namespace={}", ns.name()),
             format!("--leader-election-namespace={}", ns.name()),
         ],
+        environment: Vec::new(),
     };
     let operator = OperatorProcess::start(&binary(), &kubeconfig, &options).await.expect("the operator starts");
     let spec = |zone: Option<&str>| common::managed(&provider, zone);
@@ -924,4 +926,97 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
     eprintln!(
         "e2e: namespaced RBAC: a Proxy Ready, leased and banned, another refused for its namespace; 0 calls forbidden"
     );
+}
+
+/// The aws provider end to end: the operator launches an EC2 instance on moto (in a VPC on 127.0.0.0/16, so the
+/// instance's private address is a loopback address), a local Squid stands in for the instance's at that address,
+/// and the Proxy becomes Ready through the health engine's probe; the provider's health object says 1/1; deleting
+/// the Proxy terminates the instance.
+#[tokio::test]
+async fn an_aws_proxy_on_moto_becomes_ready_through_the_squid_at_its_address() {
+    use egress_provider::{Provider, Tags};
+    use egress_provider_aws::credentials::CredentialChain;
+    use egress_provider_aws::ec2::Ec2;
+    use egress_provider_aws::{AddressKind, AwsConfig, AwsProvider};
+
+    let env = Env::new("e2e-aws").await;
+    let moto = egress_testenv::moto::MotoServer::start().await.expect("moto");
+    let keys = [("AWS_ACCESS_KEY_ID", "AKIAEGRESSE2E0000001"), ("AWS_SECRET_ACCESS_KEY", "e2e-secret")];
+    let aws = |config: AwsConfig| {
+        AwsProvider::with_credentials(config, |http| {
+            let env = |name: &str| keys.iter().find(|(key, _)| *key == name).map(|(_, value)| (*value).to_owned());
+            CredentialChain::discover(&env, None, moto.url(), http)
+        })
+        .expect("the provider builds")
+    };
+    let config = |subnet: &str| AwsConfig {
+        default_image_id: Some("ami-12c6146b".into()),
+        address: AddressKind::Private,
+        endpoint: Some(moto.url()),
+        sts_endpoint: Some(moto.url()),
+        ..AwsConfig::new("us-east-1", subnet, vec!["127.0.0.0/8".parse().unwrap()])
+    };
+    let first_tag = |text: &str, tag: &str| {
+        let start = text.find(&format!("<{tag}>")).expect(tag) + tag.len() + 2;
+        text[start..].split('<').next().unwrap_or_default().to_owned()
+    };
+    let bootstrap = aws(config("subnet-00000000"));
+    let mut vpc = Ec2::form("CreateVpc");
+    vpc.push("CidrBlock", "127.0.0.0/16");
+    let vpc = first_tag(&bootstrap.ec2().call(&vpc, "vpc").await.expect("CreateVpc"), "vpcId");
+    let mut subnet = Ec2::form("CreateSubnet");
+    subnet.push("VpcId", vpc.as_str()).push("CidrBlock", "127.0.77.0/24");
+    let subnet = first_tag(&bootstrap.ec2().call(&subnet, "subnet").await.expect("CreateSubnet"), "subnetId");
+
+    let provider = format!("aws-{}", env.ns.name());
+    let mut options = env.options(false);
+    options.providers_yaml = format!(
+        "providers:\n  - name: {provider}\n    type: aws\n    destinations: {}\n    aws: {{ region: us-east-1, \
+         subnetId: {subnet}, allowedSources: [127.0.0.0/8], defaultImageId: ami-12c6146b, address: private, \
+         endpoint: \"{url}\", stsEndpoint: \"{url}\" }}\n",
+        env.origin.destinations_yaml(),
+        url = moto.url()
+    );
+    options.environment = keys.iter().map(|(key, value)| ((*key).to_owned(), (*value).to_owned())).collect();
+    let operator = OperatorProcess::start(&binary(), &env.kubeconfig, &options).await.expect("the operator starts");
+    let proxies = env.ns.api::<Proxy>();
+    proxies
+        .create(&PostParams::default(), &Proxy::new("on-ec2", common::managed(&provider, None)))
+        .await
+        .expect("create Proxy");
+
+    // The instance's address, once the operator recorded it; then a Squid there, as the instance would run.
+    let ip: std::net::Ipv4Addr = eventually("the instance's address in the Proxy's status", WAIT, || async {
+        let proxy = proxies.get("on-ec2").await.ok()?;
+        proxy.status?.instance?.ip?.parse().ok()
+    })
+    .await;
+    assert!(ip.to_string().starts_with("127.0.77."), "moto's address in the subnet: {ip}");
+    let squid = Squid::start(SquidOptions { address: Some(ip), ..SquidOptions::default() }).await.expect("Squid");
+    let ready = env.wait_phase(&["on-ec2"], ProxyPhase::Ready).await;
+    let instance = ready[0].status.as_ref().and_then(|status| status.instance.as_ref()).expect("an instance");
+    let provider_id = instance.provider_id.clone();
+    assert!(provider_id.starts_with("regions/us-east-1/instances/i-"), "{provider_id}");
+    let health: Api<egress_api::ProviderHealth> = Api::all(env.ns.client());
+    eventually("ProviderHealth 1/1", WAIT, || async {
+        (health.get(&provider).await.ok()?.status?.ready.as_deref() == Some("1/1")).then_some(())
+    })
+    .await;
+    let discovery = env.discovery(&operator, 1).await;
+    let lease = discovery.lease(LeaseOptions::for_target("example.com")).await.expect("a lease on the EC2 proxy");
+    assert!(lease.proxy_url().contains(&squid.address().to_string()), "{}", lease.proxy_url());
+    lease.release().await.expect("release");
+
+    // Deleting the Proxy terminates the instance (and the provider finds nothing of the cluster's left).
+    proxies.delete("on-ec2", &Default::default()).await.expect("delete Proxy");
+    let reader = aws(config(&subnet));
+    eventually("the instance terminated", WAIT, || async {
+        let instance = reader.get(&provider_id).await.ok()?;
+        (instance.state == egress_provider::InstanceState::Terminated).then_some(())
+    })
+    .await;
+    let owned = reader.list_by_tag(&Tags::owned_by_cluster(env.ns.name())).await.expect("list");
+    assert!(owned.is_empty(), "{owned:?}");
+    assert_no_forbidden(&operator);
+    eprintln!("e2e: aws on moto: {provider_id} at {ip} Ready, leased, terminated on delete");
 }

@@ -9,5 +9,6 @@ pub fn provider_types() -> ProviderTypes {
     ProviderTypes::new()
         .register::<KubernetesProvider>()
         .register::<egress_provider_gcp::GcpProvider>()
+        .register::<egress_provider_aws::AwsProvider>()
         .register::<egress_provider_kvm::KvmProvider>()
 }

@@ -20,6 +20,7 @@ pub mod control_plane;
 pub mod guest;
 pub mod image;
 pub mod install;
+pub mod moto;
 pub mod node_agent;
 pub mod operator;
 pub mod origin;

@@ -35,6 +35,8 @@ pub struct OperatorOptions {
     pub leader_election_namespace: Option<String>,
     /// Extra flags.
     pub extra_args: Vec<String>,
+    /// Extra environment variables (a provider's credentials).
+    pub environment: Vec<(String, String)>,
 }
 
 /// A running operator.
@@ -81,8 +83,13 @@ impl OperatorProcess {
         }
         args.extend(options.extra_args.iter().cloned());
         let identity = format!("operator-{discovery}");
+        let environment: String = options
+            .environment
+            .iter()
+            .map(|(name, value)| format!("{}={} ", shell_quote(name), shell_quote(value)))
+            .collect();
         let script = format!(
-            "env KUBECONFIG={} POD_NAME={identity} RUST_LOG=${{RUST_LOG:-info,kube=warn}} {} {}",
+            "env {environment}KUBECONFIG={} POD_NAME={identity} RUST_LOG=${{RUST_LOG:-info,kube=warn}} {} {}",
             shell_quote(&kubeconfig.display().to_string()),
             shell_quote(&binary.display().to_string()),
             args.iter().map(|arg| shell_quote(arg)).collect::<Vec<_>>().join(" ")

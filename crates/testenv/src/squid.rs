@@ -159,6 +159,9 @@ pub struct SquidOptions {
     pub parent: Option<SocketAddr>,
     /// Run Squid on these CPUs only (a `taskset -c` list such as `0`), for benchmarks that give it a core of its own.
     pub cpus: Option<String>,
+    /// Listen on (and send from) this loopback address instead of a fresh one: for an address another component
+    /// chose, such as the private address moto gives an EC2 instance in a VPC on 127.0.0.0/16.
+    pub address: Option<Ipv4Addr>,
 }
 
 /// A standalone Squid on its own loopback address. Dropping it stops it and removes its files.
@@ -175,7 +178,11 @@ impl Squid {
     /// address too, so origins (and the health engine's egress IP) tell two test Squids apart.
     pub async fn start(options: SquidOptions) -> Result<Self> {
         let binary = squid_binary()?;
-        let ip = next_loopback_address();
+        let ip = match options.address {
+            Some(ip) if ip.is_loopback() => ip,
+            Some(ip) => bail!("{ip} is not a loopback address: test Squids listen on loopback only"),
+            None => next_loopback_address(),
+        };
         let address = SocketAddr::new(IpAddr::V4(ip), 3128);
         let dir = tempfile::Builder::new().prefix("egress-squid-").tempdir()?.keep();
         // Squid drops privileges to the `proxy` user, which writes its runtime files here.
