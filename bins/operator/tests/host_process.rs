@@ -936,7 +936,6 @@ async fn under_the_namespaced_rbac_the_operator_runs_a_namespace_and_cannot_read
 async fn an_aws_proxy_on_moto_becomes_ready_through_the_squid_at_its_address() {
     use egress_provider::{Provider, Tags};
     use egress_provider_aws::credentials::CredentialChain;
-    use egress_provider_aws::ec2::Ec2;
     use egress_provider_aws::{AddressKind, AwsConfig, AwsProvider};
 
     let env = Env::new("e2e-aws").await;
@@ -956,17 +955,7 @@ async fn an_aws_proxy_on_moto_becomes_ready_through_the_squid_at_its_address() {
         sts_endpoint: Some(moto.url()),
         ..AwsConfig::new("us-east-1", subnet, vec!["127.0.0.0/8".parse().unwrap()])
     };
-    let first_tag = |text: &str, tag: &str| {
-        let start = text.find(&format!("<{tag}>")).expect(tag) + tag.len() + 2;
-        text[start..].split('<').next().unwrap_or_default().to_owned()
-    };
-    let bootstrap = aws(config("subnet-00000000"));
-    let mut vpc = Ec2::form("CreateVpc");
-    vpc.push("CidrBlock", "127.0.0.0/16");
-    let vpc = first_tag(&bootstrap.ec2().call(&vpc, "vpc").await.expect("CreateVpc"), "vpcId");
-    let mut subnet = Ec2::form("CreateSubnet");
-    subnet.push("VpcId", vpc.as_str()).push("CidrBlock", "127.0.77.0/24");
-    let subnet = first_tag(&bootstrap.ec2().call(&subnet, "subnet").await.expect("CreateSubnet"), "subnetId");
+    let (_, subnet) = moto.vpc_with_subnet("127.0.0.0/16", "127.0.77.0/24").await.expect("a VPC and a subnet");
 
     let provider = format!("aws-{}", env.ns.name());
     let mut options = env.options(false);

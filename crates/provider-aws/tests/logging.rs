@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use base64::Engine;
 use egress_provider::{CreateRequest, Provider, Sensitive, Tags};
 use egress_provider_aws::credentials::CredentialChain;
-use egress_provider_aws::ec2::Ec2;
 use egress_provider_aws::{AwsConfig, AwsProvider};
 use egress_testenv::moto::MotoServer;
 
@@ -61,18 +60,7 @@ async fn no_secret_reaches_a_log() {
         endpoint: Some(moto.url()),
         ..AwsConfig::new("us-east-1", subnet, vec!["198.51.100.0/24".parse().unwrap()])
     };
-    let bootstrap = aws(base("subnet-00000000"));
-    let tag = |text: &str, tag: &str| {
-        let start = text.find(&format!("<{tag}>")).expect(tag) + tag.len() + 2;
-        text[start..].split('<').next().unwrap_or_default().to_owned()
-    };
-    let mut vpc = Ec2::form("CreateVpc");
-    vpc.push("CidrBlock", "10.30.0.0/16");
-    let vpc = tag(&bootstrap.ec2().call(&vpc, "vpc").await.expect("CreateVpc"), "vpcId");
-    let mut subnet = Ec2::form("CreateSubnet");
-    subnet.push("VpcId", vpc.as_str()).push("CidrBlock", "10.30.1.0/24");
-    let subnet = tag(&bootstrap.ec2().call(&subnet, "subnet").await.expect("CreateSubnet"), "subnetId");
-
+    let (_, subnet) = moto.vpc_with_subnet("10.30.0.0/16", "10.30.1.0/24").await.expect("a VPC and a subnet");
     let provider = aws(base(&subnet));
     let mut request = CreateRequest::new("px-logged", 3128, Tags::gc_contract("c1", "uid-1", "hash1"));
     request.cloud_init = Some(Sensitive::new(USER_DATA.as_bytes().to_vec()));

@@ -59,19 +59,10 @@ fn created(text: &str, tag: &str) -> String {
         .to_owned()
 }
 
-/// Starts moto with a VPC of `cidr` and a subnet of `subnet_cidr`, made through the provider's own client.
+/// Starts moto with a VPC of `cidr` and a subnet of `subnet_cidr`.
 async fn world_with(cidr: &str, subnet_cidr: &str) -> World {
     let moto = MotoServer::start().await.expect("moto starts");
-    let bootstrap = provider(AwsConfig {
-        endpoint: Some(moto.url()),
-        ..AwsConfig::new(REGION, "subnet-00000000", vec!["198.51.100.0/24".parse().unwrap()])
-    });
-    let mut vpc = Ec2::form("CreateVpc");
-    vpc.push("CidrBlock", cidr);
-    let vpc = created(&bootstrap.ec2().call(&vpc, "vpc").await.expect("CreateVpc"), "vpcId");
-    let mut subnet = Ec2::form("CreateSubnet");
-    subnet.push("VpcId", vpc.as_str()).push("CidrBlock", subnet_cidr);
-    let subnet = created(&bootstrap.ec2().call(&subnet, "subnet").await.expect("CreateSubnet"), "subnetId");
+    let (vpc, subnet) = moto.vpc_with_subnet(cidr, subnet_cidr).await.expect("a VPC and a subnet");
     World { moto, subnet, vpc }
 }
 
