@@ -2,28 +2,12 @@
 //! binary of its own: the subscriber is the process-wide default, so every callsite (ours, reqwest's, hyper's) is
 //! enabled whatever other tests' scoped subscribers cached.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use base64::Engine;
 use egress_provider::{CreateRequest, Provider, Sensitive, Tags};
 use egress_provider_aws::credentials::CredentialChain;
 use egress_provider_aws::{AwsConfig, AwsProvider};
+use egress_testenv::captured::Captured;
 use egress_testenv::moto::MotoServer;
-
-/// Collects everything written by a `tracing` subscriber.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 const USER_DATA: &str = "#cloud-config\nchpasswd: {list: 'root:the-user-data-marker-5e1b'}\n";
 const SECRET_KEY: &str = "the-secret-key-marker-93c2";
@@ -72,7 +56,7 @@ async fn no_secret_reaches_a_log() {
     let _ = provider.create(&failing).await;
     provider.delete(&created.provider_id).await.expect("delete");
 
-    let text = String::from_utf8(captured.0.lock().unwrap().clone()).expect("utf-8 logs");
+    let text = captured.text();
     assert!(text.contains("EC2 call"), "the calls are logged:\n{text}");
     assert!(text.contains("RunInstances"), "{text}");
     let encoded = base64::engine::general_purpose::STANDARD.encode(USER_DATA);

@@ -6,37 +6,16 @@
 mod common;
 mod fake;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{ZONE, config, request};
 use egress_provider::{Provider, Sensitive};
 use egress_provider_gcp::GcpProvider;
 use egress_provider_gcp::wire_log::{self, WireFormat};
+use egress_testenv::captured::Captured;
 use fake::FakeCompute;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
-
-/// Collects everything written by a `tracing` subscriber.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).expect("utf-8 logs")
-    }
-}
 
 const SECRET: &str = "#cloud-config\nchpasswd: {list: 'root:the-user-data-marker-7f3a'}\n";
 

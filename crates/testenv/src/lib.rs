@@ -16,6 +16,7 @@
 //! No product crate depends on this crate at run time; it is a dev-dependency and the engine of `cargo xtask envtest`.
 
 pub mod assets;
+pub mod captured;
 pub mod control_plane;
 pub mod guest;
 pub mod image;
