@@ -1009,3 +1009,103 @@ async fn an_aws_proxy_on_moto_becomes_ready_through_the_squid_at_its_address() {
     assert_no_forbidden(&operator);
     eprintln!("e2e: aws on moto: {provider_id} at {ip} Ready, leased, terminated on delete");
 }
+
+/// Geo from the exit address: two proxies whose egress addresses a test GeoIP database places in DE and US; the
+/// operator (`--geoip-database`) writes each one's country and AS number to its status and labels, and the
+/// gateway's `country-de` only ever leaves through the German one; `country-fr` finds none.
+#[tokio::test]
+async fn country_de_at_the_gateway_only_ever_leaves_through_the_german_exit() {
+    use egress_testenv::geoip::{GeoEntry, write_database};
+    let env = Env::new("e2e-geo").await;
+    let (german, american) = (
+        Squid::start(SquidOptions::default()).await.expect("squid"),
+        Squid::start(SquidOptions::default()).await.expect("squid"),
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let database = dir.path().join("country-asn.mmdb");
+    write_database(
+        &database,
+        &[
+            GeoEntry::new(&format!("{}/32", german.address().ip()), Some("DE"), Some(64_501)),
+            GeoEntry::new(&format!("{}/32", american.address().ip()), Some("US"), Some(64_502)),
+        ],
+    )
+    .expect("the database");
+    let mut options = env.options(false);
+    options.extra_args.push(format!("--geoip-database={}", database.display()));
+    let operator = OperatorProcess::start(&binary(), &env.kubeconfig, &options).await.expect("the operator starts");
+    let proxies = env.ns.api::<Proxy>();
+    for (name, squid) in [("de", &german), ("us", &american)] {
+        let proxy = Proxy::new(name, common::external(squid.address(), 1));
+        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    }
+    env.wait_phase(&["de", "us"], ProxyPhase::Ready).await;
+    for (name, country, asn) in [("de", "DE", "64501"), ("us", "US", "64502")] {
+        eventually(&format!("{name}'s country label"), WAIT, || async {
+            let proxy = proxies.get(name).await.ok()?;
+            let labels = proxy.metadata.labels.clone().unwrap_or_default();
+            let status = proxy.status?;
+            (labels.get("crawl.example.com/egress-country").map(String::as_str) == Some(country)
+                && labels.get("crawl.example.com/egress-asn").map(String::as_str) == Some(asn)
+                && status.egress_country.as_deref() == Some(country)
+                && status.egress_asn.map(|asn| asn.to_string()).as_deref() == Some(asn))
+            .then_some(())
+        })
+        .await;
+    }
+    env.discovery(&operator, 2).await;
+
+    let gateway =
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("the gateway starts");
+    let origin = env.origin.ip_url();
+    let mut exits = std::collections::BTreeMap::<String, usize>::new();
+    for round in 0..20 {
+        // Half in one session (which keeps a lease: a session each would fill the proxy's cap of 5), half rotating,
+        // picking a proxy anew each time.
+        let user = if round % 2 == 0 { "country-de,session-geo".to_owned() } else { "country-DE".to_owned() };
+        let answer = through_proxy(gateway.address, "GET", &origin, Some((&user, &env.token))).await.expect("GET");
+        assert_eq!(answer.status, 200, "{user}: {answer:?}");
+        *exits.entry(answer.body.trim().to_owned()).or_default() += 1;
+    }
+    assert_eq!(
+        exits,
+        std::collections::BTreeMap::from([(german.address().ip().to_string(), 20)]),
+        "country-de left through {exits:?}"
+    );
+    let american_exit = through_proxy(gateway.address, "GET", &origin, Some(("asn-64502", &env.token)))
+        .await
+        .expect("GET by AS number");
+    assert_eq!(american_exit.body.trim(), american.address().ip().to_string());
+    let nowhere =
+        through_proxy(gateway.address, "GET", &origin, Some(("country-fr", &env.token))).await.expect("GET to FR");
+    assert_eq!(nowhere.status, 503, "no proxy exits in FR: {nowhere:?}");
+    eprintln!(
+        "e2e: geo: 20 of 20 country-de requests left through {}, asn-64502 through the US exit",
+        german.address()
+    );
+}
+
+/// Without a GeoIP database, selecting by country is refused with a message that says why, at the gateway and the
+/// discovery API alike.
+#[tokio::test]
+async fn without_a_geoip_database_selecting_by_country_is_refused_with_why() {
+    let env = Env::new("e2e-nogeo").await;
+    let squid = Squid::start(SquidOptions::default()).await.expect("squid");
+    let operator = env.operator(false).await;
+    let proxy = Proxy::new("only", common::external(squid.address(), 1));
+    env.ns.api::<Proxy>().create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    env.wait_phase(&["only"], ProxyPhase::Ready).await;
+    let discovery = env.discovery(&operator, 1).await;
+    match discovery.lease(LeaseOptions::for_target("example.com").selector("crawl.example.com/egress-country=DE")).await
+    {
+        Err(ClientError::BadRequest(detail)) => assert!(detail.contains("--geoip-database"), "{detail}"),
+        other => panic!("a country selector without a database: {:?}", other.map(|lease| lease.id().to_owned())),
+    }
+    let gateway =
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("the gateway starts");
+    let refused = through_proxy(gateway.address, "GET", &env.origin.ip_url(), Some(("country-de", &env.token)))
+        .await
+        .expect("GET");
+    assert_eq!(refused.status, 400, "{refused:?}");
+    assert!(refused.head.contains("geoip-database") || refused.body.contains("geoip-database"), "{refused:?}");
+}

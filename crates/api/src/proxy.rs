@@ -80,6 +80,13 @@ pub const CONDITION_HEALTHY: &str = "Healthy";
         json_path = ".status.health.healthy",
         description = "The health engine's verdict"
     ),
+    printcolumn(
+        name = "Country",
+        type_ = "string",
+        json_path = ".status.egressCountry",
+        description = "Where the GeoIP database places the egress address",
+        priority = 1
+    ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]

@@ -287,6 +287,8 @@ async fn proxy_printer_columns_through_the_table_api() {
         phase: Some(ProxyPhase::Ready),
         endpoint: Some(EndpointStatus::from(&Endpoint { host: "proxy.example".into(), port: 8080 })),
         health: Some(HealthStatus { healthy: true, last_transition_time: None, last_error: None }),
+        egress_country: Some("DE".into()),
+        egress_asn: Some(64_500),
         ..ProxyStatus::default()
     };
     api.patch_status("ext", &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
@@ -295,13 +297,18 @@ async fn proxy_printer_columns_through_the_table_api() {
 
     let table =
         table(&ns.client(), &format!("/apis/crawl.example.com/v1alpha1/namespaces/{}/proxies", ns.name())).await;
-    assert_eq!(column_names(&table), ["NAME", "MODE", "PROVIDER", "PHASE", "ENDPOINT", "HEALTHY", "AGE"]);
+    // The table API returns every column; kubectl shows those of priority 1 (the country) with `-o wide` only.
+    assert_eq!(column_names(&table), ["NAME", "MODE", "PROVIDER", "PHASE", "ENDPOINT", "HEALTHY", "COUNTRY", "AGE"]);
+    assert_eq!(table["columnDefinitions"][6]["priority"], 1, "the country column is a wide one");
     let cells = table["rows"][0]["cells"].as_array().expect("one row").clone();
     assert_eq!(cells[0], "ext");
     assert_eq!(cells[1], "External");
     assert_eq!(cells[3], "Ready");
     assert_eq!(cells[4], "proxy.example:8080");
     assert_eq!(cells[5], true);
+    assert_eq!(cells[6], "DE");
+    let stored = api.get_status("ext").await.expect("the status").status.expect("a status");
+    assert_eq!((stored.egress_country.as_deref(), stored.egress_asn), (Some("DE"), Some(64_500)));
 }
 
 #[tokio::test]

@@ -185,6 +185,9 @@ pub struct Discovery {
     /// the Service still routes to it.
     last_forwarded: std::sync::atomic::AtomicU64,
     started: std::time::Instant,
+    /// Whether the operator looks egress addresses up in GeoIP databases, so the labels only they set
+    /// ([`egress_fleet::labels::GEO`]) may be selected by.
+    geoip: bool,
 }
 
 type RefusalSender = tokio::sync::broadcast::Sender<Arc<Refusal>>;
@@ -239,6 +242,7 @@ impl Discovery {
             handoff: tokio::sync::watch::Sender::new(forward::Handoff::Serving),
             last_forwarded: std::sync::atomic::AtomicU64::new(0),
             started: std::time::Instant::now(),
+            geoip: false,
         }
         .following_shared_refusals()
     }
@@ -303,6 +307,28 @@ impl Discovery {
     pub fn with_journal(mut self, journal: Arc<dyn CooldownJournal>) -> Self {
         self.journal = journal::Persister::new(journal);
         self
+    }
+
+    /// Allows selection by the labels GeoIP databases set (`--geoip-database`); without, a selector naming one is
+    /// refused with 400, since nothing would ever match it.
+    pub fn with_geoip(mut self) -> Self {
+        self.geoip = true;
+        self
+    }
+
+    /// A selector parsed from `text`, or the 400 that says why it is refused: it does not parse, or it selects by a
+    /// GeoIP label while the operator has no GeoIP database.
+    pub(crate) fn selector(&self, text: &str) -> Result<egress_lease::Selector, problem::Problem> {
+        let selector =
+            egress_lease::Selector::parse(text).map_err(|error| problem::Problem::bad_request(error.to_string()))?;
+        if !self.geoip
+            && let Some(label) = egress_fleet::labels::GEO.iter().find(|label| selector.mentions(label))
+        {
+            return Err(problem::Problem::bad_request(format!(
+                "the selector names {label}, which only the operator's GeoIP database sets, and this operator has                  none (start it with --geoip-database)"
+            )));
+        }
+        Ok(selector)
     }
 
     /// Refuses lease routes (503) while `gate` says so.

@@ -9,6 +9,7 @@
 //! servers and the gateway share.
 
 pub mod errors;
+pub mod labels;
 mod outcome;
 pub mod sources;
 

@@ -137,7 +137,7 @@ mod tests {
         let mut garbage = HeaderMap::new();
         garbage.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic !!!"));
         assert!(refused(garbage).details.contains("base64"));
-        let bad_option = refused(basic("country-de", "s3cret"));
+        let bad_option = refused(basic("city-berlin", "s3cret"));
         assert_eq!(bad_option.status, StatusCode::BAD_REQUEST);
         assert!(bad_option.details.contains("unknown option"), "{}", bad_option.details);
     }

@@ -11,6 +11,8 @@
 //! | `pool-<name>` | a ProxyPool, `name` or `namespace.name` | only that pool's members |
 //! | `zone-<zone>` | a zone | only proxies in that zone (a Proxy's `placement.zone`, listed as `zone`) |
 //! | `provider-<name>` | a provider's name | only proxies on that provider (a Proxy's `provider`) |
+//! | `country-<cc>` | ISO 3166-1 alpha-2, any case | only proxies whose egress address the operator's GeoIP database places there |
+//! | `asn-<number>` | an AS number | only proxies whose egress address is in that autonomous system (same database) |
 //! | `label-<key>=<value>` | a label key and value | only proxies with that label (repeatable) |
 //!
 //! An unknown key, a key given twice (other than `label`), a malformed value or an option without a value is an
@@ -136,6 +138,26 @@ impl Options {
                         return Err(OptionError::new(option, format!("{key} is given twice")));
                     }
                 }
+                "country" | "asn" => {
+                    // The labels the operator sets from its GeoIP database: a country as ISO 3166-1 alpha-2 (any
+                    // case), an AS number as digits.
+                    let (label, wanted) = if key == "country" {
+                        let valid = value.len() == 2 && value.bytes().all(|byte| byte.is_ascii_alphabetic());
+                        if !valid {
+                            return Err(OptionError::new(option, "is not a two-letter country code (ISO 3166-1)"));
+                        }
+                        (egress_fleet::labels::EGRESS_COUNTRY, value.to_ascii_uppercase())
+                    } else {
+                        let valid = value.parse::<u32>().is_ok_and(|asn| asn > 0) && !value.starts_with('0');
+                        if !valid {
+                            return Err(OptionError::new(option, "is not an AS number (1 to 4294967295)"));
+                        }
+                        (egress_fleet::labels::EGRESS_ASN, value.to_owned())
+                    };
+                    if options.labels.insert(label.to_owned(), wanted).is_some() {
+                        return Err(OptionError::new(option, format!("{key} is given twice")));
+                    }
+                }
                 "label" => {
                     let Some((name, label)) = value.split_once('=') else {
                         return Err(OptionError::new(option, "expected label-<key>=<value>"));
@@ -150,7 +172,10 @@ impl Options {
                 other => {
                     return Err(OptionError::new(
                         option,
-                        format!("unknown option {other:?} (known: session, sticky, pool, zone, provider, label)"),
+                        format!(
+                            "unknown option {other:?} (known: session, sticky, pool, zone, provider, country, asn, \
+                             label)"
+                        ),
                     ));
                 }
             }
@@ -220,6 +245,12 @@ mod tests {
         let prefixed = Options::parse("label-example.com/team=search,provider-gcp").expect("prefixed");
         assert_eq!(prefixed.selector().as_deref(), Some("example.com/team=search"));
         assert_eq!(prefixed.provider.as_deref(), Some("gcp"));
+        let geo = Options::parse("country-de,asn-64500").expect("country and AS number");
+        assert_eq!(
+            geo.selector().as_deref(),
+            Some("crawl.example.com/egress-asn=64500,crawl.example.com/egress-country=DE"),
+            "the labels the operator sets from its GeoIP database"
+        );
     }
 
     /// Every example user name in docs/gateway.md's options table parses, as a client sends it (percent-decoded).
@@ -265,7 +296,13 @@ mod tests {
             ("label-tier", "expected label-<key>=<value>"),
             ("label-=gold", "is not a label key"),
             ("label-tier=gold,label-tier=silver", "the label tier is given twice"),
-            ("country-de", "unknown option \"country\""),
+            ("country-deu", "is not a two-letter country code"),
+            ("country-d1", "is not a two-letter country code"),
+            ("country-de,country-us", "country is given twice"),
+            ("asn-0", "is not an AS number"),
+            ("asn-064500", "is not an AS number"),
+            ("asn-4294967296", "is not an AS number"),
+            ("city-berlin", "unknown option \"city\""),
             ("session-a,", "expected key-value"),
             ("rotate,session-a", "expected key-value"),
             (",session-a", "expected key-value"),

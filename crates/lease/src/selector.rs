@@ -37,6 +37,16 @@ fn valid_value(value: &str) -> bool {
 }
 
 impl Selector {
+    /// Whether any requirement is about the label `key`.
+    pub fn mentions(&self, key: &str) -> bool {
+        self.0.iter().any(|requirement| match requirement {
+            Requirement::Equals(found, _)
+            | Requirement::NotEquals(found, _)
+            | Requirement::Exists(found)
+            | Requirement::Absent(found) => found == key,
+        })
+    }
+
     /// Parses `text`.
     pub fn parse(text: &str) -> Result<Self, InvalidSelector> {
         let fail = |why: String| InvalidSelector { selector: text.to_owned(), why };
@@ -110,6 +120,16 @@ mod tests {
         for (selector, expected) in cases {
             assert_eq!(Selector::parse(selector).expect(selector).matches(&eu), expected, "{selector:?}");
         }
+    }
+
+    #[test]
+    fn a_selector_says_which_labels_it_is_about() {
+        for (selector, mentions) in
+            [("a/country=DE", true), ("a/country!=DE", true), ("a/country", true), ("!a/country", true), ("x=1", false)]
+        {
+            assert_eq!(Selector::parse(selector).expect(selector).mentions("a/country"), mentions, "{selector:?}");
+        }
+        assert!(!Selector::default().mentions("a/country"));
     }
 
     #[test]

@@ -94,6 +94,8 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     quota_refusals: Mutex<HashMap<String, QuotaRefusal>>,
     drain: Option<Arc<dyn LeaseDrain>>,
+    /// The GeoIP databases egress addresses are looked up in (`--geoip-database`), when given.
+    geoip: Option<Arc<crate::geoip::GeoIp>>,
     /// One lock per Proxy (by UID) held for the length of a reconcile: the two lanes never reconcile one Proxy at
     /// once. An entry lives while a reconcile holds or waits for it.
     in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -131,6 +133,7 @@ impl Context {
             failures: Mutex::default(),
             quota_refusals: Mutex::default(),
             drain: None,
+            geoip: None,
             in_flight: Mutex::default(),
             handovers: Mutex::default(),
             next_handover: std::sync::atomic::AtomicU64::new(0),
@@ -140,6 +143,12 @@ impl Context {
     /// Keeps a replaced instance while `drain` says leases are on it (up to the drain timeout).
     pub fn with_drain(mut self, drain: Arc<dyn LeaseDrain>) -> Self {
         self.drain = Some(drain);
+        self
+    }
+
+    /// Looks every egress address up in `geoip`, for `status.egressCountry`/`egressASN` and their labels.
+    pub fn with_geoip(mut self, geoip: Arc<crate::geoip::GeoIp>) -> Self {
+        self.geoip = Some(geoip);
         self
     }
 

@@ -100,6 +100,8 @@ pub struct Facts {
     /// The health verdict for the endpoint this decision is about: the running instance's address (Managed) or
     /// `spec.endpoint` (External).
     pub health: Option<Verdict>,
+    /// What the GeoIP databases say about the verdict's egress address; `None` without databases (or address).
+    pub geo: Option<crate::geoip::Geo>,
     /// `metadata.creationTimestamp`.
     pub created: Option<SystemTime>,
 }
@@ -545,7 +547,8 @@ fn self_heal(
 }
 
 /// Writes `status.health` and `status.egressIP` from the verdict, only when `healthy` flips (or first appears), so
-/// a steady proxy costs no status writes however often it is probed.
+/// a steady proxy costs no status writes however often it is probed; and `egressCountry`/`egressASN` from the GeoIP
+/// databases' answer for that address, when the operator has databases.
 fn apply_health(facts: &Facts, status: &mut ProxyStatus, events: &mut Vec<EventSpec>) {
     let Some(verdict) = &facts.health else { return };
     let flipped = status.health.as_ref().is_none_or(|health| health.healthy != verdict.healthy);
@@ -572,6 +575,11 @@ fn apply_health(facts: &Facts, status: &mut ProxyStatus, events: &mut Vec<EventS
     }
     if verdict.egress_ip.is_some() && verdict.egress_ip != status.egress_ip {
         status.egress_ip = verdict.egress_ip.clone();
+    }
+    // What the GeoIP databases say about that address, as of this reading (an address they do not know clears it).
+    if let Some(geo) = &facts.geo {
+        status.egress_country.clone_from(&geo.country);
+        status.egress_asn = geo.asn;
     }
 }
 

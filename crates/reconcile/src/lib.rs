@@ -15,6 +15,7 @@ mod error;
 mod events;
 pub mod feed;
 pub mod gc;
+pub mod geoip;
 mod health;
 pub mod health_feed;
 pub mod ids;

@@ -730,3 +730,45 @@ async fn a_changed_proxy_keeps_one_schedule() {
     let gaps: Vec<Duration> = times[before + 2..before + 6].windows(2).map(|pair| pair[1] - pair[0]).collect();
     assert!(gaps.iter().all(|gap| *gap >= Duration::from_millis(1500)), "looks closer than the 2 s resync: {gaps:?}");
 }
+
+#[tokio::test]
+async fn the_egress_country_and_as_number_reach_the_status_and_the_labels() {
+    use egress_fleet::labels::{EGRESS_ASN as EGRESS_ASN_LABEL, EGRESS_COUNTRY as EGRESS_COUNTRY_LABEL};
+    use egress_testenv::geoip::{GeoEntry, write_database};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (country, asn) = (dir.path().join("country.mmdb"), dir.path().join("asn.mmdb"));
+    write_database(
+        &country,
+        &[GeoEntry::new("203.0.113.0/25", Some("de"), None), GeoEntry::new("203.0.113.128/25", Some("US"), None)],
+    )
+    .expect("the country database");
+    write_database(&asn, &[GeoEntry::new("203.0.113.0/24", None, Some(64_500))]).expect("the ASN database");
+    let geoip = egress_reconcile::geoip::GeoIp::open(&[country, asn]).expect("the databases open");
+    let harness = Harness::with_geoip("rc-geo", Some(Arc::new(geoip))).await;
+    let proxy = ready(&harness, "p", "zone-a").await;
+    let endpoint = address(&proxy).expect("endpoint");
+    let geo = |proxy: &Proxy| {
+        let status = proxy.status.clone().unwrap_or_default();
+        let labels = proxy.labels();
+        (
+            status.egress_country,
+            status.egress_asn,
+            labels.get(EGRESS_COUNTRY_LABEL).cloned(),
+            labels.get(EGRESS_ASN_LABEL).cloned(),
+        )
+    };
+    assert_eq!(geo(&proxy), (None, None, None, None), "no egress address seen yet");
+
+    harness.feed_health_from("p", &endpoint, true, Some("203.0.113.7".parse().unwrap()));
+    let german = wait_for(&harness.proxies(), "p", "DE and AS64500", |p| geo(p).2.as_deref() == Some("DE")).await;
+    assert_eq!(geo(&german), (Some("DE".into()), Some(64_500), Some("DE".into()), Some("64500".into())));
+    assert_eq!(german.status.as_ref().and_then(|status| status.egress_ip.as_deref()), Some("203.0.113.7"));
+
+    // The exit moves: the status and the labels follow; an address no database knows clears both.
+    harness.feed_health_from("p", &endpoint, true, Some("203.0.113.200".parse().unwrap()));
+    let american = wait_for(&harness.proxies(), "p", "US", |p| geo(p).2.as_deref() == Some("US")).await;
+    assert_eq!(geo(&american), (Some("US".into()), Some(64_500), Some("US".into()), Some("64500".into())));
+    harness.feed_health_from("p", &endpoint, true, Some("198.51.100.9".parse().unwrap()));
+    let unknown = wait_for(&harness.proxies(), "p", "no country", |p| geo(p).2.is_none()).await;
+    assert_eq!(geo(&unknown), (None, None, None, None));
+}

@@ -86,6 +86,11 @@ pub struct Cli {
     /// Extra CA certificates (PEM) trusted by health probes.
     #[arg(long, env = "EGRESS_PROBE_CA_FILE")]
     pub probe_ca_file: Option<PathBuf>,
+    /// A MaxMind-format database (GeoIP2/GeoLite2 Country or City, and/or ASN) to look proxies' egress addresses up
+    /// in, for `status.egressCountry`/`egressASN`, their labels, and selection by country; give it once per file
+    /// (the environment variable takes a comma-separated list).
+    #[arg(long = "geoip-database", value_name = "FILE", env = "EGRESS_GEOIP_DATABASE", value_delimiter = ',')]
+    pub geoip_databases: Vec<PathBuf>,
     /// How many health probes run at once.
     #[arg(long, env = "EGRESS_PROBE_CONCURRENCY", default_value_t = 64)]
     pub probe_concurrency: usize,
@@ -196,6 +201,8 @@ pub struct Settings {
     pub probe_ca_pem: Vec<u8>,
     /// How many probes run at once.
     pub probe_concurrency: usize,
+    /// The GeoIP databases, read, when `--geoip-database` names any.
+    pub geoip: Option<std::sync::Arc<egress_reconcile::geoip::GeoIp>>,
     /// How often the orphan collector runs.
     pub gc_interval: Duration,
     /// How old an orphan must be before it is deleted.
@@ -348,6 +355,17 @@ impl Cli {
         if self.probe_concurrency == 0 || self.probe_concurrency > 10_000 {
             problems.push("--probe-concurrency must be from 1 to 10000".into());
         }
+        let geoip = if self.geoip_databases.is_empty() {
+            None
+        } else {
+            match egress_reconcile::geoip::GeoIp::open(&self.geoip_databases) {
+                Ok(geoip) => Some(std::sync::Arc::new(geoip)),
+                Err(error) => {
+                    problems.push(format!("--geoip-database {}: {}", error.path.display(), error.problem));
+                    None
+                }
+            }
+        };
         let probe_ca_pem = match &self.probe_ca_file {
             Some(path) => match std::fs::read(path) {
                 Ok(pem) => {
@@ -443,6 +461,7 @@ impl Cli {
             default_probe_url: self.default_probe_url.clone(),
             probe_ca_pem,
             probe_concurrency: self.probe_concurrency,
+            geoip,
             gc_interval: gc_interval.expect("checked above"),
             gc_grace: gc_grace.expect("checked above"),
             provider_check_interval: check_interval.filter(|interval| !interval.is_zero()),
@@ -515,7 +534,7 @@ mod tests {
     fn every_flag_problem_is_reported_at_once() {
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("providers.yaml");
-        std::fs::write(&config, "providers:\n  - { name: Bad_Name, type: kubernetes }\n  - { name: x, type: aws }\n")
+        std::fs::write(&config, "providers:\n  - { name: Bad_Name, type: kubernetes }\n  - { name: x, type: azure }\n")
             .expect("write");
         let cli = Cli::parse_from([
             "egress-operator",
@@ -533,6 +552,8 @@ mod tests {
             "nowhere",
             "--otlp-endpoint",
             "https://collector:4318",
+            "--geoip-database",
+            "/nonexistent/GeoLite2-Country.mmdb",
         ]);
         let problems = cli.settings().expect_err("invalid");
         for expected in [
@@ -545,10 +566,11 @@ mod tests {
             "--discovery-tokens is required",
             "providers[0].name",
             "providers[1].type",
+            "--geoip-database /nonexistent/GeoLite2-Country.mmdb: ",
         ] {
             assert!(problems.iter().any(|problem| problem.contains(expected)), "{expected:?} in {problems:#?}");
         }
-        assert_eq!(problems.len(), 9, "{problems:#?}");
+        assert_eq!(problems.len(), 10, "{problems:#?}");
     }
 
     /// A default probe the proxies' destination policy refuses is an error at start, naming the rule to add.

@@ -173,12 +173,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         Some(options) => (shared_state(options, lease_key).await?, None),
     };
     let shared = settings.state_store.is_some();
-    let discovery = Arc::new(
-        Discovery::new(lease_store, auth, discovery_metrics)
-            .with_gate(Arc::new(LeaderGate { leader: leader.clone(), stop: stop.clone(), shared }))
-            .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
-            .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone()))),
-    );
+    let discovery = Discovery::new(lease_store, auth, discovery_metrics)
+        .with_gate(Arc::new(LeaderGate { leader: leader.clone(), stop: stop.clone(), shared }))
+        .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
+        .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone())));
+    let discovery = Arc::new(if settings.geoip.is_some() { discovery.with_geoip() } else { discovery });
     let provider_cooldowns: crate::discovery_feed::ProviderCooldowns =
         settings.providers.providers.iter().map(|provider| (provider.name.clone(), provider.cooldown)).collect();
     tokio::spawn(run_discovery_feed(
@@ -559,17 +558,19 @@ async fn lead_while_elected(
         config.concurrency = 16;
         config.namespace = settings.watch_namespace.clone();
         config.drain_timeout = settings.drain_timeout;
-        let context = Arc::new(
-            ReconcileContext::new(
-                client.clone(),
-                providers.clone(),
-                verdicts.clone(),
-                credentials.clone(),
-                config,
-                reconcile_metrics.clone(),
-            )
-            .with_drain(drain.clone()),
-        );
+        let context = ReconcileContext::new(
+            client.clone(),
+            providers.clone(),
+            verdicts.clone(),
+            credentials.clone(),
+            config,
+            reconcile_metrics.clone(),
+        )
+        .with_drain(drain.clone());
+        let context = Arc::new(match &settings.geoip {
+            Some(geoip) => context.with_geoip(geoip.clone()),
+            None => context,
+        });
         let (triggers, trigger_stream) = egress_reconcile::trigger_channel();
         tasks.push(tokio::spawn(egress_reconcile::run(
             context,
@@ -679,7 +680,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_gcp_provider_is_accepted_and_a_broken_one_reports_why() {
-        assert_eq!(provider_types().types(), ["gcp", "kubernetes", "kvm"]);
+        assert_eq!(provider_types().types(), ["aws", "gcp", "kubernetes", "kvm"]);
         let text = "providers:\n  - name: gcp-eu\n    type: gcp\n    gcp:\n      project: my-project\n      \
                     defaultZone: europe-west1-b\n      credentialsFile: /nonexistent/key.json\n";
         let config =

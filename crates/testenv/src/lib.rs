@@ -18,6 +18,7 @@
 pub mod assets;
 pub mod captured;
 pub mod control_plane;
+pub mod geoip;
 pub mod guest;
 pub mod image;
 pub mod install;

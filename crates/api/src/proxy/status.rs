@@ -28,6 +28,14 @@ pub struct ProxyStatus {
     /// The address the probe target saw, when the probe URL echoes it.
     #[serde(rename = "egressIP", default, skip_serializing_if = "Option::is_none")]
     pub egress_ip: Option<String>,
+    /// The country of `egressIP` (ISO 3166-1 alpha-2, upper case), when the operator has a GeoIP database
+    /// (`--geoip-database`) that knows it; also the label `crawl.example.com/egress-country`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_country: Option<String>,
+    /// The autonomous system number of `egressIP`, when the operator has a GeoIP database with AS numbers; also the
+    /// label `crawl.example.com/egress-asn`.
+    #[serde(rename = "egressASN", default, skip_serializing_if = "Option::is_none")]
+    pub egress_asn: Option<u32>,
     /// The health engine's verdict; written only when it flips.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthStatus>,

@@ -10,7 +10,7 @@ use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, Selector};
+use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -168,8 +168,7 @@ pub(super) async fn create_lease(
         }
     }
     let proxy = body.proxy.as_deref().map(parse_proxy).transpose()?;
-    let selector = Selector::parse(body.selector.as_deref().unwrap_or(""))
-        .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let selector = state.selector(body.selector.as_deref().unwrap_or(""))?;
     let pool = body.pool.as_deref().map(|pool| resolve_pool(&state, pool)).transpose()?;
     let now = SystemTime::now();
     if let Some(pool) = &pool

@@ -8,7 +8,6 @@ use axum::Json;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
-use egress_lease::Selector;
 
 use super::leases::{lease_problem, resolve_pool};
 use super::{Authorized, Shared, needs, parse_query, timestamp};
@@ -31,8 +30,7 @@ pub(super) async fn list_proxies(
     query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let query = parse_query(query, &["selector", "target", "pool"])?;
-    let selector = Selector::parse(query.get("selector").map_or("", String::as_str))
-        .map_err(|error| Problem::bad_request(error.to_string()))?;
+    let selector = state.selector(query.get("selector").map_or("", String::as_str))?;
     let pool = query.get("pool").map(|pool| resolve_pool(&state, pool)).transpose()?.map(|pool| pool.id.clone());
     let now = SystemTime::now();
     // Only the matching records are copied (as `Arc`s), and only their loads are looked up: the answer costs what

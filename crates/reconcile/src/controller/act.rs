@@ -17,7 +17,7 @@ use super::observe::{
     ARRIVING_AUTH_SECRET_RECHECK, MISSING_AUTH_SECRET_RECHECK, auth_secret_exists, observe, provider_label,
     provider_name, waiting_for_auth_secret,
 };
-use super::status::{provisioned_message, write_status};
+use super::status::{provisioned_message, write_geo_labels, write_status};
 use super::{Context, QuotaRefusal};
 use crate::Error;
 use crate::decide::{self, CleanupDecision, Decision, EventSpec, Facts, Requeue};
@@ -126,6 +126,7 @@ pub(super) async fn apply(proxy: &Proxy, context: &Context) -> Result<Requeue, E
         },
     }
     write_status(proxy, context, &facts.status, &status).await?;
+    write_geo_labels(proxy, context, &status).await?;
     for event in &events {
         context.publish(proxy, event).await;
     }

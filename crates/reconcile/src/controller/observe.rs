@@ -94,6 +94,7 @@ pub(super) async fn observe(
         previous_leases: 0,
         drain_timeout: context.config.drain_timeout,
         health: None,
+        geo: None,
         created: proxy.metadata.creation_timestamp.as_ref().map(|time| SystemTime::from(time.0)),
     };
     let latched = status.failure.as_ref().is_some_and(|failure| {
@@ -127,6 +128,12 @@ pub(super) async fn observe(
         && let Some(endpoint) = &proxy.spec.endpoint
     {
         facts.health = verdict_of(&context.health, proxy, endpoint);
+    }
+    if let (Some(geoip), Some(ip)) = (
+        &context.geoip,
+        facts.health.as_ref().and_then(|verdict| verdict.egress_ip.as_deref()).and_then(|ip| ip.parse().ok()),
+    ) {
+        facts.geo = Some(geoip.lookup(ip));
     }
     Ok(facts)
 }

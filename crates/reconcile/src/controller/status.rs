@@ -2,6 +2,7 @@
 //! changed.
 
 use egress_api::{Proxy, ProxyStatus};
+use egress_fleet::labels::{EGRESS_ASN as EGRESS_ASN_LABEL, EGRESS_COUNTRY as EGRESS_COUNTRY_LABEL};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use tracing::debug;
@@ -39,5 +40,29 @@ pub(super) async fn write_status(
     });
     api.patch_status(&proxy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     debug!(phase = ?after.phase, "status written");
+    Ok(())
+}
+
+/// Sets the Proxy's labels [`EGRESS_COUNTRY_LABEL`] and [`EGRESS_ASN_LABEL`] to what `status` says (removing one the
+/// status no longer has), with a merge patch of those two keys only, when they differ. Only with GeoIP databases:
+/// without them the labels are the user's to keep or remove.
+pub(super) async fn write_geo_labels(proxy: &Proxy, context: &Context, status: &ProxyStatus) -> Result<(), Error> {
+    if context.geoip.is_none() {
+        return Ok(());
+    }
+    let wanted = [
+        (EGRESS_COUNTRY_LABEL, status.egress_country.clone()),
+        (EGRESS_ASN_LABEL, status.egress_asn.map(|asn| asn.to_string())),
+    ];
+    let labels = proxy.labels();
+    if wanted.iter().all(|(key, value)| labels.get(*key) == value.as_ref()) {
+        return Ok(());
+    }
+    let labels: serde_json::Map<String, serde_json::Value> =
+        wanted.iter().map(|(key, value)| ((*key).to_owned(), value.clone().into())).collect();
+    let api: Api<Proxy> = Api::namespaced(context.client.clone(), &proxy.namespace().unwrap_or_default());
+    let patch = serde_json::json!({ "metadata": { "labels": labels } });
+    api.patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    debug!(country = ?status.egress_country, asn = ?status.egress_asn, "egress labels written");
     Ok(())
 }

@@ -52,6 +52,7 @@ fn facts() -> Facts {
         previous_leases: 0,
         drain_timeout: Duration::from_secs(300),
         health: None,
+        geo: None,
         created: None,
     }
 }

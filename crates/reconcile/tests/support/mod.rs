@@ -241,10 +241,17 @@ pub struct Harness {
     pub resync: Duration,
     /// The Proxy store the controller reads (a pool controller reads the same one).
     pub feed: Option<ProxyFeed>,
+    /// The GeoIP databases the controller looks egress addresses up in, if any.
+    pub geoip: Option<Arc<egress_reconcile::geoip::GeoIp>>,
 }
 
 impl Harness {
     pub async fn new(prefix: &str) -> Self {
+        Self::with_geoip(prefix, None).await
+    }
+
+    /// As [`Harness::new`], the controller looking egress addresses up in `geoip`.
+    pub async fn with_geoip(prefix: &str, geoip: Option<Arc<egress_reconcile::geoip::GeoIp>>) -> Self {
         let ns = egress_testenv::namespace(prefix).await;
         let (triggers, receiver) = mpsc::unbounded_channel();
         let cluster_id = ns.name().to_owned();
@@ -259,6 +266,7 @@ impl Harness {
             metrics: ReconcileMetrics::default(),
             resync: Duration::from_secs(1),
             feed: None,
+            geoip,
         };
         harness.start();
         harness
@@ -276,14 +284,18 @@ impl Harness {
         let providers = StaticProviders::new()
             .with("scripted", self.provider.clone() as Arc<dyn Provider>)
             .with("scripted-b", self.provider.clone() as Arc<dyn Provider>);
-        Arc::new(Context::new(
+        let context = Context::new(
             self.ns.client(),
             Arc::new(providers),
             self.health.clone(),
             credentials,
             self.config(),
             self.metrics.clone(),
-        ))
+        );
+        Arc::new(match &self.geoip {
+            Some(geoip) => context.with_geoip(geoip.clone()),
+            None => context,
+        })
     }
 
     /// Starts (or restarts) the controller with a fresh context, as a restarted operator would have.
@@ -329,12 +341,17 @@ impl Harness {
 
     /// Records a verdict for a Proxy's endpoint and triggers its reconcile, as the health engine does.
     pub fn feed_health(&self, name: &str, address: &str, healthy: bool) {
+        self.feed_health_from(name, address, healthy, None);
+    }
+
+    /// As [`Harness::feed_health`], with the egress address the probe target saw.
+    pub fn feed_health_from(&self, name: &str, address: &str, healthy: bool, egress_ip: Option<std::net::IpAddr>) {
         let key = self.probe_key(name, address);
         let verdict = CurrentVerdict {
             healthy,
             since: SystemTime::now(),
             last_error: (!healthy).then_some(egress_health::FailureReason::ConnectRefused),
-            egress_ip: None,
+            egress_ip,
         };
         let proxy = key.proxy.clone();
         self.health.set_as_engine(key, verdict);
