@@ -294,7 +294,7 @@ async fn refusals_carry_their_status_and_proxy_status() {
             proxy: gateway,
             method: plain,
             target: &url,
-            credentials: Some(("country-de", TOKEN)),
+            credentials: Some(("city-berlin", TOKEN)),
             status: 400,
             kind: "http_request_error",
         },
