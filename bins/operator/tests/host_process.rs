@@ -1055,15 +1055,20 @@ async fn country_de_at_the_gateway_only_ever_leaves_through_the_german_exit() {
     }
     env.discovery(&operator, 2).await;
 
-    let gateway =
-        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("the gateway starts");
+    // Two gateway replicas, as deploy/default ships them, taking turns.
+    let gateways = [
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
+    ];
+    let gateway = &gateways[0];
     let origin = env.origin.ip_url();
     let mut exits = std::collections::BTreeMap::<String, usize>::new();
     for round in 0..20 {
         // Half in one session (which keeps a lease: a session each would fill the proxy's cap of 5), half rotating,
-        // picking a proxy anew each time.
+        // picking a proxy anew each time; each kind at both replicas.
         let user = if round % 2 == 0 { "country-de,session-geo".to_owned() } else { "country-DE".to_owned() };
-        let answer = through_proxy(gateway.address, "GET", &origin, Some((&user, &env.token))).await.expect("GET");
+        let replica = &gateways[(round / 2) % 2];
+        let answer = through_proxy(replica.address, "GET", &origin, Some((&user, &env.token))).await.expect("GET");
         assert_eq!(answer.status, 200, "{user}: {answer:?}");
         *exits.entry(answer.body.trim().to_owned()).or_default() += 1;
     }
