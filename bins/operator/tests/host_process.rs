@@ -1090,6 +1090,93 @@ async fn country_de_at_the_gateway_only_ever_leaves_through_the_german_exit() {
     );
 }
 
+/// A session's lifetime at the gateway (`requests-<n>`, `lifetime-<seconds>`), measured through two gateway
+/// replicas taking turns, as deploy/default ships them: the lease state counts the session's requests and its time
+/// wherever they arrive, and moves it to another proxy once over.
+#[tokio::test]
+async fn a_session_moves_to_another_proxy_after_its_requests_and_after_its_lifetime_at_either_replica() {
+    let env = Env::new("e2e-lifetime").await;
+    let mut squids = Vec::new();
+    for _ in 0..3 {
+        squids.push(Squid::start(SquidOptions::default()).await.expect("squid"));
+    }
+    let operator = env.operator(false).await;
+    let proxies = env.ns.api::<Proxy>();
+    let names = ["l0", "l1", "l2"];
+    for (name, squid) in names.iter().zip(&squids) {
+        let proxy = Proxy::new(name, common::external(squid.address(), 1));
+        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
+    }
+    env.wait_phase(&names, ProxyPhase::Ready).await;
+    env.discovery(&operator, 3).await;
+    let gateways = [
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
+        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
+    ];
+    let origin = env.origin.ip_url();
+    let exit = |n: usize, user: &'static str| {
+        let (address, origin, token) = (gateways[n % 2].address, origin.clone(), env.token.clone());
+        async move {
+            let answer = through_proxy(address, "GET", &origin, Some((user, &token))).await.expect("GET");
+            assert_eq!(answer.status, 200, "{user}: {answer:?}");
+            answer.body.trim().to_owned()
+        }
+    };
+
+    // By requests: 4 through one proxy, whichever replica took them, then the next 4 through another.
+    let mut by_requests = Vec::new();
+    for n in 0..12 {
+        by_requests.push(exit(n, "session-r,requests-4").await);
+    }
+    for (n, run) in by_requests.chunks(4).enumerate() {
+        assert!(
+            run.iter().all(|exit| *exit == run[0]),
+            "requests {}-{}: one exit each: {by_requests:?}",
+            n * 4,
+            n * 4 + 3
+        );
+    }
+    assert!(
+        by_requests[3] != by_requests[4] && by_requests[7] != by_requests[8],
+        "moved after every 4th request: {by_requests:?}"
+    );
+
+    // By time: a request every 250 ms for 7 s; the session keeps each proxy at most 2 s from its first request there.
+    // Each request's lease is taken between its start and its answer, so the bounds are taken from those.
+    let start = tokio::time::Instant::now();
+    let mut by_time: Vec<(Duration, Duration, String)> = Vec::new();
+    for n in 0..28 {
+        tokio::time::sleep_until(start + Duration::from_millis(250) * n as u32).await;
+        let sent = start.elapsed();
+        let exit = exit(n, "session-t,lifetime-2").await;
+        by_time.push((sent, start.elapsed(), exit));
+    }
+    // Runs of requests through one exit: (exit, its first request's start and answer, its last request's start).
+    let mut runs: Vec<(String, Duration, Duration, Duration)> = Vec::new();
+    for (sent, answered, exit) in &by_time {
+        match runs.last_mut() {
+            Some((last, _, _, end)) if last == exit => *end = *sent,
+            _ => runs.push((exit.clone(), *sent, *answered, *sent)),
+        }
+    }
+    let lifetime = Duration::from_secs(2);
+    assert!(runs.len() >= 3, "at least two moves in 7 s: {runs:?}");
+    for (exit, _, first_answered, last_sent) in &runs {
+        assert!(*last_sent < *first_answered + lifetime, "{exit} kept past 2 s: {runs:?}");
+    }
+    for pair in runs.windows(2) {
+        let (moved_answered, previous_first_sent) = (pair[1].2, pair[0].1);
+        assert!(moved_answered >= previous_first_sent + lifetime, "moved before 2 s: {runs:?}");
+    }
+    let spans: Vec<f64> = runs.iter().map(|(_, first, _, last)| (*last - *first).as_secs_f64()).collect();
+    eprintln!(
+        "e2e: session lifetime: requests-4 → exits {:?}; lifetime-2 → {} runs of {:?} s (first to last request)",
+        by_requests.chunks(4).map(|run| run[0].clone()).collect::<Vec<_>>(),
+        runs.len(),
+        spans.iter().map(|span| format!("{span:.2}")).collect::<Vec<_>>()
+    );
+}
+
 /// Without a GeoIP database, selecting by country is refused with a message that says why, at the gateway and the
 /// discovery API alike.
 #[tokio::test]

@@ -91,6 +91,13 @@ export interface LeaseOptions {
   /** A sticky-session key: the same proxy for the same (session, target) while it stays eligible. */
   session?: string;
   /**
+   * The longest the session keeps one proxy, 1 to 86400 seconds from the lease that chose it: its first lease after
+   * that goes to another proxy. Needs `session`.
+   */
+  sessionLifetimeSeconds?: number;
+  /** The most leases the session takes on one proxy (1 to 1000000) before its next goes to another. Needs `session`. */
+  sessionMaxLeases?: number;
+  /**
    * Only members of this ProxyPool (its name, or `namespace/name`). A pool getting its first members answers
    * `Unavailable` with reason `scaling-up` and `retryAfter`.
    */
@@ -558,6 +565,14 @@ export class DiscoveryClient {
     if (seconds !== undefined) body.ttlSeconds = seconds;
     if (options.proxy) body.proxy = options.proxy;
     if (options.session) body.session = options.session;
+    for (const [key, most] of [['sessionLifetimeSeconds', 86_400], ['sessionMaxLeases', 1_000_000]] as const) {
+      const value = options[key];
+      if (value === undefined) continue;
+      if (!options.session || !Number.isInteger(value) || value < 1 || value > most) {
+        throw new RangeError(`lease: ${key} ${value} must be a whole number from 1 to ${most}, with a session`);
+      }
+      body[key] = value;
+    }
     if (options.pool !== undefined) {
       if (typeof options.pool !== 'string' || !/^[^\s/]+(\/[^\s/]+)?$/.test(options.pool)) {
         throw new TypeError(`lease: pool ${JSON.stringify(options.pool)} must be a ProxyPool's name or namespace/name`);

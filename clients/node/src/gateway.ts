@@ -3,7 +3,7 @@
  *
  * The gateway (`egress-operator gateway`, docs/gateway.md) is one forward-proxy URL for the whole fleet; its user
  * name carries options (`session-<id>`, `pool-<name>`, `zone-<z>`, `provider-<p>`, `label-<k>=<v>`,
- * `sticky-<seconds>`) and its password is a discovery token. Plain `http://` answers are the gateway's to judge;
+ * `sticky-<seconds>`, `lifetime-<seconds>`, `requests-<count>`) and its password is a discovery token. Plain `http://` answers are the gateway's to judge;
  * inside a `CONNECT` tunnel (every `https://` URL) only the crawler sees the site's answer, so it reports a ban or a
  * throttle itself:
  *
@@ -29,6 +29,10 @@ export interface GatewayOptions {
   session?: string;
   /** How long an idle session keeps its proxy, 1–86400 seconds (with a session). */
   sticky?: number;
+  /** The longest a session keeps one proxy, 1–86400 seconds from its first request there (with a session). */
+  lifetime?: number;
+  /** The most requests a session sends through one proxy, 1–1000000 (with a session). */
+  requests?: number;
   /** Only members of this ProxyPool (`name` or `namespace.name`). */
   pool?: string;
   /** Only proxies labelled `zone=<zone>`. */
@@ -78,6 +82,14 @@ export function gatewayProxyUrl(gateway: string, token: string, options: Gateway
       throw new TypeError(`sticky ${sticky}: 1-86400 seconds, with a session`);
     }
     parts.push(`sticky-${sticky}`);
+  }
+  for (const [key, most, unit] of [['lifetime', 86_400, ' seconds'], ['requests', 1_000_000, '']] as const) {
+    const value = options[key];
+    if (value === undefined) continue;
+    if (session === undefined || !Number.isInteger(value) || value < 1 || value > most) {
+      throw new TypeError(`${key} ${value}: 1-${most}${unit}, with a session`);
+    }
+    parts.push(`${key}-${value}`);
   }
   for (const key of ['pool', 'zone', 'provider'] as const) {
     const value = options[key];

@@ -16,6 +16,8 @@ test('the proxy URL carries the options and an encoded token', () => {
   assert.equal(decodeURIComponent(url.username), 'session-s-1,sticky-60,pool-crawl.eu,zone-eu-1a,label-tier=dc');
   assert.equal(decodeURIComponent(url.password), 'a/b:c@d');
   assert.equal(url.host, 'gw.example:8088');
+  const limited = new URL(gatewayProxyUrl('gw:8088', 't', { session: 's', lifetime: 300, requests: 20 }));
+  assert.equal(decodeURIComponent(limited.username), 'session-s,lifetime-300,requests-20');
 });
 
 test('options the gateway would refuse are refused here', () => {
@@ -28,6 +30,10 @@ test('options the gateway would refuse are refused here', () => {
     ['http://gw:8088', 't', { session: 'x'.repeat(129) }, /session/],
     ['http://gw:8088', 't', { sticky: 60 }, /with a session/],
     ['http://gw:8088', 't', { session: 's', sticky: 0 }, /1-86400/],
+    ['http://gw:8088', 't', { lifetime: 60 }, /with a session/],
+    ['http://gw:8088', 't', { session: 's', lifetime: 86_401 }, /1-86400 seconds/],
+    ['http://gw:8088', 't', { requests: 5 }, /with a session/],
+    ['http://gw:8088', 't', { session: 's', requests: 0 }, /1-1000000/],
     ['http://gw:8088', 't', { pool: 'a,b' }, /comma/],
     ['http://gw:8088', 't', { labels: { 'k=': 'v' } }, /label/],
   ];

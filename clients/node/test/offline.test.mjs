@@ -73,6 +73,16 @@ test('requests carry the token and the bodies the API wants', async () => {
   assert.equal(lease.egressIP, '203.0.113.7');
 });
 
+test("a session's lifetime goes in the lease body and is checked first", async () => {
+  const { client, seen } = answering(200, {});
+  await client.lease('example.com', { session: 's-1', sessionLifetimeSeconds: 300, sessionMaxLeases: 20 });
+  assert.deepEqual(seen[0].body, { target: 'example.com', session: 's-1', sessionLifetimeSeconds: 300, sessionMaxLeases: 20 });
+  for (const options of [{ sessionLifetimeSeconds: 60 }, { session: 's', sessionLifetimeSeconds: 0 }, { session: 's', sessionMaxLeases: 1.5 }]) {
+    await assert.rejects(client.lease('example.com', options), /with a session/, JSON.stringify(options));
+  }
+  assert.equal(seen.length, 1);
+});
+
 test('bad input is refused before any request, saying what is wrong', async () => {
   const { client, seen } = answering(200, {});
   const lease = await client.lease('example.com');

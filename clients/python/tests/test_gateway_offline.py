@@ -26,6 +26,8 @@ def test_the_proxy_url_carries_the_options_and_an_encoded_token() -> None:
     assert urllib.parse.unquote(parts.username or "") == "session-s-1,sticky-60,pool-crawl.eu,zone-eu-1a,label-tier=dc"
     assert urllib.parse.unquote(parts.password or "") == "a/b:c@d"
     assert (parts.hostname, parts.port) == ("gw.example", 8088)
+    limited = gateway_proxy_url("gw:8088", "t", session="s", lifetime=300, requests=20)
+    assert urllib.parse.unquote(urllib.parse.urlsplit(limited).username or "") == "session-s,lifetime-300,requests-20"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,10 @@ def test_the_proxy_url_carries_the_options_and_an_encoded_token() -> None:
         ("http://gw:8088", "t", {"session": "x" * 129}, "session"),
         ("http://gw:8088", "t", {"sticky": 60}, "with a session"),
         ("http://gw:8088", "t", {"session": "s", "sticky": 0}, "1-86400"),
+        ("http://gw:8088", "t", {"lifetime": 60}, "with a session"),
+        ("http://gw:8088", "t", {"session": "s", "lifetime": 86_401}, "1-86400"),
+        ("http://gw:8088", "t", {"requests": 5}, "with a session"),
+        ("http://gw:8088", "t", {"session": "s", "requests": 0}, "1-1000000"),
         ("http://gw:8088", "t", {"pool": "a,b"}, "comma"),
         ("http://gw:8088", "t", {"labels": {"k=": "v"}}, "label"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, Dict, List
 
 import httpx
 import pytest
@@ -75,6 +76,26 @@ def test_requests_carry_the_token_and_the_bodies_the_api_wants() -> None:
     assert json.loads(throttle.content) == {"outcome": "throttled", "statusCode": 429, "retryAfterSeconds": 12}
     assert json.loads(counts.content) == {"ok": 5}
     assert lease.egress_ip == "203.0.113.7"
+
+
+def test_a_sessions_lifetime_goes_in_the_lease_body_and_is_checked_first() -> None:
+    client, seen = client_answering(200, {})
+    client.lease("example.com", session="s-1", session_lifetime=300, session_max_leases=20)
+    assert json.loads(seen[0].content) == {
+        "target": "example.com",
+        "session": "s-1",
+        "sessionLifetimeSeconds": 300,
+        "sessionMaxLeases": 20,
+    }
+    refused: List[Dict[str, Any]] = [
+        {"session_lifetime": 60},
+        {"session": "s", "session_lifetime": 0},
+        {"session": "s", "session_max_leases": 1_000_001},
+    ]
+    for options in refused:
+        with pytest.raises(ValueError, match="with a session"):
+            client.lease("example.com", **options)
+    assert len(seen) == 1
 
 
 def test_bad_reports_are_refused_before_any_request() -> None:

@@ -122,6 +122,8 @@ pub struct LeaseOptions {
     ttl: Option<Duration>,
     proxy: Option<String>,
     session: Option<String>,
+    session_lifetime: Option<Duration>,
+    session_max_leases: Option<u32>,
     pool: Option<String>,
     zone: Option<String>,
     provider: Option<String>,
@@ -150,6 +152,18 @@ impl LeaseOptions {
     /// A sticky-session key.
     pub fn session(mut self, session: impl Into<String>) -> Self {
         self.session = Some(session.into());
+        self
+    }
+    /// The longest the session keeps one proxy, from the lease that chose it (whole seconds, 1 to 86400): its first
+    /// lease after that goes to another proxy. Needs [`LeaseOptions::session`].
+    pub fn session_lifetime(mut self, lifetime: Duration) -> Self {
+        self.session_lifetime = Some(lifetime);
+        self
+    }
+    /// The most leases the session takes on one proxy (1 to 1000000) before its next goes to another. Needs
+    /// [`LeaseOptions::session`].
+    pub fn session_max_leases(mut self, leases: u32) -> Self {
+        self.session_max_leases = Some(leases);
         self
     }
     /// Only members of this ProxyPool (`namespace/name`, or a name only one namespace has). A pool getting its
@@ -459,6 +473,12 @@ impl DiscoveryClient {
         }
         if let Some(session) = options.session {
             body["session"] = json!(session);
+        }
+        if let Some(lifetime) = options.session_lifetime {
+            body["sessionLifetimeSeconds"] = json!(lifetime.as_secs());
+        }
+        if let Some(leases) = options.session_max_leases {
+            body["sessionMaxLeases"] = json!(leases);
         }
         for (key, value) in [("pool", options.pool), ("zone", options.zone), ("provider", options.provider)] {
             if let Some(value) = value {

@@ -257,6 +257,12 @@ async fn every_error_status_is_a_problem_document() {
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"no-slash"}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"crawl/a/b"}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","pool":"/eu"}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","sessionLifetimeSeconds":60}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","sessionMaxLeases":5}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","session":"s","sessionLifetimeSeconds":0}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","session":"s","sessionLifetimeSeconds":86401}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","session":"s","sessionMaxLeases":0}"#), 400),
+        ("POST", "/v1/leases", Some(r#"{"target":"x.com","session":"s","sessionMaxLeases":1000001}"#), 400),
         ("POST", "/v1/leases", Some(r#"{"target":"x.com","proxy":"crawl/missing"}"#), 404),
         ("POST", "/v1/leases/l-unknown/renew", None, 404),
         ("DELETE", "/v1/leases/l-unknown", None, 404),
@@ -280,6 +286,9 @@ async fn every_error_status_is_a_problem_document() {
         assert_eq!(status, expected, "{method} {path} {body:?}: {value}");
         assert_problem(&headers, &value, expected);
     }
+    let (_, _, why) =
+        server.call("POST", "/v1/leases", Some(LEASE), Some(r#"{"target":"x.com","sessionMaxLeases":5}"#)).await;
+    assert!(why["detail"].as_str().is_some_and(|detail| detail.contains("needs session")), "{why}");
     // 413 and 415.
     let huge = format!(r#"{{"target":"{}"}}"#, "a".repeat(20_000));
     let (status, headers, value) = server.call("POST", "/v1/leases", Some(LEASE), Some(&huge)).await;

@@ -264,11 +264,21 @@ impl LeaseRouter {
         Ok(client)
     }
 
-    async fn lease(&self, request: &RouteRequest<'_>) -> Result<(LeaseGuard, Upstream), GatewayError> {
+    /// Leases a proxy for `request`; a session's lease counts toward its lifetime (`lifetime`, `requests`) when
+    /// `counted`, so the lease state moves the session on once it is over.
+    async fn lease(&self, request: &RouteRequest<'_>, counted: bool) -> Result<(LeaseGuard, Upstream), GatewayError> {
         let mut ttl = self.ttl_for(request.tenant);
         let mut options = LeaseOptions::for_target(request.host).ttl(ttl);
         if let Some(session) = &request.options.session {
             options = options.session(session.clone());
+            if counted {
+                if let Some(lifetime) = request.options.lifetime {
+                    options = options.session_lifetime(lifetime);
+                }
+                if let Some(requests) = request.options.requests {
+                    options = options.session_max_leases(requests);
+                }
+            }
         }
         if let Some(pool) = &request.options.pool {
             options = options.pool(pool.clone());
@@ -459,7 +469,8 @@ impl LeaseRouter {
         drop(held);
         let lease = match left {
             Some(lease) => lease,
-            None => self.lease(request).await?.0,
+            // Not one of the session's requests: its lifetime does not move it to another proxy to report on.
+            None => self.lease(request, false).await?.0,
         };
         let reported = match report {
             Report::Banned => Outcome::Banned,
@@ -641,7 +652,7 @@ async fn sweep(router: Weak<LeaseRouter>) {
 impl Router for LeaseRouter {
     async fn route(&self, request: &RouteRequest<'_>) -> Result<Upstream, GatewayError> {
         let Some(key) = self.session_key(request) else {
-            let (lease, mut upstream) = self.lease(request).await?;
+            let (lease, mut upstream) = self.lease(request, true).await?;
             upstream.hold = Some(Arc::new(lease));
             return Ok(upstream);
         };
@@ -652,11 +663,19 @@ impl Router for LeaseRouter {
             // which every session of the tenant then leaves for the site, and this request goes elsewhere.
             self.report_session(request, &session, report).await?;
         }
+        if request.options.limits_session() {
+            // A session with a lifetime leases for each request, held until its answer (or tunnel) ends, like a
+            // request without one: the lease state keeps it on one proxy and counts its requests and its time at
+            // every replica, and moves it once it is over.
+            let (lease, mut upstream) = self.lease(request, true).await?;
+            upstream.hold = Some(Arc::new(lease));
+            return Ok(upstream);
+        }
         let mut held = session.held.lock().await;
         if let (Some(_), Some(upstream)) = (&held.lease, &held.upstream) {
             return Ok(upstream.clone());
         }
-        let (lease, upstream) = self.lease(request).await?;
+        let (lease, upstream) = self.lease(request, true).await?;
         Ok(held.hold(lease, upstream))
     }
 

@@ -8,6 +8,8 @@
 //! | --- | --- | --- |
 //! | `session-<id>` | 1–128 of `A-Z a-z 0-9 . _ ~ -` | requests of one session and site go through one proxy |
 //! | `sticky-<seconds>` | 1–86400 | how long an idle session keeps its proxy (needs `session`) |
+//! | `lifetime-<seconds>` | 1–86400 | the longest a session keeps one proxy, from its first request there; then it moves (needs `session`) |
+//! | `requests-<count>` | 1–1000000 | the most requests a session sends through one proxy; then it moves (needs `session`) |
 //! | `pool-<name>` | a ProxyPool, `name` or `namespace.name` | only that pool's members |
 //! | `zone-<zone>` | a zone | only proxies in that zone (a Proxy's `placement.zone`, listed as `zone`) |
 //! | `provider-<name>` | a provider's name | only proxies on that provider (a Proxy's `provider`) |
@@ -34,6 +36,12 @@ pub const MAX_SESSION_CHARS: usize = 128;
 /// The longest stickiness a session may ask for.
 pub const MAX_STICKY: Duration = Duration::from_secs(86_400);
 
+/// The longest lifetime a session may ask for (`lifetime-<seconds>`).
+pub const MAX_LIFETIME: Duration = Duration::from_secs(86_400);
+
+/// The most requests a session may ask to send through one proxy (`requests-<count>`).
+pub const MAX_SESSION_REQUESTS: u32 = 1_000_000;
+
 /// What the user name asked for.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Options {
@@ -41,6 +49,10 @@ pub struct Options {
     pub session: Option<String>,
     /// How long an idle session keeps its proxy; `None`: the gateway's default.
     pub sticky: Option<Duration>,
+    /// The longest a session keeps one proxy, from its first request through it; `None`: while it is eligible.
+    pub lifetime: Option<Duration>,
+    /// The most requests a session sends through one proxy; `None`: no limit.
+    pub requests: Option<u32>,
     /// Only members of this ProxyPool (`name`, or `namespace/name` written `namespace.name`).
     pub pool: Option<String>,
     /// Only proxies in this zone (a Proxy's `placement.zone`).
@@ -114,6 +126,29 @@ impl Options {
                         })?;
                     set_once(&mut options.sticky, option, Duration::from_secs(seconds))?;
                 }
+                "lifetime" => {
+                    let seconds = value
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|seconds| (1..=MAX_LIFETIME.as_secs()).contains(seconds))
+                        .ok_or_else(|| {
+                            OptionError::new(
+                                option,
+                                format!("is not a whole number of seconds from 1 to {}", MAX_LIFETIME.as_secs()),
+                            )
+                        })?;
+                    set_once(&mut options.lifetime, option, Duration::from_secs(seconds))?;
+                }
+                "requests" => {
+                    let count = value
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|count| (1..=MAX_SESSION_REQUESTS).contains(count))
+                        .ok_or_else(|| {
+                            OptionError::new(option, format!("is not a count from 1 to {MAX_SESSION_REQUESTS}"))
+                        })?;
+                    set_once(&mut options.requests, option, count)?;
+                }
                 "pool" => {
                     let pool = match value.split_once('.') {
                         Some((namespace, name)) if is_dns_label(namespace) && is_dns_label(name) => {
@@ -173,17 +208,30 @@ impl Options {
                     return Err(OptionError::new(
                         option,
                         format!(
-                            "unknown option {other:?} (known: session, sticky, pool, zone, provider, country, asn, \
-                             label)"
+                            "unknown option {other:?} (known: session, sticky, lifetime, requests, pool, zone, \
+                             provider, country, asn, label)"
                         ),
                     ));
                 }
             }
         }
-        if options.sticky.is_some() && options.session.is_none() {
-            return Err(OptionError::new(user, "sticky needs a session"));
+        let of_a_session = [
+            ("sticky", options.sticky.is_some()),
+            ("lifetime", options.lifetime.is_some()),
+            ("requests", options.requests.is_some()),
+        ];
+        if options.session.is_none()
+            && let Some((name, _)) = of_a_session.iter().find(|(_, given)| *given)
+        {
+            return Err(OptionError::new(user, format!("{name} needs a session")));
         }
         Ok(options)
+    }
+
+    /// Whether the session moves on after a time or a number of requests: each of its requests then leases (with
+    /// the session as the sticky key, so the lease state counts them at every gateway replica).
+    pub fn limits_session(&self) -> bool {
+        self.session.is_some() && (self.lifetime.is_some() || self.requests.is_some())
     }
 
     /// The label selector the options ask for (`k=v,k=v`), `None` without labels.
@@ -238,6 +286,9 @@ mod tests {
             Options::parse("session-a1.B_~-x,sticky-600,pool-crawl.eu-west,zone-eu,label-tier=gold").expect("parses");
         assert_eq!(options.session.as_deref(), Some("a1.B_~-x"));
         assert_eq!(options.sticky, Some(Duration::from_secs(600)));
+        let limited = Options::parse("session-s,lifetime-300,requests-20").expect("a session's lifetime");
+        assert_eq!((limited.lifetime, limited.requests), (Some(Duration::from_secs(300)), Some(20)));
+        assert!(limited.limits_session() && !options.limits_session());
         assert_eq!(options.pool.as_deref(), Some("crawl/eu-west"));
         assert_eq!(options.selector().as_deref(), Some("tier=gold"));
         assert_eq!(options.zone.as_deref(), Some("eu"), "the zone is the Proxy's, not a label");
@@ -286,6 +337,14 @@ mod tests {
             ("sticky-86401,session-a", "from 1 to 86400"),
             ("sticky-ten,session-a", "whole number"),
             ("sticky-60", "sticky needs a session"),
+            ("lifetime-60", "lifetime needs a session"),
+            ("requests-5,pool-eu", "requests needs a session"),
+            ("lifetime-0,session-a", "from 1 to 86400"),
+            ("lifetime-86401,session-a", "from 1 to 86400"),
+            ("lifetime-1m,session-a", "whole number of seconds"),
+            ("requests-0,session-a", "count from 1 to 1000000"),
+            ("requests-1000001,session-a", "count from 1 to 1000000"),
+            ("requests-5,requests-6,session-a", "is given twice"),
             ("pool-EU", "a pool is"),
             ("pool-a.b.c", "a pool is"),
             ("pool-a,pool-b", "is given twice"),

@@ -157,6 +157,34 @@ async fn sessions_stick_and_requests_without_one_rotate() {
     assert_eq!(seen.iter().collect::<BTreeSet<_>>().len(), 2, "requests without a session did not rotate: {seen:?}");
 }
 
+/// A session with a lifetime (`requests-<n>`) leases for each request, holds the lease until the request ends, and
+/// moves to another proxy after its n-th request there; a refusal moves it at once, its count starting over.
+#[tokio::test(start_paused = true)]
+async fn a_session_with_a_request_limit_leases_per_request_and_moves_after_it() {
+    let fleet = Fleet::start((1..=3).map(|index| record(index, 10, true)).collect()).await;
+    let router = fleet.router(|config| config);
+    let session = Ask::new("session-s1,requests-2", "a.test");
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        let upstream = session.route(&router).await;
+        assert_eq!(fleet.active(), 1, "the request holds its lease while it runs");
+        seen.push(upstream.proxy.clone());
+        drop(upstream);
+        fleet.settle(0).await;
+    }
+    for pair in seen.chunks(2) {
+        assert_eq!(pair[0], pair[1], "two requests per proxy: {seen:?}");
+    }
+    assert!(seen[1] != seen[2] && seen[3] != seen[4], "moved after every 2nd request: {seen:?}");
+    // A ban on the first of a pair: the next request goes elsewhere at once.
+    let refused = session.route(&router).await;
+    let verdict = router.outcome(&session.request(None), &refused, Routed::Answered(StatusCode::FORBIDDEN, None)).await;
+    assert_eq!(verdict, Verdict::Blocked);
+    let next = session.route(&router).await;
+    assert_ne!(next.proxy, refused.proxy, "a refused proxy is left at once");
+    assert_eq!(fleet.cooling("a.test"), BTreeSet::from([refused.proxy.clone()]));
+}
+
 /// A session that sends nothing gives its lease back at its first renewal (half the TTL) and keeps its choice; it
 /// is forgotten once idle for its stickiness.
 #[tokio::test(start_paused = true)]

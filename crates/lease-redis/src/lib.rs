@@ -414,6 +414,8 @@ impl LeaseState for RedisLeaseState {
             self.config.max_ttl.as_millis().to_string(),
             mode.to_owned(),
             self.serial_start.to_string(),
+            request.session_limits.max_age.map_or_else(String::new, |age| age.as_millis().to_string()),
+            request.session_limits.max_leases.map_or_else(String::new, |leases| leases.to_string()),
         ];
         for proxy in &candidates {
             args.extend([proxy.id.to_string(), proxy.max_leases.to_string(), proxy.endpoint.clone()]);

@@ -21,7 +21,9 @@
 --   c:<proxy>\n<target> HASH a cooldown (expires when forgotten): until streak cleared, r:<owner> -> 1 ban / 0 throttle
 --   pc:<proxy>          ZSET target -> forget time, the cooldowns of a proxy
 --   cooling             ZSET <proxy>\n<target> -> until, the running cooldowns
---   s:<owner>\n<session>\n<target>  STRING the session's proxy (expires when forgotten)
+--   s:<owner>\n<session>\n<target>  STRING the session's proxy, when it chose it and how many leases it took there
+--                       since: <proxy>\n<since>\n<leases> (expires when forgotten; a bare <proxy> is from before
+--                       session lifetimes, and counts as chosen now)
 --   x:<proxy>\n<target> HASH outcome counts ok failed banned throttled (expire an hour after the last report)
 --   refusals            the channel each ban and throttle is published on, as JSON: owner target until proxies
 
@@ -167,23 +169,26 @@ local function cooldown_of(proxy, target)
   return { proxy, target, c[1], c[2] or '0', table.concat(reporters(key), '\n') }
 end
 
--- Lease: ttl owner quota target session keep mode start, then (proxy cap endpoint) per candidate in the caller's
--- order. `start` is where a fresh server's serials begin.
+-- Lease: ttl owner quota target session keep mode start maxage maxleases, then (proxy cap endpoint) per candidate
+-- in the caller's order. `start` is where a fresh server's serials begin; maxage (ms) and maxleases ('' for none)
+-- are the session's lifetime, past which it moves to another proxy (the same one only when no other can take it).
 local function lease()
   local ttl, owner, quota, target = num(ARGV[3]), ARGV[4], num(ARGV[5]), ARGV[6]
   local session, keep, mode, start = ARGV[7], num(ARGV[8]), ARGV[9], ARGV[10]
+  local maxage, maxleases = num(ARGV[11]), num(ARGV[12])
+  local FIRST = 13
   expire(1000)
   if quota then
     local held = redis.call('ZRANGE', P .. 'o:' .. owner, 0, 0, 'WITHSCORES')
     if redis.call('ZCARD', P .. 'o:' .. owner) >= quota then return { 'quota', held[2] or '' } end
   end
   -- Candidates are read from the arguments only as far as the choice needs: a lease costs what it looks at.
-  local count = math.floor((#ARGV - 10) / 3)
+  local count = math.floor((#ARGV - FIRST + 1) / 3)
   local candidates = {}
   local function candidate(k)
     local c = candidates[k]
     if not c then
-      local i = 11 + (k - 1) * 3
+      local i = FIRST + (k - 1) * 3
       c = { proxy = ARGV[i], cap = num(ARGV[i + 1]), endpoint = ARGV[i + 2] }
       candidates[k] = c
     end
@@ -214,14 +219,30 @@ local function lease()
     chosen = c
   else
     local sessionkey = P .. 's:' .. session .. '\n' .. target
-    if session ~= '' then
-      local sticky = redis.call('GET', sessionkey)
+    -- The session's proxy, when it chose it, how many leases it took there; and the proxy of a session past its
+    -- lifetime, which it leaves for another.
+    local sticky, since, used, lapsed
+    -- The candidate proxy is, when usable.
+    local function take(proxy)
       for k = 1, count do
-        if ARGV[11 + (k - 1) * 3] == sticky then
+        if ARGV[FIRST + (k - 1) * 3] == proxy then
           local c = candidate(k)
           fetch('active', { c }, 'active')
-          if usable(c) then chosen = c end
-          break
+          if usable(c) then return c end
+          return nil
+        end
+      end
+    end
+    if session ~= '' then
+      local value = redis.call('GET', sessionkey)
+      if value then
+        sticky, since, used = string.match(value, '^(.-)\n(%d+)\n(%d+)$')
+        if not sticky then sticky, since, used = value, now, 0 end
+        since, used = num(since), num(used)
+        if (maxage and now >= since + maxage) or (maxleases and used >= maxleases) then
+          lapsed = sticky
+        else
+          chosen = take(sticky)
         end
       end
     end
@@ -232,7 +253,7 @@ local function lease()
       if mode == 'session' then
         -- In the caller's order (the session's rendezvous order): the first usable.
         for _, c in ipairs(list) do
-          if usable(c) then
+          if c.proxy ~= lapsed and usable(c) then
             chosen = c
             break
           end
@@ -259,6 +280,8 @@ local function lease()
         end
       end
     end
+    -- A session past its lifetime that no other proxy can take stays where it was, and starts a new one.
+    if not chosen and lapsed then chosen = take(lapsed) end
     if not chosen then
       if count == 0 then return { 'none' } end
       -- Why none: every candidate is looked at, only on this path.
@@ -288,7 +311,9 @@ local function lease()
       return { 'capacity', retry or '' }
     end
     if session ~= '' then
-      redis.call('SET', sessionkey, chosen.proxy, 'PX', math.floor((now + ttl) / 1000) * 1000 + keep - now)
+      if lapsed or chosen.proxy ~= sticky then since, used = now, 0 end
+      redis.call('SET', sessionkey, chosen.proxy .. '\n' .. id(since) .. '\n' .. id(used + 1),
+        'PX', math.floor((now + ttl) / 1000) * 1000 + keep - now)
     end
   end
   redis.call('SET', KEYS[1], start, 'NX')

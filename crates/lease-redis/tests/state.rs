@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use egress_lease::{
     Cooldown, EndedSessions, InMemoryLeaseStore, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState,
-    LeaseStore, Outcome, ProxyId, ProxyInfo, Report,
+    LeaseStore, Outcome, ProxyId, ProxyInfo, Report, SessionLimits,
 };
 use egress_lease_redis::{ConnectError, RedisLeaseState, RedisOptions, redact};
 use egress_testenv::redis::RedisServer;
@@ -206,6 +206,54 @@ async fn a_session_gets_the_same_proxy_at_every_replica_and_as_in_memory() {
     let theirs = LeaseRequest { session: Some("s1".into()), ..request("example.com", "t2") };
     let expected = LeaseStore::lease(&memory, &theirs, SystemTime::now()).expect("in memory").proxy;
     assert_eq!(stores[1].lease(&theirs, SystemTime::now()).await.expect("lease").proxy, expected);
+}
+
+/// A session's lifetime is the shared state's: leases at either replica count toward it, and it moves as the
+/// in-memory store moves it.
+#[tokio::test]
+async fn a_session_moves_after_its_leases_at_any_replica_and_after_its_lifetime() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let proxies: Vec<ProxyInfo> = (0..4).map(|n| proxy(&format!("px-{n}"), 100, None)).collect();
+    let stores = replicas(&server, 2, &proxies).await;
+    let by_leases = LeaseRequest {
+        session: Some("s1".into()),
+        session_limits: SessionLimits { max_leases: Some(3), max_age: None },
+        ..request("example.com", "t1")
+    };
+    let mut seen = Vec::new();
+    for n in 0..9 {
+        seen.push(stores[n % 2].lease(&by_leases, SystemTime::now()).await.expect("lease").proxy);
+    }
+    for (n, chunk) in seen.chunks(3).enumerate() {
+        assert!(chunk.iter().all(|proxy| *proxy == chunk[0]), "leases {n}: three on one proxy: {seen:?}");
+    }
+    assert!(seen[2] != seen[3] && seen[5] != seen[6], "moved after every third lease: {seen:?}");
+    let by_age = LeaseRequest {
+        session: Some("s2".into()),
+        session_limits: SessionLimits { max_age: Some(Duration::from_millis(1500)), max_leases: None },
+        ..request("example.com", "t1")
+    };
+    let first = stores[0].lease(&by_age, SystemTime::now()).await.expect("lease").proxy;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(stores[1].lease(&by_age, SystemTime::now()).await.expect("lease").proxy, first, "within 1.5 s");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let moved = stores[1].lease(&by_age, SystemTime::now()).await.expect("lease").proxy;
+    assert_ne!(moved, first, "moved once 1.5 s passed");
+    assert_eq!(stores[0].lease(&by_age, SystemTime::now()).await.expect("lease").proxy, moved, "and stays there");
+    // A session kept by a version that wrote only the proxy's name counts as chosen now.
+    let client = redis::Client::open(server.url()).expect("client");
+    let mut connection = client.get_multiplexed_async_connection().await.expect("connect");
+    redis::cmd("SET")
+        .arg("{egress}:s:t1\ns3\nexample.com")
+        .arg("crawl/px-2")
+        .query_async::<()>(&mut connection)
+        .await
+        .expect("set");
+    let old = LeaseRequest { session: Some("s3".into()), ..by_leases.clone() };
+    for _ in 0..3 {
+        assert_eq!(stores[0].lease(&old, SystemTime::now()).await.expect("lease").proxy, ProxyId::new("crawl", "px-2"));
+    }
+    assert_ne!(stores[0].lease(&old, SystemTime::now()).await.expect("lease").proxy, ProxyId::new("crawl", "px-2"));
 }
 
 /// Each gateway replica a session's requests reach leases for it: the session's leases for one site share one slot

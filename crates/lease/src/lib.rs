@@ -139,6 +139,28 @@ pub struct LeaseRequest {
     pub owner: String,
     /// The most leases `owner` may hold at once, this one included; `None` for no limit.
     pub owner_quota: Option<u32>,
+    /// How long, and for how many leases, the session keeps one proxy before it moves to another (needs
+    /// `session`); no limits: it keeps it while it is eligible.
+    pub session_limits: SessionLimits,
+}
+
+/// How long a session keeps one proxy: a session whose proxy has been its own for `max_age` since the lease that
+/// chose it, or has been leased `max_leases` times, moves to another proxy at its next lease (the one it had is
+/// kept only when no other can take it). Through the gateway every request is one lease, so `max_leases` counts
+/// requests. A lease already held is not cut short.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// The longest time a session keeps one proxy, from the lease that chose it.
+    pub max_age: Option<Duration>,
+    /// The most leases a session takes on one proxy.
+    pub max_leases: Option<u32>,
+}
+
+impl SessionLimits {
+    /// Whether a session that chose its proxy at `since` and has leased it `leases` times must move on at `now`.
+    pub fn lapsed(&self, since: SystemTime, leases: u32, now: SystemTime) -> bool {
+        self.max_age.is_some_and(|age| now >= since + age) || self.max_leases.is_some_and(|most| leases >= most)
+    }
 }
 
 impl LeaseRequest {

@@ -252,26 +252,40 @@ impl LeaseStore for InMemoryLeaseStore {
             inner.proxies.get(id).is_some_and(|proxy| proxy.admits_slot(slot) && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
-        let sticky = slot
-            .and_then(|slot| inner.sessions.get(&slot))
-            .map(|sticky| sticky.proxy.clone())
-            .filter(|proxy| usable(&inner, proxy));
-        let chosen = sticky.or_else(|| match &session_key {
-            // A session's first proxy is the same on every replica, so a change of leader (which forgets the
-            // sessions) gives it the one it had while the same proxies are eligible.
-            Some((key, target)) => inner
-                .available
-                .iter()
-                .filter(|(_, _, id)| usable(&inner, id))
-                .max_by_key(|(_, _, id)| rendezvous(key, target, id))
-                .map(|(_, _, id)| id.clone()),
-            None => inner.available.iter().find(|(_, _, id)| usable(&inner, id)).map(|(_, _, id)| id.clone()),
-        });
+        // A session past its lifetime moves on: its proxy is chosen afresh, another one while any can take it.
+        let (sticky, lapsed) = match slot.and_then(|slot| inner.sessions.get(&slot)) {
+            Some(sticky) if request.session_limits.lapsed(sticky.since, sticky.leases, now) => {
+                (None, Some(sticky.proxy.clone()))
+            }
+            Some(sticky) => (Some(sticky.proxy.clone()).filter(|proxy| usable(&inner, proxy)), None),
+            None => (None, None),
+        };
+        let choose = |inner: &Inner, avoid: Option<&ProxyId>| {
+            let usable = |id: &ProxyId| Some(id) != avoid && usable(inner, id);
+            match &session_key {
+                // A session's first proxy is the same on every replica, so a change of leader (which forgets the
+                // sessions) gives it the one it had while the same proxies are eligible.
+                Some((key, target)) => inner
+                    .available
+                    .iter()
+                    .filter(|(_, _, id)| usable(id))
+                    .max_by_key(|(_, _, id)| rendezvous(key, target, id))
+                    .map(|(_, _, id)| id.clone()),
+                None => inner.available.iter().find(|(_, _, id)| usable(id)).map(|(_, _, id)| id.clone()),
+            }
+        };
+        let chosen = sticky
+            .or_else(|| choose(&inner, lapsed.as_ref()))
+            .or_else(|| lapsed.as_ref().and_then(|_| choose(&inner, None)));
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
         let granted = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
         if let Some(slot) = slot {
+            if lapsed.is_some() {
+                // Even when it stays on the same proxy (no other could take it), its lifetime starts over.
+                inner.sessions.remove(&slot);
+            }
             let forget_at = granted.expires_at + self.config.max_ttl;
-            inner.stick(slot, proxy, forget_at, owner, &target);
+            inner.stick(slot, proxy, forget_at, owner, &target, now);
         }
         drop(inner);
         Ok(self.sign(granted, owner))
@@ -551,7 +565,7 @@ impl LeaseStore for InMemoryLeaseStore {
             // The session stays on its proxy, as it did with the previous leader (its target unknown, "", until a
             // lease of it is shown).
             if let Some(slot) = record.slot {
-                inner.stick(slot, record.proxy.clone(), record.until + self.config.max_ttl, &record.owner, "");
+                inner.stick(slot, record.proxy.clone(), record.until + self.config.max_ttl, &record.owner, "", now);
             }
             restored += 1;
         }

@@ -245,14 +245,27 @@ class DiscoveryClient:
         pool: Optional[str] = None,
         zone: Optional[str] = None,
         provider: Optional[str] = None,
+        session_lifetime: Optional[int] = None,
+        session_max_leases: Optional[int] = None,
     ) -> Lease:
         """Leases a proxy for `target` (a host, an IP address or a URL). Use the result with `with` to release it.
 
         With `pool` (a ProxyPool's name, or namespace/name) only its members are leased; a pool getting its first
         members raises `Unavailable` with reason `scaling-up` and `retry_after`. `zone` and `provider` keep to
-        proxies with that zone or provider (as `proxies()` lists them: a Proxy's placement.zone and provider)."""
+        proxies with that zone or provider (as `proxies()` lists them: a Proxy's placement.zone and provider).
+        `session_lifetime` (seconds) and `session_max_leases` move the session to another proxy once it has kept one
+        that long, or leased it that many times."""
         body = lease_body(
-            target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool, zone=zone, provider=provider
+            target,
+            selector=selector,
+            ttl=ttl,
+            proxy=proxy,
+            session=session,
+            pool=pool,
+            zone=zone,
+            provider=provider,
+            session_lifetime=session_lifetime,
+            session_max_leases=session_max_leases,
         )
         return Lease(self, LeaseState.from_json(self._call("POST", "/v1/leases", body)))
 
@@ -427,11 +440,22 @@ class AsyncDiscoveryClient:
         pool: Optional[str] = None,
         zone: Optional[str] = None,
         provider: Optional[str] = None,
+        session_lifetime: Optional[int] = None,
+        session_max_leases: Optional[int] = None,
     ) -> _PendingLease:
-        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit. `pool`, `zone` and
-        `provider` as for the sync client."""
+        """Leases a proxy for `target`: `await` it, or `async with` it to release on exit. `pool`, `zone`,
+        `provider`, `session_lifetime` and `session_max_leases` as for the sync client."""
         body = lease_body(
-            target, selector=selector, ttl=ttl, proxy=proxy, session=session, pool=pool, zone=zone, provider=provider
+            target,
+            selector=selector,
+            ttl=ttl,
+            proxy=proxy,
+            session=session,
+            pool=pool,
+            zone=zone,
+            provider=provider,
+            session_lifetime=session_lifetime,
+            session_max_leases=session_max_leases,
         )
         return _PendingLease(self, body)
 

@@ -229,6 +229,8 @@ def lease_body(
     pool: Optional[str] = None,
     zone: Optional[str] = None,
     provider: Optional[str] = None,
+    session_lifetime: Optional[int] = None,
+    session_max_leases: Optional[int] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"target": check_target(target)}
     if selector:
@@ -238,6 +240,14 @@ def lease_body(
         body["proxy"] = proxy
     if session:
         body["session"] = session
+    for field, limit, most in (
+        ("sessionLifetimeSeconds", session_lifetime, 86_400),
+        ("sessionMaxLeases", session_max_leases, 1_000_000),
+    ):
+        if limit is not None:
+            if not session or isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:
+                raise ValueError(f"{field} {limit!r}: a whole number from 1 to {most}, with a session")
+            body[field] = limit
     if pool is not None:
         if not pool or pool.count("/") > 1 or any(character.isspace() for character in pool):
             raise ValueError(f"pool {pool!r} must be a ProxyPool's name or namespace/name")

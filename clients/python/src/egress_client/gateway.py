@@ -1,7 +1,8 @@
 """Gateway helpers: the proxy URL for a session, and reporting a refusal the gateway could not see.
 
 The gateway (`egress-operator gateway`, docs/gateway.md) is one forward-proxy URL for the whole fleet; its user name
-carries options (`session-<id>`, `pool-<name>`, `zone-<z>`, `provider-<p>`, `label-<k>=<v>`, `sticky-<seconds>`)
+carries options (`session-<id>`, `pool-<name>`, `zone-<z>`, `provider-<p>`, `label-<k>=<v>`, `sticky-<seconds>`,
+`lifetime-<seconds>`, `requests-<count>`)
 and its password is a discovery token. Plain `http://` answers are the gateway's to judge; inside a `CONNECT` tunnel
 (every `https://` URL) only the crawler sees the site's answer, so it reports a ban or a throttle itself::
 
@@ -43,6 +44,8 @@ def gateway_proxy_url(
     *,
     session: Optional[str] = None,
     sticky: Optional[int] = None,
+    lifetime: Optional[int] = None,
+    requests: Optional[int] = None,
     pool: Optional[str] = None,
     zone: Optional[str] = None,
     provider: Optional[str] = None,
@@ -64,6 +67,14 @@ def gateway_proxy_url(
         if session is None or not 1 <= sticky <= 86_400:
             raise ValueError(f"sticky {sticky!r}: 1-86400 seconds, with a session")
         options.append(f"sticky-{sticky}")
+    if lifetime is not None:
+        if session is None or not 1 <= lifetime <= 86_400:
+            raise ValueError(f"lifetime {lifetime!r}: 1-86400 seconds, with a session")
+        options.append(f"lifetime-{lifetime}")
+    if requests is not None:
+        if session is None or not 1 <= requests <= 1_000_000:
+            raise ValueError(f"requests {requests!r}: 1-1000000, with a session")
+        options.append(f"requests-{requests}")
     for key, value in (("pool", pool), ("zone", zone), ("provider", provider)):
         if value is not None:
             if not value or "," in value:

@@ -10,7 +10,7 @@ use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report};
+use egress_lease::{Lease, LeaseError, LeaseRequest, Outcome, Report, SessionLimits};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +39,14 @@ pub(super) struct LeaseBody {
     /// A sticky-session key: the same proxy for the same (session, target) while it stays eligible.
     #[schemars(length(max = 256))]
     session: Option<String>,
+    /// The longest the session keeps one proxy, from the lease that chose it: its first lease after that goes to
+    /// another proxy (the same one only when no other can take it). Needs `session`.
+    #[schemars(range(min = 1, max = 86400))]
+    session_lifetime_seconds: Option<u64>,
+    /// The most leases the session takes on one proxy before its next goes to another (through the gateway, every
+    /// request is one lease). Needs `session`.
+    #[schemars(range(min = 1, max = 1000000))]
+    session_max_leases: Option<u64>,
     /// Only members of this ProxyPool: `namespace/name`, or a name only one namespace has; a pool with no members
     /// that autoscales answers 503 `scaling-up` and grows.
     pool: Option<String>,
@@ -48,6 +56,42 @@ pub(super) struct LeaseBody {
     /// Only proxies on this provider (a Managed Proxy's `provider`, listed as `provider`).
     #[schemars(length(min = 1, max = 253))]
     provider: Option<String>,
+}
+
+/// The longest `sessionLifetimeSeconds` (a day, as the gateway's `sticky`).
+const MAX_SESSION_LIFETIME_SECONDS: u64 = 86_400;
+/// The most `sessionMaxLeases`.
+const MAX_SESSION_LEASES: u64 = 1_000_000;
+
+/// A lease request's session lifetime, checked.
+fn session_limits(body: &LeaseBody) -> Result<SessionLimits, Problem> {
+    for (field, given) in [
+        ("sessionLifetimeSeconds", body.session_lifetime_seconds.is_some()),
+        ("sessionMaxLeases", body.session_max_leases.is_some()),
+    ] {
+        if given && body.session.is_none() {
+            return Err(Problem::bad_request(format!("{field} limits a session: it needs session")));
+        }
+    }
+    let max_age = match body.session_lifetime_seconds {
+        Some(seconds @ 1..=MAX_SESSION_LIFETIME_SECONDS) => Some(Duration::from_secs(seconds)),
+        Some(seconds) => {
+            return Err(Problem::bad_request(format!(
+                "sessionLifetimeSeconds {seconds} is out of range (1 to {MAX_SESSION_LIFETIME_SECONDS})"
+            )));
+        }
+        None => None,
+    };
+    let max_leases = match body.session_max_leases {
+        Some(leases @ 1..=MAX_SESSION_LEASES) => u32::try_from(leases).ok(),
+        Some(leases) => {
+            return Err(Problem::bad_request(format!(
+                "sessionMaxLeases {leases} is out of range (1 to {MAX_SESSION_LEASES})"
+            )));
+        }
+        None => None,
+    };
+    Ok(SessionLimits { max_age, max_leases })
 }
 
 /// The proxy a request names, which must be `namespace/name`.
@@ -162,6 +206,7 @@ pub(super) async fn create_lease(
     if body.session.as_ref().is_some_and(|session| session.is_empty() || session.len() > 256) {
         return Err(Problem::bad_request("session must be 1 to 256 characters"));
     }
+    let session_limits = session_limits(&body)?;
     for (field, value) in [("zone", &body.zone), ("provider", &body.provider)] {
         if value.as_ref().is_some_and(|value| value.is_empty() || value.len() > 253) {
             return Err(Problem::bad_request(format!("{field} must be 1 to 253 characters")));
@@ -197,6 +242,7 @@ pub(super) async fn create_lease(
         ttl: ttl(body.ttl_seconds, &caller)?,
         proxy,
         session: body.session,
+        session_limits,
         owner: caller.owner().to_owned(),
         owner_quota: caller.quota.max_leases,
         pool: pool.as_ref().map(|pool| pool.id.clone()),

@@ -167,6 +167,10 @@ pub(super) struct Sticky {
     /// The session's owner and the target, so an owner can end its sessions (the slot, a digest, names neither).
     pub(super) owner: String,
     pub(super) target: String,
+    /// When the session chose this proxy, and how many of its leases went to it since: its lifetime
+    /// ([`crate::SessionLimits`]).
+    pub(super) since: SystemTime,
+    pub(super) leases: u32,
 }
 
 #[derive(Default)]
@@ -304,8 +308,22 @@ impl Inner {
 
     /// Keeps the session of `slot` (`owner`'s, for `target`) on `proxy` until `forget_at` (sticky), or until it is
     /// moved.
-    pub(super) fn stick(&mut self, slot: u64, proxy: ProxyId, forget_at: SystemTime, owner: &str, target: &str) {
-        let sticky = Sticky { proxy, forget_at, owner: owner.to_owned(), target: target.to_owned() };
+    /// Keeps `proxy` as the session's (slot's) until `forget_at`; a lease of the session on the proxy it already
+    /// had counts toward its lifetime, one on another starts a new one at `now`.
+    pub(super) fn stick(
+        &mut self,
+        slot: u64,
+        proxy: ProxyId,
+        forget_at: SystemTime,
+        owner: &str,
+        target: &str,
+        now: SystemTime,
+    ) {
+        let (since, leases) = match self.sessions.get(&slot) {
+            Some(sticky) if sticky.proxy == proxy => (sticky.since, sticky.leases.saturating_add(1)),
+            _ => (now, 1),
+        };
+        let sticky = Sticky { proxy, forget_at, owner: owner.to_owned(), target: target.to_owned(), since, leases };
         if let Some(previous) = self.sessions.insert(slot, sticky) {
             self.session_expiries.remove(&(previous.forget_at, slot));
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::*;
-use crate::{CooldownPolicy, PoolId, Selector, TargetMode};
+use crate::{CooldownPolicy, PoolId, Selector, SessionLimits, TargetMode};
 
 fn t(seconds: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + seconds)
@@ -123,6 +123,51 @@ fn sticky_sessions_keep_their_proxy_while_it_is_eligible() {
     store.upsert_proxy(ProxyInfo { healthy: false, ..proxy(first.name(), 5) });
     let moved = store.lease(&session, t(1)).expect("lease").proxy;
     assert_ne!(moved, first, "an unhealthy proxy is not sticky");
+}
+
+#[test]
+fn a_session_moves_to_another_proxy_after_its_lifetime_or_its_leases() {
+    let store = store_with(&[proxy("a", 5), proxy("b", 5), proxy("c", 5)]);
+    let limits = |age: Option<u64>, leases: Option<u32>| SessionLimits {
+        max_age: age.map(Duration::from_secs),
+        max_leases: leases,
+    };
+    // At most 3 leases on one proxy: the 4th goes elsewhere, and counts start over there.
+    let by_leases = LeaseRequest {
+        session: Some("by-leases".into()),
+        session_limits: limits(None, Some(3)),
+        ..request("shop.example.com")
+    };
+    let proxies: Vec<ProxyId> = (0..9).map(|_| store.lease(&by_leases, t(0)).expect("lease").proxy).collect();
+    for (n, chunk) in proxies.chunks(3).enumerate() {
+        assert!(chunk.iter().all(|proxy| *proxy == chunk[0]), "leases {n}: three on one proxy: {proxies:?}");
+    }
+    assert_ne!(proxies[2], proxies[3], "the 4th lease moved: {proxies:?}");
+    assert_ne!(proxies[5], proxies[6], "so did the 7th: {proxies:?}");
+    // At most 60 s on one proxy, from the lease that chose it; leases meanwhile do not extend it.
+    let by_age = LeaseRequest {
+        session: Some("by-age".into()),
+        session_limits: limits(Some(60), None),
+        ..request("shop.example.com")
+    };
+    let first = store.lease(&by_age, t(0)).expect("lease").proxy;
+    assert_eq!(store.lease(&by_age, t(30)).expect("lease").proxy, first);
+    assert_eq!(store.lease(&by_age, t(59)).expect("lease").proxy, first);
+    let second = store.lease(&by_age, t(60)).expect("lease").proxy;
+    assert_ne!(second, first, "moved at 60 s");
+    assert_eq!(store.lease(&by_age, t(119)).expect("lease").proxy, second, "a new 60 s from the move");
+    assert_ne!(store.lease(&by_age, t(120)).expect("lease").proxy, second);
+    // Without limits the same session keeps its proxy, however many leases or however long.
+    let unlimited = LeaseRequest { session_limits: SessionLimits::default(), ..by_age.clone() };
+    let kept = store.lease(&unlimited, t(500)).expect("lease").proxy;
+    assert_eq!(store.lease(&unlimited, t(5000)).expect("lease").proxy, kept);
+    // With only one proxy it can take, a lapsed session stays there, and its lifetime starts over.
+    let single = store_with(&[proxy("only", 5)]);
+    let once = LeaseRequest { session: Some("s".into()), session_limits: limits(None, Some(1)), ..request("x.org") };
+    for n in 0..3 {
+        assert_eq!(single.lease(&once, t(n)).expect("stays").proxy, p("only"));
+    }
+    store.check_invariants().expect("invariants");
 }
 
 /// Every gateway replica a session's requests reach holds a lease of its own for it: they share one slot, so a
