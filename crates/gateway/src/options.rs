@@ -113,40 +113,29 @@ impl Options {
                     }
                     set_once(&mut options.session, option, value.to_owned())?;
                 }
-                "sticky" => {
-                    let seconds = value
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|seconds| (1..=MAX_STICKY.as_secs()).contains(seconds))
-                        .ok_or_else(|| {
-                            OptionError::new(
-                                option,
-                                format!("is not a whole number of seconds from 1 to {}", MAX_STICKY.as_secs()),
-                            )
-                        })?;
-                    set_once(&mut options.sticky, option, Duration::from_secs(seconds))?;
-                }
-                "lifetime" => {
-                    let seconds = value
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|seconds| (1..=MAX_LIFETIME.as_secs()).contains(seconds))
-                        .ok_or_else(|| {
-                            OptionError::new(
-                                option,
-                                format!("is not a whole number of seconds from 1 to {}", MAX_LIFETIME.as_secs()),
-                            )
-                        })?;
-                    set_once(&mut options.lifetime, option, Duration::from_secs(seconds))?;
+                "sticky" | "lifetime" => {
+                    let (slot, most) = if key == "sticky" {
+                        (&mut options.sticky, MAX_STICKY)
+                    } else {
+                        (&mut options.lifetime, MAX_LIFETIME)
+                    };
+                    let seconds = value.parse::<u64>().ok().filter(|seconds| (1..=most.as_secs()).contains(seconds));
+                    let Some(seconds) = seconds else {
+                        return Err(OptionError::new(
+                            option,
+                            format!("is not a whole number of seconds from 1 to {}", most.as_secs()),
+                        ));
+                    };
+                    set_once(slot, option, Duration::from_secs(seconds))?;
                 }
                 "requests" => {
-                    let count = value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|count| (1..=MAX_SESSION_REQUESTS).contains(count))
-                        .ok_or_else(|| {
-                            OptionError::new(option, format!("is not a count from 1 to {MAX_SESSION_REQUESTS}"))
-                        })?;
+                    let count = value.parse::<u32>().ok().filter(|count| (1..=MAX_SESSION_REQUESTS).contains(count));
+                    let Some(count) = count else {
+                        return Err(OptionError::new(
+                            option,
+                            format!("is not a count from 1 to {MAX_SESSION_REQUESTS}"),
+                        ));
+                    };
                     set_once(&mut options.requests, option, count)?;
                 }
                 "pool" => {

@@ -63,18 +63,15 @@ def gateway_proxy_url(
         if not _SESSION.fullmatch(session):
             raise ValueError(f"session {session!r}: 1-128 of A-Z a-z 0-9 . _ ~ -")
         options.append(f"session-{session}")
-    if sticky is not None:
-        if session is None or not 1 <= sticky <= 86_400:
-            raise ValueError(f"sticky {sticky!r}: 1-86400 seconds, with a session")
-        options.append(f"sticky-{sticky}")
-    if lifetime is not None:
-        if session is None or not 1 <= lifetime <= 86_400:
-            raise ValueError(f"lifetime {lifetime!r}: 1-86400 seconds, with a session")
-        options.append(f"lifetime-{lifetime}")
-    if requests is not None:
-        if session is None or not 1 <= requests <= 1_000_000:
-            raise ValueError(f"requests {requests!r}: 1-1000000, with a session")
-        options.append(f"requests-{requests}")
+    for key, limit, most, unit in (
+        ("sticky", sticky, 86_400, " seconds"),
+        ("lifetime", lifetime, 86_400, " seconds"),
+        ("requests", requests, 1_000_000, ""),
+    ):
+        if limit is not None:
+            if session is None or not 1 <= limit <= most:
+                raise ValueError(f"{key} {limit!r}: 1-{most}{unit}, with a session")
+            options.append(f"{key}-{limit}")
     for key, value in (("pool", pool), ("zone", zone), ("provider", provider)):
         if value is not None:
             if not value or "," in value:
