@@ -26,8 +26,8 @@ pub use pool::{
 pub use provider_health::{ProviderHealth, ProviderHealthSpec, ProviderHealthStatus, TargetHealth};
 pub use proxy::{
     CloudInit, CooldownSpec, CooldownStatus, EffectiveHealthCheck, Endpoint, EndpointStatus, FailureStatus,
-    HealthCheck, HealthStatus, InstanceState, InstanceStatus, Placement, Proxy, ProxyAuth, ProxyDestinations,
-    ProxyMode, ProxyPhase, ProxySpec, ProxyStatus, SecretKeyRef, SecretNameRef,
+    HealthCheck, HealthStatus, InstanceState, InstanceStatus, PacingSpec, Placement, Proxy, ProxyAuth,
+    ProxyDestinations, ProxyMode, ProxyPhase, ProxySpec, ProxyStatus, SecretKeyRef, SecretNameRef,
 };
 
 /// The API group of every resource in this crate.

@@ -184,6 +184,9 @@ pub struct ProxyTemplateSpec {
     /// How long a site's ban keeps a member from being leased for that site (as a Proxy's `spec.cooldown`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cooldown: Option<crate::CooldownSpec>,
+    /// How often a member's egress address is leased for one site (as a Proxy's `spec.pacing`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pacing: Option<crate::PacingSpec>,
 }
 
 fn default_port() -> i32 {
@@ -202,6 +205,7 @@ impl Default for ProxyTemplateSpec {
             max_leases: None,
             destinations: None,
             cooldown: None,
+            pacing: None,
         }
     }
 }
@@ -452,6 +456,7 @@ impl ProxyPoolSpec {
             max_leases: template.max_leases,
             destinations: template.destinations.clone(),
             cooldown: template.cooldown,
+            pacing: template.pacing,
             ..ProxySpec::new(ProxyMode::Managed)
         }
     }

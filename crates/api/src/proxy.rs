@@ -171,6 +171,27 @@ pub struct ProxySpec {
     /// Changing it replaces nothing: it applies to the next ban.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cooldown: Option<CooldownSpec>,
+
+    /// How often this proxy's egress address is leased for one site, across every replica: `burst` leases at once,
+    /// then one per `intervalMilliseconds`. A lease (and so a gateway request) for a site whose slot is not free yet
+    /// goes through another proxy, or waits for the slot (a session, whose proxy it is). Proxies leaving through one
+    /// address share its pace. Unset: as often as `maxLeases` allows. Changing it replaces nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pacing: Option<PacingSpec>,
+}
+
+/// A pace per (egress address, site): `burst` leases at once, then one per `intervalMilliseconds`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PacingSpec {
+    /// The time between two leases for one site once the burst is spent, in milliseconds (Zyte's default is
+    /// 12,000 per address).
+    #[schemars(range(min = 1, max = 86400000))]
+    pub interval_milliseconds: u32,
+    /// How many leases may go at once after a quiet spell (default 1: every lease `intervalMilliseconds` apart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub burst: Option<u32>,
 }
 
 /// A ban cooldown policy: `baseSeconds` after the first ban in a row, multiplied by `factor` for each further one
@@ -468,6 +489,7 @@ impl ProxySpec {
             max_age: None,
             destinations: None,
             cooldown: None,
+            pacing: None,
         }
     }
 

@@ -280,6 +280,8 @@ fn error_of(status: StatusCode, bytes: &[u8], retry_after: Option<Duration>) -> 
     let reason = problem["reason"].as_str().unwrap_or_default().to_owned();
     // A follower, or a leader handing over: the Service sends the next connection to the leader.
     let retry = status == StatusCode::SERVICE_UNAVAILABLE && reason == "not-serving";
+    // A paced slot is finer than Retry-After's whole seconds: the problem says it to the millisecond.
+    let retry_after = problem["retryAfterMilliseconds"].as_u64().map(Duration::from_millis).or(retry_after);
     let error = match status {
         StatusCode::SERVICE_UNAVAILABLE => ClientError::Unavailable { reason, detail, retry_after },
         StatusCode::CONFLICT => ClientError::Conflict { reason, detail, retry_after },

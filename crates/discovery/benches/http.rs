@@ -37,6 +37,7 @@ async fn discovery_server() -> SocketAddr {
             cooldowns: Vec::new(),
             pool: None,
             cooldown: None,
+            pacing: None,
         })
         .collect::<Vec<_>>();
     let store = Arc::new(InMemoryLeaseStore::new(LeaseConfig::default()));

@@ -398,3 +398,11 @@ fn timestamp(time: SystemTime) -> String {
         |timestamp| timestamp.round(jiff::Unit::Second).unwrap_or(timestamp).to_string(),
     )
 }
+
+/// `time` in RFC 3339 to the millisecond: a paced slot is finer than a second.
+fn precise_timestamp(time: SystemTime) -> String {
+    jiff::Timestamp::try_from(time).map_or_else(
+        |_| "1970-01-01T00:00:00Z".to_owned(),
+        |timestamp| timestamp.round(jiff::Unit::Millisecond).unwrap_or(timestamp).to_string(),
+    )
+}

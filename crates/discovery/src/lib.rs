@@ -70,6 +70,8 @@ pub struct ProxyRecord {
     pub pool: Option<PoolId>,
     /// Its ban cooldown policy (the Proxy's, else its provider's), when it has one of its own.
     pub cooldown: Option<egress_lease::CooldownPolicy>,
+    /// How often its egress address may be leased for one site; `None`: unpaced.
+    pub pacing: Option<egress_lease::Pacing>,
 }
 
 /// One pool of proxies, as the discovery API needs it to answer leases asked for by pool.
@@ -381,6 +383,7 @@ impl Discovery {
                 || previous.zone != record.zone
                 || previous.provider != record.provider
                 || previous.cooldown != record.cooldown
+                || previous.pacing != record.pacing
         });
         let cooldowns_changed = previous.is_none_or(|previous| previous.cooldowns != record.cooldowns);
         let info = store_changed.then(|| ProxyInfo {
@@ -394,6 +397,7 @@ impl Discovery {
             zone: record.zone.clone(),
             provider: record.provider.clone(),
             cooldown: record.cooldown,
+            pacing: record.pacing,
         });
         // Our own writes come back here too; the store keeps whichever ends later, so they change nothing.
         let cooldowns = (cooldowns_changed && !record.cooldowns.is_empty()).then(|| record.cooldowns.clone());

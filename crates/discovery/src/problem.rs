@@ -23,12 +23,16 @@ pub struct Problem {
     pub detail: String,
     /// A stable machine-readable reason: none-healthy, all-at-capacity, all-cooling-down, scaling-up (a pool is
     /// getting members; Retry-After is how long a new member takes), proxy-cooling-down, proxy-unavailable,
-    /// unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute, ttl-above-tenant-max.
+    /// unknown-pool, not-serving, quota-max-leases, quota-reports-per-minute, ttl-above-tenant-max, paced (the
+    /// matching proxies' pace for the site holds the lease back; `retryAfterMilliseconds` says when a slot frees).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// When to try again, in seconds (also sent as `Retry-After`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub retry_after_seconds: Option<u64>,
+    pub retry_after_seconds: Option<u32>,
+    /// With reason `paced`: when the next slot frees, in milliseconds (`Retry-After` is whole seconds, rounded up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_milliseconds: Option<u32>,
     /// With reason `ttl-above-tenant-max`: the longest lease the tenant may ask for, in seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_lease_seconds: Option<u32>,
@@ -48,6 +52,7 @@ impl Problem {
             detail: detail.into(),
             reason: None,
             retry_after_seconds: None,
+            retry_after_milliseconds: None,
             max_lease_seconds: None,
             authenticate: false,
             close: false,
@@ -91,10 +96,17 @@ impl Problem {
         self
     }
 
+    /// Adds a retry hint to the millisecond too (rounded up), for a client that waits for a paced slot.
+    pub fn with_precise_retry_after(mut self, after: Duration) -> Self {
+        let millis = after.as_millis() + u128::from(!after.subsec_nanos().is_multiple_of(1_000_000));
+        self.retry_after_milliseconds = Some(u32::try_from(millis).unwrap_or(u32::MAX));
+        self.with_retry_after(after)
+    }
+
     /// Adds a retry hint (rounded up to whole seconds, at least one).
     pub fn with_retry_after(mut self, after: Duration) -> Self {
-        self.retry_after_seconds =
-            Some(after.as_secs() + u64::from(after.subsec_nanos() > 0)).map(|seconds| seconds.max(1));
+        let seconds = (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1);
+        self.retry_after_seconds = Some(u32::try_from(seconds).unwrap_or(u32::MAX));
         self
     }
 }

@@ -39,6 +39,7 @@ fn record(name: &str, max_leases: u32) -> ProxyRecord {
         cooldowns: Vec::new(),
         pool: None,
         cooldown: None,
+        pacing: None,
     }
 }
 

@@ -159,6 +159,7 @@ fn discovery(squid: SocketAddr, store: Arc<dyn LeaseState>) -> SocketAddr {
                 cooldowns: Vec::new(),
                 pool: None,
                 cooldown: None,
+                pacing: None,
             })
             .await;
         state.mark_synced();

@@ -675,7 +675,13 @@ impl Router for LeaseRouter {
         if let (Some(_), Some(upstream)) = (&held.lease, &held.upstream) {
             return Ok(upstream.clone());
         }
-        let (lease, upstream) = self.lease(request, true).await?;
+        let (lease, mut upstream) = self.lease(request, true).await?;
+        if lease.proxy_ref().pacing.is_some() {
+            // A paced proxy takes one request per lease: the session's next request leases again (the store keeps
+            // it on this proxy) and waits for the address's next slot for the site, at whichever replica it arrives.
+            upstream.hold = Some(Arc::new(lease));
+            return Ok(upstream);
+        }
         Ok(held.hold(lease, upstream))
     }
 

@@ -29,6 +29,7 @@ fn record(name: &str, squid: &Squid) -> ProxyRecord {
         cooldowns: Vec::new(),
         pool: None,
         cooldown: None,
+        pacing: None,
     }
 }
 

@@ -36,6 +36,7 @@ fn record(index: u8, max_leases: u32, healthy: bool) -> ProxyRecord {
         cooldowns: Vec::new(),
         pool: None,
         cooldown: None,
+        pacing: None,
     }
 }
 

@@ -29,6 +29,7 @@ async fn fill(state: &dyn LeaseState) {
             zone: None,
             provider: None,
             cooldown: None,
+            pacing: None,
         };
         state.upsert_proxy(info).await.expect("upsert");
     }

@@ -418,7 +418,14 @@ impl LeaseState for RedisLeaseState {
             request.session_limits.max_leases.map_or_else(String::new, |leases| leases.to_string()),
         ];
         for proxy in &candidates {
-            args.extend([proxy.id.to_string(), proxy.max_leases.to_string(), proxy.endpoint.clone()]);
+            let (pace, address) = match proxy.pacing {
+                Some(pacing) => (
+                    format!("{}:{}", pacing.interval.as_millis().max(1), pacing.burst.max(1)),
+                    proxy.egress_ip.clone().unwrap_or_else(|| format!("proxy:{}", proxy.id)),
+                ),
+                None => (String::new(), String::new()),
+            };
+            args.extend([proxy.id.to_string(), proxy.max_leases.to_string(), proxy.endpoint.clone(), pace, address]);
         }
         let reply = strings(self.run("lease", args).await?, "a lease")?;
         let what = "a lease";
@@ -449,6 +456,13 @@ impl LeaseState for RedisLeaseState {
             ["proxy-cooling", until] => Err(LeaseError::ProxyCoolingDown {
                 proxy: candidates[0].id.clone(),
                 until: time(until, what)?.ok_or_else(|| malformed(what))?,
+            }),
+            ["paced", until] => {
+                Err(LeaseError::Paced { until: time(until, what)?.ok_or_else(|| malformed(what))?, proxy: None })
+            }
+            ["proxy-paced", until, proxy] => Err(LeaseError::Paced {
+                until: time(until, what)?.ok_or_else(|| malformed(what))?,
+                proxy: Some(proxy_id(proxy, what)?),
             }),
             ["proxy-full"] => {
                 Err(LeaseError::ProxyUnavailable { proxy: candidates[0].id.clone(), why: "it is at its lease cap" })

@@ -24,6 +24,8 @@
 --   s:<owner>\n<session>\n<target>  STRING the session's proxy, when it chose it and how many leases it took there
 --                       since: <proxy>\n<since>\n<leases> (expires when forgotten; a bare <proxy> is from before
 --                       session lifetimes, and counts as chosen now)
+--   g:<address>\n<target> STRING the theoretical arrival time of the pace of an egress address (or a proxy's name)
+--                       for a site (expires then)
 --   x:<proxy>\n<target> HASH outcome counts ok failed banned throttled (expire an hour after the last report)
 --   refusals            the channel each ban and throttle is published on, as JSON: owner target until proxies
 
@@ -169,8 +171,9 @@ local function cooldown_of(proxy, target)
   return { proxy, target, c[1], c[2] or '0', table.concat(reporters(key), '\n') }
 end
 
--- Lease: ttl owner quota target session keep mode start maxage maxleases, then (proxy cap endpoint) per candidate
--- in the caller's order. `start` is where a fresh server's serials begin; maxage (ms) and maxleases ('' for none)
+-- Lease: ttl owner quota target session keep mode start maxage maxleases, then (proxy cap endpoint pace address)
+-- per candidate in the caller's order, pace being `<interval ms>:<burst>` for a paced proxy ('' otherwise) and
+-- address what its pace is kept by (its egress address, or its name). `start` is where a fresh server's serials begin; maxage (ms) and maxleases ('' for none)
 -- are the session's lifetime, past which it moves to another proxy (the same one only when no other can take it).
 local function lease()
   local ttl, owner, quota, target = num(ARGV[3]), ARGV[4], num(ARGV[5]), ARGV[6]
@@ -183,13 +186,19 @@ local function lease()
     if redis.call('ZCARD', P .. 'o:' .. owner) >= quota then return { 'quota', held[2] or '' } end
   end
   -- Candidates are read from the arguments only as far as the choice needs: a lease costs what it looks at.
-  local count = math.floor((#ARGV - FIRST + 1) / 3)
+  local STRIDE = 5
+  local count = math.floor((#ARGV - FIRST + 1) / STRIDE)
   local candidates = {}
   local function candidate(k)
     local c = candidates[k]
     if not c then
-      local i = FIRST + (k - 1) * 3
+      local i = FIRST + (k - 1) * STRIDE
       c = { proxy = ARGV[i], cap = num(ARGV[i + 1]), endpoint = ARGV[i + 2] }
+      local interval, burst = string.match(ARGV[i + 3], '^(%d+):(%d+)$')
+      if interval then
+        c.interval, c.burst = num(interval), math.max(num(burst), 1)
+        c.pacekey = P .. 'g:' .. ARGV[i + 4] .. '\n' .. target
+      end
       candidates[k] = c
     end
     return c
@@ -207,8 +216,21 @@ local function lease()
   -- A session's leases for one site share one slot on their proxy.
   local slot = ''
   if session ~= '' then slot = session .. '\n' .. target end
-  local function usable(c)
+  -- When a paced candidate's next slot for the target is, if later than now (GCRA: `burst` at once, then one per
+  -- interval; the key holds the theoretical arrival time).
+  local function paced_until(c)
+    if not c.interval then return nil end
+    local tat = num(redis.call('GET', c.pacekey))
+    if not tat then return nil end
+    local earliest = tat - c.interval * (c.burst - 1)
+    if earliest > now then return earliest end
+    return nil
+  end
+  local function unpaced(c)
     return (c.active < c.cap or shares(c.proxy, slot)) and not cooling_until(c.proxy, target)
+  end
+  local function usable(c)
+    return unpaced(c) and not paced_until(c)
   end
   local chosen
   if mode == 'named' then
@@ -216,20 +238,24 @@ local function lease()
     if c.active >= c.cap and not shares(c.proxy, slot) then return { 'proxy-full' } end
     local ends = cooling_until(c.proxy, target)
     if ends then return { 'proxy-cooling', ends } end
+    local slot_at = paced_until(c)
+    if slot_at then return { 'proxy-paced', id(slot_at), c.proxy } end
     chosen = c
   else
     local sessionkey = P .. 's:' .. session .. '\n' .. target
     -- The session's proxy, when it chose it, how many leases it took there; and the proxy of a session past its
     -- lifetime, which it leaves for another.
     local sticky, since, used, lapsed
-    -- The candidate proxy is, when usable.
+    -- The candidate proxy is, when usable; and when only its pace holds it back, when its next slot is.
     local function take(proxy)
       for k = 1, count do
-        if ARGV[FIRST + (k - 1) * 3] == proxy then
+        if ARGV[FIRST + (k - 1) * STRIDE] == proxy then
           local c = candidate(k)
           fetch('active', { c }, 'active')
-          if usable(c) then return c end
-          return nil
+          if not unpaced(c) then return nil end
+          local slot_at = paced_until(c)
+          if slot_at then return nil, slot_at end
+          return c
         end
       end
     end
@@ -242,7 +268,10 @@ local function lease()
         if (maxage and now >= since + maxage) or (maxleases and used >= maxleases) then
           lapsed = sticky
         else
-          chosen = take(sticky)
+          -- A session waits for its own proxy's next slot rather than move.
+          local slot_at
+          chosen, slot_at = take(sticky)
+          if slot_at then return { 'proxy-paced', id(slot_at), sticky } end
         end
       end
     end
@@ -276,7 +305,7 @@ local function lease()
             end
           end
           if not best then break end
-          if cooling_until(best.proxy, target) then best.cooling = true else chosen = best end
+          if cooling_until(best.proxy, target) or paced_until(best) then best.cooling = true else chosen = best end
         end
       end
     end
@@ -290,6 +319,15 @@ local function lease()
         local _
         _, k = sample(k)
       end
+      -- Proxies with room that only their pace holds back: the first slot is the answer.
+      local slot_at
+      for _, c in ipairs(candidates) do
+        if c.active < c.cap and not cooling_until(c.proxy, target) then
+          local at = paced_until(c)
+          if at and (not slot_at or at < slot_at) then slot_at = at end
+        end
+      end
+      if slot_at then return { 'paced', id(slot_at) } end
       local first, cooling, full = nil, 0, 0
       for _, c in ipairs(candidates) do
         if c.active < c.cap then
@@ -321,6 +359,12 @@ local function lease()
   local exp = math.floor((now + ttl) / 1000) * 1000
   local seq = add_lease(serial, chosen.proxy, target, owner, exp, chosen.endpoint, 0, slot)
   redis.call('HSET', P .. 'last', chosen.proxy, seq)
+  if chosen.interval then
+    local tat = num(redis.call('GET', chosen.pacekey))
+    if not tat or tat < now then tat = now end
+    tat = tat + chosen.interval
+    redis.call('SET', chosen.pacekey, id(tat), 'PX', tat - now)
+  end
   return { 'ok', serial, chosen.proxy, exp, chosen.endpoint }
 end
 

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use egress_lease::{
     Cooldown, EndedSessions, InMemoryLeaseStore, LeaseConfig, LeaseError, LeaseKey, LeaseRequest, LeaseState,
-    LeaseStore, Outcome, ProxyId, ProxyInfo, Report, SessionLimits,
+    LeaseStore, Outcome, Pacing, ProxyId, ProxyInfo, Report, SessionLimits,
 };
 use egress_lease_redis::{ConnectError, RedisLeaseState, RedisOptions, redact};
 use egress_testenv::redis::RedisServer;
@@ -26,6 +26,7 @@ fn proxy(name: &str, cap: u32, egress_ip: Option<&str>) -> ProxyInfo {
         zone: None,
         provider: None,
         cooldown: None,
+        pacing: None,
     }
 }
 
@@ -254,6 +255,45 @@ async fn a_session_moves_after_its_leases_at_any_replica_and_after_its_lifetime(
         assert_eq!(stores[0].lease(&old, SystemTime::now()).await.expect("lease").proxy, ProxyId::new("crawl", "px-2"));
     }
     assert_ne!(stores[0].lease(&old, SystemTime::now()).await.expect("lease").proxy, ProxyId::new("crawl", "px-2"));
+}
+
+/// A paced address is leased for a site once per interval across replicas, on the server's clock: the refusal says
+/// when the next slot is, a session waits for its own proxy's slot, and another address takes the lease meanwhile.
+#[tokio::test]
+async fn a_paced_address_is_leased_once_per_interval_at_every_replica() {
+    let server = RedisServer::start(None).await.expect("redis");
+    let paced = Pacing { interval: Duration::from_millis(1500), burst: 1 };
+    let proxies: Vec<ProxyInfo> = [("a1", "192.0.2.1"), ("a2", "192.0.2.1"), ("b", "192.0.2.2")]
+        .into_iter()
+        .map(|(name, ip)| ProxyInfo { pacing: Some(paced), ..proxy(name, 10, Some(ip)) })
+        .collect();
+    let stores = replicas(&server, 2, &proxies).await;
+    let ask = request("shop.example", "t1");
+    let first = stores[0].lease(&ask, SystemTime::now()).await.expect("lease").proxy;
+    let second = stores[1].lease(&ask, SystemTime::now()).await.expect("lease").proxy;
+    let addresses: std::collections::BTreeSet<bool> =
+        [&first, &second].into_iter().map(|proxy| proxy.name() == "b").collect();
+    assert_eq!(addresses.len(), 2, "one lease per address: {first} {second}");
+    let asked = SystemTime::now();
+    match stores[0].lease(&ask, asked).await {
+        Err(LeaseError::Paced { until, proxy: None }) => {
+            let wait = until.duration_since(asked).unwrap_or_default();
+            assert!(wait > Duration::from_millis(1000) && wait <= Duration::from_millis(1500), "{wait:?}");
+        }
+        other => panic!("both addresses paced: {other:?}"),
+    }
+    stores[1].lease(&request("other.example", "t1"), SystemTime::now()).await.expect("another site has its own pace");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    stores[1].lease(&ask, SystemTime::now()).await.expect("a slot freed");
+    // A session waits for its own proxy: refused with its name and slot, then given it.
+    let session = LeaseRequest { session: Some("s".into()), ..request("news.example", "t1") };
+    let own = stores[0].lease(&session, SystemTime::now()).await.expect("lease").proxy;
+    match stores[1].lease(&session, SystemTime::now()).await {
+        Err(LeaseError::Paced { proxy: Some(proxy), .. }) => assert_eq!(proxy, own),
+        other => panic!("the session's proxy is paced: {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert_eq!(stores[1].lease(&session, SystemTime::now()).await.expect("its slot").proxy, own);
 }
 
 /// Each gateway replica a session's requests reach leases for it: the session's leases for one site share one slot

@@ -23,6 +23,7 @@ fn run(proxies: usize) -> Duration {
             zone: None,
             provider: None,
             cooldown: None,
+            pacing: None,
         });
     }
     let now = SystemTime::now();

@@ -56,6 +56,33 @@ pub struct ProxyInfo {
     pub provider: Option<String>,
     /// How long a site's ban cools it down; `None`: the store's ([`LeaseConfig::cooldown`]).
     pub cooldown: Option<CooldownPolicy>,
+    /// How often its egress address may be leased for one site; `None`: as often as its cap allows.
+    pub pacing: Option<Pacing>,
+}
+
+/// How often one egress address is leased for one site, by the generic cell rate algorithm: `burst` leases at once,
+/// then one per `interval`. Proxies leaving through one address share its pace (the site sees the address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pacing {
+    /// The time between two leases once the burst is spent.
+    pub interval: Duration,
+    /// How many leases may go at once after a quiet spell (at least 1; 1 spaces every lease by `interval`).
+    pub burst: u32,
+}
+
+impl Pacing {
+    /// When the next lease may go, given the address's theoretical arrival time `tat` (the time by which the leases
+    /// so far would have gone at exactly one per interval); `None` when one may go at `now`.
+    pub fn next_slot(&self, tat: Option<SystemTime>, now: SystemTime) -> Option<SystemTime> {
+        let allowance = self.interval.saturating_mul(self.burst.max(1) - 1);
+        let earliest = tat?.checked_sub(allowance)?;
+        (earliest > now).then_some(earliest)
+    }
+
+    /// The theoretical arrival time after a lease at `now`.
+    pub fn after_lease(&self, tat: Option<SystemTime>, now: SystemTime) -> SystemTime {
+        tat.map_or(now, |tat| tat.max(now)) + self.interval
+    }
 }
 
 /// How long a ban cools a proxy down for a site: `base` after the first ban in a row, multiplied by `factor` for each
@@ -307,6 +334,14 @@ fn cooling_down(cooling: u32, at_capacity: u32) -> String {
     }
 }
 
+/// [`LeaseError::Paced`]'s subject.
+fn paced_what(proxy: Option<&ProxyId>) -> String {
+    match proxy {
+        Some(proxy) => format!("proxy {proxy:?} is"),
+        None => "every matching proxy with room is".to_owned(),
+    }
+}
+
 /// Why a request to the store failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseError {
@@ -339,6 +374,15 @@ pub enum LeaseError {
         proxy: ProxyId,
         /// When its cooldown ends.
         until: SystemTime,
+    },
+    /// Every matching proxy with room, not cooling down, is paced for this target ([`ProxyInfo::pacing`]): the
+    /// next lease through one of them may go at `until` (for a session, through its own proxy). Named: `proxy`.
+    #[error("{} paced for this target (its pacing): the next slot is not yet free", paced_what(.proxy.as_ref()))]
+    Paced {
+        /// When the first slot frees.
+        until: SystemTime,
+        /// The proxy asked for (by name or as the session's own), when one was.
+        proxy: Option<ProxyId>,
     },
     /// The named proxy is at its lease cap (or drained, or unhealthy).
     #[error("proxy {proxy:?} cannot take a lease now: {why}")]

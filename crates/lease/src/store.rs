@@ -242,22 +242,35 @@ impl LeaseStore for InMemoryLeaseStore {
             if let Some(until) = inner.cooling_until(name, &target, now) {
                 return Err(LeaseError::ProxyCoolingDown { proxy: name.clone(), until });
             }
+            if let Some(until) = inner.paced_until(name, &target, now) {
+                return Err(LeaseError::Paced { until, proxy: Some(name.clone()) });
+            }
             let name = name.clone();
             let granted = inner.grant(self, &name, &target, owner, slot, ttl, now);
+            inner.pace(&name, &target, now);
             drop(inner);
             return Ok(self.sign(granted, owner));
         }
 
-        let usable = |inner: &Inner, id: &ProxyId| {
+        // Usable but for its pace; and usable now.
+        let unpaced = |inner: &Inner, id: &ProxyId| {
             inner.proxies.get(id).is_some_and(|proxy| proxy.admits_slot(slot) && request.admits(&proxy.info))
                 && inner.cooling_until(id, &target, now).is_none()
         };
+        let usable = |inner: &Inner, id: &ProxyId| unpaced(inner, id) && inner.paced_until(id, &target, now).is_none();
         // A session past its lifetime moves on: its proxy is chosen afresh, another one while any can take it.
         let (sticky, lapsed) = match slot.and_then(|slot| inner.sessions.get(&slot)) {
             Some(sticky) if request.session_limits.lapsed(sticky.since, sticky.leases, now) => {
                 (None, Some(sticky.proxy.clone()))
             }
-            Some(sticky) => (Some(sticky.proxy.clone()).filter(|proxy| usable(&inner, proxy)), None),
+            // A session waits for its own proxy's next slot rather than move.
+            Some(sticky) if unpaced(&inner, &sticky.proxy) => {
+                if let Some(until) = inner.paced_until(&sticky.proxy, &target, now) {
+                    return Err(LeaseError::Paced { until, proxy: Some(sticky.proxy.clone()) });
+                }
+                (Some(sticky.proxy.clone()), None)
+            }
+            Some(_) => (None, None),
             None => (None, None),
         };
         let choose = |inner: &Inner, avoid: Option<&ProxyId>| {
@@ -279,6 +292,7 @@ impl LeaseStore for InMemoryLeaseStore {
             .or_else(|| lapsed.as_ref().and_then(|_| choose(&inner, None)));
         let Some(proxy) = chosen else { return Err(explain_refusal(&inner, request, &target, now)) };
         let granted = inner.grant(self, &proxy, &target, owner, slot, ttl, now);
+        inner.pace(&proxy, &target, now);
         if let Some(slot) = slot {
             if lapsed.is_some() {
                 // Even when it stays on the same proxy (no other could take it), its lifetime starts over.
@@ -756,6 +770,17 @@ fn explain_refusal(inner: &Inner, request: &LeaseRequest, target: &str, now: Sys
         .collect();
     if matching.is_empty() {
         return LeaseError::NoneHealthy;
+    }
+    // Proxies with room that only their pace holds back: the first slot is the answer.
+    let paced = matching
+        .iter()
+        .filter(|proxy| {
+            proxy.active < proxy.info.max_leases && inner.cooling_until(&proxy.info.id, target, now).is_none()
+        })
+        .filter_map(|proxy| inner.paced_until(&proxy.info.id, target, now))
+        .min();
+    if let Some(until) = paced {
+        return LeaseError::Paced { until, proxy: None };
     }
     let cooling: Vec<SystemTime> = matching
         .iter()

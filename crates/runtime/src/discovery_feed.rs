@@ -78,6 +78,10 @@ pub fn proxy_record(
         cooldowns: crate::durable::cooldowns_of(proxy),
         pool: member_of(&proxy.metadata).map(|(pool, _)| PoolId::new(namespace, pool)),
         cooldown: Some(cooldown_policy(proxy, cooldowns)),
+        pacing: proxy.spec.pacing.map(|pacing| egress_lease::Pacing {
+            interval: std::time::Duration::from_millis(u64::from(pacing.interval_milliseconds)),
+            burst: pacing.burst.unwrap_or(1),
+        }),
         id,
     })
 }

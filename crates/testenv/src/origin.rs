@@ -1,7 +1,7 @@
 //! A local HTTP origin for requests sent through proxies, and a minimal proxy client.
 //!
 //! The origin answers every request with `200 ok` (or, at `/ip`, the caller's address as a bare IP, as IP-echo
-//! services do; under `/site/`, a crawl target that refuses 8 % of requests, see [`crate::site`]) and counts what it
+//! services do; at `/logged`, noting when and from where; under `/site/`, a crawl target that refuses 8 % of requests, see [`crate::site`]) and counts what it
 //! served, so a test can assert that probes stopped; it can be told to fail the
 //! next requests with 503, and can serve HTTPS with a certificate from a [`TestCa`]. The client speaks just enough
 //! HTTP/1.1 to send an absolute-form GET through a forward proxy and read the status code.
@@ -125,6 +125,11 @@ impl LocalOrigin {
         format!("{{ allow: [\"{}\"] }}", self.allow_rule())
     }
 
+    /// A URL whose requests the origin notes with their time and caller ([`CrawlSite::arrivals`]), answered `ok`.
+    pub fn logged_url(&self) -> String {
+        format!("{}logged", self.url())
+    }
+
     /// How many requests it has answered.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
@@ -168,6 +173,9 @@ async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
             (status, headers, body, "text/html")
         } else {
             let fail = failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok();
+            if path.starts_with("/logged") {
+                site.arrive(peer.ip());
+            }
             let body = if path.ends_with("/ip") { peer.ip().to_string() } else { "ok".to_owned() };
             (if fail { "503 Service Unavailable" } else { "200 OK" }, String::new(), body, "text/plain")
         };

@@ -51,6 +51,8 @@ pub struct CrawlSite {
 struct SiteState {
     per_address: HashMap<IpAddr, u64>,
     log: Vec<Visit>,
+    /// Requests to the origin's `/logged` path, which refuses nothing: when each arrived and from where.
+    arrivals: Vec<(Instant, IpAddr)>,
 }
 
 impl CrawlSite {
@@ -78,6 +80,16 @@ impl CrawlSite {
             format!("<html><body>{path} seen from {from}</body></html>")
         };
         ("200 OK", "Cache-Control: no-store\r\n".to_owned(), body)
+    }
+
+    /// The requests to the origin's `/logged` path so far (which the site never refuses): when and from where.
+    pub fn arrivals(&self) -> Vec<(Instant, IpAddr)> {
+        self.state.lock().expect("the site's state").arrivals.clone()
+    }
+
+    /// Notes a request to `/logged` from `from`.
+    pub(crate) fn arrive(&self, from: IpAddr) {
+        self.state.lock().expect("the site's state").arrivals.push((Instant::now(), from));
     }
 
     /// Every request so far, in arrival order.

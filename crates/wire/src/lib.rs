@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 mod listing;
 
-pub use listing::{ClearedCooldowns, Cooldown, CooldownList, CooldownPolicy, EndedSessions, Proxy, ProxyList};
+pub use listing::{ClearedCooldowns, Cooldown, CooldownList, CooldownPolicy, EndedSessions, Pacing, Proxy, ProxyList};
 
 /// A lease: granted (`POST /v1/leases`), or renewed (`POST /v1/leases/{id}/renew`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +56,10 @@ pub struct ProxyRef<'a> {
     /// (they share the cooldown).
     #[serde(rename = "egressIP", default, skip_serializing_if = "Option::is_none")]
     pub egress_ip: Option<Cow<'a, str>>,
+    /// Its pace for one site, when it is paced: a holder sends one request per lease through it, and takes a new
+    /// lease (which waits for the next slot) for the next request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pacing: Option<Pacing>,
 }
 
 impl ProxyRef<'_> {
@@ -82,6 +86,7 @@ impl fmt::Debug for ProxyRef<'_> {
             .field("url", &url)
             .field("credentials", &self.credentials)
             .field("egress_ip", &self.egress_ip)
+            .field("pacing", &self.pacing)
             .finish()
     }
 }
@@ -131,6 +136,7 @@ mod tests {
                 url: Cow::Borrowed("http://u:s3cret@[2001:db8::7]:3128"),
                 credentials: Some(Credentials { username: Cow::Borrowed("u"), password: Cow::Borrowed(&password) }),
                 egress_ip: None,
+                pacing: None,
             },
             target: Cow::Borrowed("example.com"),
             expires_at: Cow::Borrowed("2026-12-06T03:00:00Z"),

@@ -46,6 +46,9 @@ pub struct Proxy {
     /// How long a ban cools it down for a site, when it has a policy of its own (the operator always gives one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cooldown_policy: Option<CooldownPolicy>,
+    /// How often its egress address is leased for one site, when it is paced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pacing: Option<Pacing>,
     /// With `target`: when its cooldown for that site ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(extend("format" = "date-time")))]
@@ -89,6 +92,7 @@ impl fmt::Debug for Proxy {
             .field("active_leases", &self.active_leases)
             .field("max_leases", &self.max_leases)
             .field("cooldown_policy", &self.cooldown_policy)
+            .field("pacing", &self.pacing)
             .field("cooling_down_until", &self.cooling_down_until)
             .field("success_rate", &self.success_rate)
             .field("reported", &self.reported)
@@ -116,6 +120,17 @@ pub struct CooldownPolicy {
     pub factor: u32,
     /// The longest cooldown.
     pub max_seconds: u64,
+}
+
+/// A pace per (egress address, site): `burst` leases at once, then one per `intervalMilliseconds`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema), schemars(rename = "Pacing"))]
+#[serde(rename_all = "camelCase")]
+pub struct Pacing {
+    /// The time between two leases for one site once the burst is spent.
+    pub interval_milliseconds: u64,
+    /// How many may go at once after a quiet spell.
+    pub burst: u32,
 }
 
 /// A live cooldown: `proxy` is not leased for `target` until `until`.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Authorized, Caller, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS, Shared, lease_id, needs, over_quota, parse_body,
-    timestamp,
+    precise_timestamp, timestamp,
 };
 use crate::problem::Problem;
 use crate::{Discovery, PoolId, PoolRecord, ProxyId};
@@ -184,6 +184,7 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
                 password: Cow::Borrowed(credentials.password.expose()),
             }),
             egress_ip: record.egress_ip.as_deref().map(Cow::Borrowed),
+            pacing: record.pacing.map(super::proxies::pacing),
         },
         target: Cow::Borrowed(&lease.target),
         expires_at: Cow::Owned(timestamp(lease.expires_at)),
@@ -322,6 +323,17 @@ pub(super) fn lease_problem(error: LeaseError) -> Problem {
         )
         .with_reason("proxy-cooling-down")
         .with_retry_after(until(end)),
+        LeaseError::Paced { until: next, proxy } => {
+            let detail = format!("{detail}: the next slot is at {}", precise_timestamp(next));
+            let problem = match proxy {
+                None => unavailable("paced", detail),
+                Some(_) => {
+                    Problem::new(StatusCode::CONFLICT, "proxy-paced", "The proxy is paced for this target", detail)
+                        .with_reason("paced")
+                }
+            };
+            problem.with_precise_retry_after(next.duration_since(SystemTime::now()).unwrap_or_default())
+        }
         LeaseError::ProxyUnavailable { .. } => {
             Problem::new(StatusCode::CONFLICT, "proxy-unavailable", "The proxy cannot take a lease now", detail)
                 .with_reason("proxy-unavailable")

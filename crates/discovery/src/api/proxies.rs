@@ -16,6 +16,14 @@ use crate::problem::Problem;
 use crate::{ProxyId, ProxyRecord};
 
 /// A lease store's cooldown policy as the API lists it.
+/// A proxy's pace as the API shows it.
+pub(super) fn pacing(pacing: egress_lease::Pacing) -> egress_wire::Pacing {
+    egress_wire::Pacing {
+        interval_milliseconds: u64::try_from(pacing.interval.as_millis()).unwrap_or(u64::MAX),
+        burst: pacing.burst,
+    }
+}
+
 fn cooldown_policy(policy: egress_lease::CooldownPolicy) -> egress_wire::CooldownPolicy {
     egress_wire::CooldownPolicy {
         base_seconds: policy.base.as_secs(),
@@ -72,6 +80,7 @@ pub(super) async fn list_proxies(
             active_leases: load.as_ref().map_or(0, |load| load.active_leases),
             max_leases: record.max_leases,
             cooldown_policy: record.cooldown.map(cooldown_policy),
+            pacing: record.pacing.map(pacing),
             cooling_down_until: load.as_ref().and_then(|load| load.cooling_down_until).map(timestamp),
             success_rate: load.as_ref().and_then(|load| load.outcomes).and_then(|outcomes| outcomes.success_rate()),
             reported: load.as_ref().and_then(|load| load.outcomes).map(|outcomes| outcomes.total()),

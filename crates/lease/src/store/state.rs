@@ -197,6 +197,10 @@ pub(super) struct Inner {
     pub(super) session_expiries: BTreeSet<(SystemTime, u64)>,
     /// Proxies by the egress IP they were last seen leaving through.
     pub(super) by_egress: HashMap<String, BTreeSet<ProxyId>>,
+    /// The pace of each (egress address, or proxy without a known one; target) whose proxies are paced: its
+    /// theoretical arrival time ([`crate::Pacing`]), forgotten once past.
+    pub(super) paces: HashMap<(String, String), SystemTime>,
+    pub(super) pace_expiries: BTreeSet<(SystemTime, String, String)>,
     /// What was reported per (proxy, target), and when each is forgotten.
     pub(super) outcomes: HashMap<(ProxyId, String), (Outcomes, SystemTime)>,
     pub(super) outcome_expiries: BTreeSet<(SystemTime, ProxyId, String)>,
@@ -295,6 +299,28 @@ impl Inner {
             .get(&(proxy.to_owned(), target.to_owned()))
             .map(|cooldown| cooldown.until)
             .filter(|until| *until > now)
+    }
+
+    /// When the next lease of `proxy` for `target` may go, when it is paced and that is later than `now`.
+    pub(super) fn paced_until(&self, proxy: &ProxyId, target: &str, now: SystemTime) -> Option<SystemTime> {
+        let state = self.proxies.get(proxy)?;
+        let pacing = state.info.pacing?;
+        let tat = self.paces.get(&(pace_key(&state.info), target.to_owned())).copied();
+        pacing.next_slot(tat, now)
+    }
+
+    /// Counts a lease of `proxy` for `target` at `now` against its address's pace, when it is paced.
+    pub(super) fn pace(&mut self, proxy: &ProxyId, target: &str, now: SystemTime) {
+        let Some(state) = self.proxies.get(proxy) else { return };
+        let Some(pacing) = state.info.pacing else { return };
+        let key = (pace_key(&state.info), target.to_owned());
+        let previous = self.paces.get(&key).copied();
+        let tat = pacing.after_lease(previous, now);
+        if let Some(previous) = previous {
+            self.pace_expiries.remove(&(previous, key.0.clone(), key.1.clone()));
+        }
+        self.pace_expiries.insert((tat, key.0.clone(), key.1.clone()));
+        self.paces.insert(key, tat);
     }
 
     pub(super) fn reindex(&mut self, id: &ProxyId, update: impl FnOnce(&mut ProxyState)) {
@@ -646,6 +672,16 @@ impl Inner {
             self.outcome_expiries.pop_first();
             self.outcomes.remove(&(proxy, target));
         }
+        while let Some((at, address, target)) = self.pace_expiries.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.pace_expiries.pop_first();
+            let key = (address, target);
+            if self.paces.get(&key) == Some(&at) {
+                self.paces.remove(&key);
+            }
+        }
         while let Some((at, slot)) = self.session_expiries.first().copied() {
             if at > now {
                 break;
@@ -656,5 +692,13 @@ impl Inner {
             }
         }
         expired
+    }
+}
+
+/// What a proxy's pace is kept by: the address sites see (proxies sharing it share it), else the proxy itself.
+fn pace_key(info: &crate::ProxyInfo) -> String {
+    match &info.egress_ip {
+        Some(address) => address.clone(),
+        None => format!("proxy:{}", info.id),
     }
 }

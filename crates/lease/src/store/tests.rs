@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::*;
-use crate::{CooldownPolicy, PoolId, Selector, SessionLimits, TargetMode};
+use crate::{CooldownPolicy, Pacing, PoolId, Selector, SessionLimits, TargetMode};
 
 fn t(seconds: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + seconds)
@@ -33,6 +33,7 @@ fn proxy(id: &str, max: u32) -> ProxyInfo {
         zone: None,
         provider: None,
         cooldown: None,
+        pacing: None,
     }
 }
 
@@ -168,6 +169,48 @@ fn a_session_moves_to_another_proxy_after_its_lifetime_or_its_leases() {
         assert_eq!(single.lease(&once, t(n)).expect("stays").proxy, p("only"));
     }
     store.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_paced_address_is_leased_for_a_site_once_per_interval_and_the_refusal_says_when_next() {
+    let paced = Pacing { interval: Duration::from_secs(2), burst: 1 };
+    let via = |id: &str, ip: &str| ProxyInfo { egress_ip: Some(ip.into()), pacing: Some(paced), ..proxy(id, 5) };
+    // Two proxies through one address share its pace; a third has an address of its own.
+    let store = store_with(&[via("a1", "192.0.2.1"), via("a2", "192.0.2.1"), via("b", "192.0.2.2")]);
+    let first = store.lease(&request("shop.example"), t(0)).expect("lease").proxy;
+    let second = store.lease(&request("shop.example"), t(0)).expect("lease").proxy;
+    assert_eq!(
+        [&first, &second].iter().filter(|proxy| ***proxy == p("b")).count(),
+        1,
+        "one per address: {first} {second}"
+    );
+    let refused = store.lease(&request("shop.example"), t(1)).expect_err("both addresses paced");
+    assert_eq!(refused, LeaseError::Paced { until: t(2), proxy: None });
+    // Another site is paced on its own; so is an unpaced proxy's use.
+    store.lease(&request("other.example"), t(1)).expect("another site");
+    assert!(store.lease(&request("shop.example"), t(2)).is_ok(), "a slot frees after 2 s");
+    // A session waits for its own proxy's slot rather than move.
+    let session = LeaseRequest { session: Some("s".into()), ..request("news.example") };
+    let own = store.lease(&session, t(10)).expect("lease").proxy;
+    assert!(
+        matches!(store.lease(&session, t(11)), Err(LeaseError::Paced { until, proxy: Some(proxy) }) if until == t(12) && proxy == own)
+    );
+    assert_eq!(store.lease(&session, t(12)).expect("its slot").proxy, own);
+    // Named: refused with its slot.
+    let named = LeaseRequest { proxy: Some(p("b")), ..request("named.example") };
+    store.lease(&named, t(20)).expect("lease");
+    assert_eq!(store.lease(&named, t(21)), Err(LeaseError::Paced { until: t(22), proxy: Some(p("b")) }));
+    // A burst of 3: three at once, then one per interval.
+    let bursty = store_with(&[ProxyInfo { pacing: Some(Pacing { burst: 3, ..paced }), ..proxy("c", 10) }]);
+    for _ in 0..3 {
+        bursty.lease(&request("x.example"), t(0)).expect("within the burst");
+    }
+    assert_eq!(bursty.lease(&request("x.example"), t(0)), Err(LeaseError::Paced { until: t(2), proxy: None }));
+    bursty.lease(&request("x.example"), t(2)).expect("the next slot");
+    // Paces are forgotten once past.
+    store.expire(t(100));
+    bursty.expire(t(100));
+    assert_eq!((store.lock().paces.len(), bursty.lock().pace_expiries.len()), (0, 0), "paces kept past their time");
 }
 
 /// Every gateway replica a session's requests reach holds a lease of its own for it: they share one slot, so a
