@@ -46,6 +46,14 @@ export interface LeasedProxy {
   credentials?: ProxyCredentials;
   /** The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns. */
   egressIP?: string;
+  /** Its pace for one site, when paced: send one request per lease. */
+  pacing?: Pacing;
+}
+
+/** A pace per (egress address, site): `burst` leases at once, then one per `intervalMilliseconds`. */
+export interface Pacing {
+  intervalMilliseconds: number;
+  burst: number;
 }
 
 /** A proxy as `GET /v1/proxies` lists it. */
@@ -71,6 +79,8 @@ export interface ProxyInfo {
   reported?: number;
   /** How long a site's ban cools it down: `baseSeconds` after the first ban in a row, times `factor`, at most `maxSeconds`. */
   cooldownPolicy?: { baseSeconds: number; factor: number; maxSeconds: number };
+  /** How often its egress address is leased for one site, when paced. */
+  pacing?: Pacing;
 }
 
 /** A live cooldown: `proxy` is not leased for `target` until `until`. */
@@ -213,7 +223,19 @@ function proxyRef(body: Json, what: string): LeasedProxy {
   };
   const egressIP = optional<string>(body, 'egressIP', 'string', what);
   if (egressIP !== undefined) proxy.egressIP = egressIP;
+  if (body.pacing != null) proxy.pacing = pacing(body.pacing, what);
   return proxy;
+}
+
+function pacing(body: unknown, what: string): Pacing {
+  if (!isObject(body)) {
+    throw new DecodeError(`not ${what}: \`pacing\` is ${JSON.stringify(body)}`);
+  }
+  const where = `${what}'s pacing`;
+  return {
+    intervalMilliseconds: field(body, 'intervalMilliseconds', 'number', where),
+    burst: field(body, 'burst', 'number', where),
+  };
 }
 
 function leasedProxy(body: unknown): LeasedProxy {

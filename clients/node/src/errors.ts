@@ -8,6 +8,7 @@ export interface Problem {
   detail?: string;
   reason?: string;
   retryAfterSeconds?: number;
+  retryAfterMilliseconds?: number;
   [key: string]: unknown;
 }
 
@@ -75,8 +76,13 @@ export class TransportError extends DiscoveryError {}
 /** The answer was not what the API promises. */
 export class DecodeError extends DiscoveryError {}
 
-/** Seconds from a `Retry-After` header (delta-seconds or an HTTP date), else from the problem. */
+/**
+ * Seconds from the problem's `retryAfterMilliseconds` (a paced slot), else a `Retry-After` header (delta-seconds or
+ * an HTTP date), else the problem's `retryAfterSeconds`.
+ */
 export function retryAfterSeconds(header: string | null | undefined, problem: Problem, now = Date.now()): number | undefined {
+  // A paced slot is finer than Retry-After's whole seconds: the problem gives it to the millisecond.
+  if (typeof problem.retryAfterMilliseconds === 'number') return problem.retryAfterMilliseconds / 1000;
   if (header != null && header.trim() !== '') {
     const text = header.trim();
     if (/^\d+(\.\d+)?$/.test(text)) {

@@ -16,6 +16,7 @@ export {
   type ProxyCredentials,
   type LeaseOptions,
   type Outcome,
+  type Pacing,
   type ProxyInfo,
   type Report,
 } from './client.js';

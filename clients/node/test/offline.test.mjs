@@ -53,6 +53,14 @@ for (const [status, kind] of /** @type {Array<[number, typeof egress.DiscoveryEr
   });
 }
 
+test('a paced refusal gives its slot to the millisecond', async () => {
+  const problem = { status: 503, detail: 'paced', reason: 'paced', retryAfterMilliseconds: 1250 };
+  const { client } = answering(503, problem, { 'retry-after': '2' });
+  const lease = await client.lease('example.com');
+  const error = await lease.renew().then(() => assert.fail('renew succeeded'), (error) => error);
+  assert.deepEqual([error.reason, error.retryAfter], ['paced', 1.25]);
+});
+
 test('requests carry the token and the bodies the API wants', async () => {
   const { client, seen } = answering(200, { cooldownUntil: '2026-12-01T12:10:00Z' });
   const lease = await client.lease('example.com', { ttlSeconds: 90.4, selector: 'region=eu', session: 's-1' });

@@ -63,6 +63,14 @@ def test_each_status_is_its_own_error(status: int, kind: type) -> None:
         assert (raised.value.reason, raised.value.retry_after) == ("r", 7.0)
 
 
+def test_a_paced_refusal_gives_its_slot_to_the_millisecond() -> None:
+    problem = {"status": 503, "detail": "paced", "reason": "paced", "retryAfterMilliseconds": 1250}
+    client, _ = client_answering(503, problem, {"retry-after": "2"})
+    with pytest.raises(egress_client.Unavailable) as raised:
+        client.lease("example.com").renew()
+    assert (raised.value.reason, raised.value.retry_after) == ("paced", 1.25)
+
+
 def test_requests_carry_the_token_and_the_bodies_the_api_wants() -> None:
     client, seen = client_answering(200, {"cooldownUntil": "2026-12-01T12:10:00Z"})
     lease = client.lease("example.com", ttl=90.5, selector="region=eu", session="s-1")

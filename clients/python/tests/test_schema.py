@@ -123,6 +123,8 @@ def test_the_lease_and_report_bodies_use_only_and_every_key_the_server_takes() -
         pool="eu",
         zone="eu-west-1a",
         provider="gcp-eu",
+        session_lifetime=600,
+        session_max_leases=50,
     )
     assert set(lease) == set(SCHEMAS["LeaseRequest"]["properties"])
     assert SCHEMAS["LeaseRequest"]["additionalProperties"] is False

@@ -16,8 +16,8 @@ mod invariants;
 mod refusal;
 mod state;
 
-pub use state::session_weight;
 use refusal::explain_refusal;
+pub use state::session_weight;
 use state::{EndedLease, Granted, Inner, ProxyState, rendezvous, session_key};
 
 use crate::id::{Claims, LeaseKey};

@@ -1,7 +1,7 @@
 //! The providers config file (`--providers-config`): a list of named provider instances, each with one
 //! type-specific block.
 //!
-//! This module owns the frame (`name`, `type`, `destinations`, `cooldown`); each backend's crate owns its block: a
+//! This module owns the frame (`name`, `type`, `destinations`, `cooldown`, `pacing`); each backend's crate owns its block: a
 //! Rust type deriving `Deserialize` and `JsonSchema` that implements [`SettingsBlock`], registered in a
 //! [`SettingsTypes`] (a new backend adds its crate and one registration line, and this module does not change).
 //!
@@ -152,6 +152,9 @@ pub struct ProviderConfig {
     /// How long a site's ban cools its proxies down (`cooldown: {baseSeconds, factor, maxSeconds}`), where a Proxy
     /// sets nothing of its own.
     pub cooldown: CooldownSettings,
+    /// How often a proxy's egress address is leased for one site (`pacing: {intervalMilliseconds, burst}`), where a
+    /// Proxy sets no `spec.pacing` of its own; `None`: unpaced.
+    pub pacing: Option<PacingSettings>,
     /// The type-specific settings; [`ProviderConfig::settings`] reads them as their type.
     pub block: Arc<dyn ProviderSettings>,
 }
@@ -172,6 +175,19 @@ pub struct CooldownSettings {
     pub max_seconds: Option<u32>,
 }
 
+/// A pace per (egress address, site): `burst` leases at once, then one per `intervalMilliseconds` (a Proxy's
+/// `spec.pacing` replaces it whole).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PacingSettings {
+    /// The time between two leases for one site once the burst is spent, in milliseconds (1 to 86,400,000).
+    #[schemars(range(min = 1, max = 86_400_000))]
+    pub interval_milliseconds: u32,
+    /// How many may go at once after a quiet spell (1 to 1,000; default 1).
+    #[schemars(range(min = 1, max = 1000))]
+    pub burst: Option<u32>,
+}
+
 /// The frame of one entry of `providers`: what every provider has, whatever its type.
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -189,6 +205,9 @@ struct Frame {
     /// How long a site's ban cools this provider's proxies down, where a Proxy sets nothing of its own.
     #[serde(default)]
     cooldown: CooldownSettings,
+    /// How often a proxy's egress address is leased for one site, where a Proxy sets no pacing of its own.
+    #[serde(default)]
+    pacing: Option<PacingSettings>,
 }
 
 /// Reads one block: checks it against its schema, then lets serde read it and the block check itself.
@@ -469,6 +488,7 @@ fn read_entry(
         name: frame.name,
         destinations: frame.destinations,
         cooldown: frame.cooldown,
+        pacing: frame.pacing,
         block: settings?,
     })
 }

@@ -26,15 +26,47 @@ use tracing::{Instrument, debug, info_span};
 /// How many Proxies a resync handles before it lets other tasks run.
 const YIELD_EVERY: usize = 256;
 
-/// The ban cooldown policy of every provider, by name, from the providers file.
-pub type ProviderCooldowns = std::collections::HashMap<String, egress_provider::config::CooldownSettings>;
+/// What each provider in the providers file sets for its proxies' leases, by name.
+pub type ProviderLeasing = std::collections::HashMap<String, LeasingDefaults>;
+
+/// A provider's defaults for its proxies' leases: where a Proxy sets nothing of its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeasingDefaults {
+    /// The ban cooldown policy, part by part.
+    pub cooldown: egress_provider::config::CooldownSettings,
+    /// The pace, whole.
+    pub pacing: Option<egress_provider::config::PacingSettings>,
+}
+
+impl LeasingDefaults {
+    /// The defaults of `provider`, as the providers file sets them.
+    pub fn of(provider: &egress_provider::config::ProviderConfig) -> Self {
+        Self { cooldown: provider.cooldown, pacing: provider.pacing }
+    }
+}
+
+/// A Proxy's pace: its `spec.pacing`, else its provider's, else none.
+pub fn pacing(proxy: &Proxy, providers: &ProviderLeasing) -> Option<egress_lease::Pacing> {
+    let (interval, burst) = match &proxy.spec.pacing {
+        Some(own) => (own.interval_milliseconds, own.burst),
+        None => {
+            let provider = providers.get(proxy.spec.provider.as_ref()?)?.pacing?;
+            (provider.interval_milliseconds, provider.burst)
+        }
+    };
+    Some(egress_lease::Pacing {
+        interval: std::time::Duration::from_millis(u64::from(interval)),
+        burst: burst.unwrap_or(1),
+    })
+}
 
 /// A Proxy's ban cooldown policy: each part from its `spec.cooldown`, else its provider's, else the operator's
 /// default (600 s, doubling, at most a day).
-pub fn cooldown_policy(proxy: &Proxy, providers: &ProviderCooldowns) -> egress_lease::CooldownPolicy {
+pub fn cooldown_policy(proxy: &Proxy, providers: &ProviderLeasing) -> egress_lease::CooldownPolicy {
     let default = egress_lease::LeaseConfig::default().cooldown;
     let own = proxy.spec.cooldown.unwrap_or_default();
-    let provider = proxy.spec.provider.as_ref().and_then(|name| providers.get(name)).copied().unwrap_or_default();
+    let provider =
+        proxy.spec.provider.as_ref().and_then(|name| providers.get(name)).map(|p| p.cooldown).unwrap_or_default();
     let seconds = |value: u32| std::time::Duration::from_secs(u64::from(value));
     let base = own.base_seconds.or(provider.base_seconds).map_or(default.base, seconds);
     let factor = own.factor.or(provider.factor).unwrap_or(default.factor);
@@ -49,7 +81,7 @@ pub fn proxy_record(
     proxy: &Proxy,
     verdicts: &ProxyVerdicts,
     credentials: &CredentialStore,
-    cooldowns: &ProviderCooldowns,
+    leasing: &ProviderLeasing,
 ) -> Option<ProxyRecord> {
     if proxy.metadata.deletion_timestamp.is_some() {
         return None;
@@ -77,11 +109,8 @@ pub fn proxy_record(
         healthy,
         cooldowns: crate::durable::cooldowns_of(proxy),
         pool: member_of(&proxy.metadata).map(|(pool, _)| PoolId::new(namespace, pool)),
-        cooldown: Some(cooldown_policy(proxy, cooldowns)),
-        pacing: proxy.spec.pacing.map(|pacing| egress_lease::Pacing {
-            interval: std::time::Duration::from_millis(u64::from(pacing.interval_milliseconds)),
-            burst: pacing.burst.unwrap_or(1),
-        }),
+        cooldown: Some(cooldown_policy(proxy, leasing)),
+        pacing: pacing(proxy, leasing),
         id,
     })
 }
@@ -170,7 +199,7 @@ struct Records {
     feed: ProxyFeed,
     verdicts: ProxyVerdicts,
     /// The providers' ban cooldown policies.
-    cooldowns: Arc<ProviderCooldowns>,
+    leasing: Arc<ProviderLeasing>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
 }
@@ -179,7 +208,7 @@ impl Records {
     async fn update(&mut self, reference: &ObjectRef<GuardedProxy>) {
         let stored = self.feed.proxy(reference);
         let proxy = stored.as_deref().and_then(|guarded| guarded.0.as_ref().ok());
-        match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.cooldowns)) {
+        match proxy.and_then(|proxy| proxy_record(proxy, &self.verdicts, &self.credentials, &self.leasing)) {
             Some(record) => self.discovery.upsert(record).await,
             None => self.discovery.remove(&proxy_id_of(reference)).await,
         }
@@ -219,7 +248,7 @@ pub async fn run_discovery_feed(
     feed: ProxyFeed,
     pools: PoolFeed,
     verdicts: ProxyVerdicts,
-    cooldowns: Arc<ProviderCooldowns>,
+    leasing: Arc<ProviderLeasing>,
     credentials: CredentialStore,
     discovery: Arc<Discovery>,
     pool_metrics: PoolMetrics,
@@ -229,7 +258,7 @@ pub async fn run_discovery_feed(
     let mut pool_changes = pools.subscribe().boxed();
     let mut secret_changes = credentials.subscribe().boxed();
     let mut verdict_changes = verdicts.subscribe();
-    let mut records = Records { feed, verdicts, cooldowns, credentials: credentials.clone(), discovery };
+    let mut records = Records { feed, verdicts, leasing, credentials: credentials.clone(), discovery };
     let work = async move {
         // Proxy URLs carry credentials: wait for the Secrets' list too before the first pass; and for the pools', so
         // a lease asked for by pool is never refused as unknown by a replica that reports ready.
@@ -273,16 +302,15 @@ pub async fn run_discovery_feed(
 mod tests {
     use std::time::Duration;
 
-    use egress_api::{CooldownSpec, ProxyMode, ProxySpec};
-    use egress_provider::config::CooldownSettings;
+    use egress_api::{CooldownSpec, PacingSpec, ProxyMode, ProxySpec};
+    use egress_provider::config::{CooldownSettings, PacingSettings};
 
     use super::*;
 
     #[test]
     fn each_part_of_the_cooldown_policy_comes_from_the_proxy_then_its_provider_then_the_default() {
-        let providers: ProviderCooldowns =
-            [("small".to_owned(), CooldownSettings { base_seconds: Some(30), factor: Some(3), max_seconds: None })]
-                .into();
+        let cooldown = CooldownSettings { base_seconds: Some(30), factor: Some(3), max_seconds: None };
+        let providers: ProviderLeasing = [("small".to_owned(), LeasingDefaults { cooldown, pacing: None })].into();
         let proxy = |provider: Option<&str>, cooldown: Option<CooldownSpec>| {
             Proxy::new(
                 "p",
@@ -299,9 +327,28 @@ mod tests {
         assert_eq!((policy.base, policy.factor, policy.max), (secs(30), 1, secs(120)));
         // A maximum below the base, from two levels, is raised to the base.
         let own = CooldownSpec { base_seconds: Some(900), factor: None, max_seconds: None };
-        let low =
-            [("low".to_owned(), CooldownSettings { max_seconds: Some(60), ..CooldownSettings::default() })].into();
+        let cooldown = CooldownSettings { max_seconds: Some(60), ..CooldownSettings::default() };
+        let low = [("low".to_owned(), LeasingDefaults { cooldown, pacing: None })].into();
         let policy = cooldown_policy(&proxy(Some("low"), Some(own)), &low);
         assert_eq!((policy.base, policy.max), (secs(900), secs(900)));
+    }
+
+    #[test]
+    fn the_pace_is_the_proxys_whole_else_its_providers_else_none() {
+        let polite = PacingSettings { interval_milliseconds: 12_000, burst: Some(2) };
+        let providers: ProviderLeasing =
+            [("polite".to_owned(), LeasingDefaults { pacing: Some(polite), ..LeasingDefaults::default() })].into();
+        let proxy = |provider: Option<&str>, pacing: Option<PacingSpec>| {
+            Proxy::new(
+                "p",
+                ProxySpec { provider: provider.map(str::to_owned), pacing, ..ProxySpec::new(ProxyMode::Managed) },
+            )
+        };
+        let pace = |ms: u64, burst: u32| Some(egress_lease::Pacing { interval: Duration::from_millis(ms), burst });
+        assert_eq!(pacing(&proxy(None, None), &providers), None);
+        assert_eq!(pacing(&proxy(Some("other"), None), &providers), None);
+        assert_eq!(pacing(&proxy(Some("polite"), None), &providers), pace(12_000, 2));
+        let own = PacingSpec { interval_milliseconds: 500, burst: None };
+        assert_eq!(pacing(&proxy(Some("polite"), Some(own)), &providers), pace(500, 1), "the Proxy's, whole");
     }
 }

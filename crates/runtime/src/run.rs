@@ -178,13 +178,17 @@ pub async fn run(settings: Settings) -> Result<()> {
         .with_journal(Arc::new(crate::durable::StatusCooldownJournal::new(client.clone())))
         .with_pool_waker(Arc::new(PoolWakes(pool_wakes.clone())));
     let discovery = Arc::new(if settings.geoip.is_some() { discovery.with_geoip() } else { discovery });
-    let provider_cooldowns: crate::discovery_feed::ProviderCooldowns =
-        settings.providers.providers.iter().map(|provider| (provider.name.clone(), provider.cooldown)).collect();
+    let provider_leasing: crate::discovery_feed::ProviderLeasing = settings
+        .providers
+        .providers
+        .iter()
+        .map(|provider| (provider.name.clone(), crate::discovery_feed::LeasingDefaults::of(provider)))
+        .collect();
     tokio::spawn(run_discovery_feed(
         feed.clone(),
         pools.clone(),
         verdicts.clone(),
-        Arc::new(provider_cooldowns),
+        Arc::new(provider_leasing),
         credentials.clone(),
         discovery.clone(),
         pool_metrics.clone(),

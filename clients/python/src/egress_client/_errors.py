@@ -91,6 +91,10 @@ def error_for(status: int, problem: Mapping[str, Any], retry_after_header: Optio
 
 
 def _retry_after(header: Optional[str], problem: Mapping[str, Any]) -> Optional[float]:
+    # A paced slot is finer than Retry-After's whole seconds: the problem gives it to the millisecond.
+    millis = problem.get("retryAfterMilliseconds")
+    if isinstance(millis, (int, float)) and not isinstance(millis, bool):
+        return max(0.0, float(millis) / 1000)
     if header is not None:
         try:
             return max(0.0, float(header))

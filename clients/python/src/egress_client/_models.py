@@ -58,6 +58,8 @@ class LeasedProxy:
     credentials: Optional[ProxyCredentials] = None
     #: The address sites see, once the proxy's probes observed it; proxies sharing it share cooldowns.
     egress_ip: Optional[str] = None
+    #: Its pace for one site, when paced (`{"intervalMilliseconds", "burst"}`): send one request per lease.
+    pacing: Optional[Dict[str, int]] = None
 
     @property
     def id(self) -> str:
@@ -88,6 +90,7 @@ class LeaseState:
                     url=str(proxy["url"]),
                     credentials=credentials_of(proxy.get("credentials")),
                     egress_ip=proxy.get("egressIP"),
+                    pacing=proxy.get("pacing"),
                 ),
                 target=str(body["target"]),
                 expires_at=parse_time(body["expiresAt"]),
@@ -119,6 +122,8 @@ class ProxyInfo:
     reported: Optional[int] = None
     #: How long a site's ban cools it down: `{"baseSeconds", "factor", "maxSeconds"}`.
     cooldown_policy: Optional[Dict[str, int]] = None
+    #: How often its egress address is leased for one site, when paced: `{"intervalMilliseconds", "burst"}`.
+    pacing: Optional[Dict[str, int]] = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ProxyInfo":
@@ -141,6 +146,7 @@ class ProxyInfo:
                 success_rate=body.get("successRate"),
                 reported=body.get("reported"),
                 cooldown_policy=body.get("cooldownPolicy"),
+                pacing=body.get("pacing"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise DecodeError(f"not a proxy: {body!r}") from error

@@ -102,7 +102,7 @@ fn each_mistake_has_its_message_and_path() {
         (
             "unknown key",
             "providers:\n  - { name: a, type: kubernetes, zone: x }\n",
-            "providers[0].zone: unknown field (expected one of: cooldown, destinations, gcp, kubernetes, name, type)",
+            "providers[0].zone: unknown field (expected one of: cooldown, destinations, gcp, kubernetes, name, pacing, type)",
         ),
         ("missing name", "providers:\n  - { type: kubernetes }\n", "providers[0].name: is required"),
         ("missing type", "providers:\n  - { name: a }\n", "providers[0].type: is required"),
@@ -329,6 +329,45 @@ providers:
         "providers[0].cooldown.factor: 11 is out of range (1 to 10)",
         "providers[0].cooldown.maxSeconds: 700000 is out of range (1 to 604800)",
         "providers[1].cooldown.maxSeconds: 60 is less than baseSeconds (600)",
+    ];
+    assert_eq!(found.len(), expected.len(), "{found:#?}");
+    for want in expected {
+        assert!(found.iter().any(|problem| problem.contains(want)), "{want:?} not in {found:#?}");
+    }
+}
+
+#[test]
+fn a_pacing_parses_and_its_mistakes_are_named() {
+    let config = parse(
+        r#"
+providers:
+  - name: polite
+    type: kubernetes
+    pacing: { intervalMilliseconds: 12000, burst: 2 }
+  - name: plain
+    type: kubernetes
+"#,
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let polite = config.get("polite").expect("polite");
+    assert_eq!(polite.pacing, Some(PacingSettings { interval_milliseconds: 12_000, burst: Some(2) }));
+    assert_eq!(config.get("plain").expect("plain").pacing, None);
+    let found = problems(
+        r#"
+providers:
+  - name: a
+    type: kubernetes
+    pacing: { intervalMilliseconds: 0, burst: 1001, every: 2 }
+  - name: b
+    type: kubernetes
+    pacing: { burst: 2 }
+"#,
+    );
+    let expected = [
+        "providers[0].pacing.every: unknown field (expected one of: burst, intervalMilliseconds)",
+        "providers[0].pacing.intervalMilliseconds: 0 is out of range (1 to 86400000)",
+        "providers[0].pacing.burst: 1001 is out of range (1 to 1000)",
+        "providers[1].pacing.intervalMilliseconds",
     ];
     assert_eq!(found.len(), expected.len(), "{found:#?}");
     for want in expected {
