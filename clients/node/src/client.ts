@@ -261,18 +261,23 @@ interface LeaseState {
   proxy: LeasedProxy;
   target: string;
   expiresAt: Date;
+  /** For a session with `sessionLifetimeSeconds`: how long, from the answer, it keeps this proxy. */
+  sessionEndsInMilliseconds?: number;
 }
 
 function leaseState(body: unknown): LeaseState {
   if (!isObject(body)) {
     throw new DecodeError(`not a lease: ${JSON.stringify(body)}`);
   }
-  return {
+  const state: LeaseState = {
     id: field(body, 'id', 'string', 'a lease'),
     proxy: leasedProxy(body.proxy),
     target: field(body, 'target', 'string', 'a lease'),
     expiresAt: time(body, 'expiresAt', 'a lease'),
   };
+  const endsIn = optional<number>(body, 'sessionEndsInMilliseconds', 'number', 'a lease');
+  if (endsIn !== undefined) state.sessionEndsInMilliseconds = endsIn;
+  return state;
 }
 
 function proxyInfo(body: unknown): ProxyInfo {
@@ -421,6 +426,11 @@ export class Lease {
   /** The address sites see requests through the proxy come from (proxies sharing it share cooldowns). */
   get egressIP(): string | undefined {
     return this.#state.proxy.egressIP;
+  }
+
+  /** For a session with `sessionLifetimeSeconds`: how long, from the lease's answer, the session keeps this proxy. */
+  get sessionEndsInMilliseconds(): number | undefined {
+    return this.#state.sessionEndsInMilliseconds;
   }
 
   /** The proxy's namespace, name, host, port, URL and egress address. */

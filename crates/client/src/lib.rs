@@ -535,6 +535,12 @@ impl LeaseGuard {
         &self.lease.target
     }
 
+    /// For a session with a lifetime ([`LeaseOptions::session_lifetime`]): how long, from when the lease was
+    /// answered, the session keeps this proxy; its next lease after that goes to another.
+    pub fn session_ends_in(&self) -> Option<Duration> {
+        self.lease.session_ends_in_milliseconds.map(Duration::from_millis)
+    }
+
     /// When the lease expires unless renewed (RFC 3339).
     pub fn expires_at(&self) -> &str {
         &self.lease.expires_at

@@ -668,6 +668,20 @@ impl Router for LeaseRouter {
             // request without one: the lease state keeps it on one proxy and counts its requests and its time at
             // every replica, and moves it once it is over.
             let (lease, mut upstream) = self.lease(request, true).await?;
+            if let Some(left) = lease.session_ends_in() {
+                // A tunnel outliving the session's time on this proxy closes then: the client's next connection
+                // leases again, elsewhere.
+                let (revoke, revoked) = watch::channel(false);
+                upstream.revoked = Some(revoked);
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = tokio::time::sleep(left) => {
+                            revoke.send_replace(true);
+                        }
+                        () = revoke.closed() => {}
+                    }
+                });
+            }
             upstream.hold = Some(Arc::new(lease));
             return Ok(upstream);
         }

@@ -186,6 +186,23 @@ async fn a_session_with_a_request_limit_leases_per_request_and_moves_after_it() 
     assert_eq!(fleet.cooling("a.test"), BTreeSet::from([refused.proxy.clone()]));
 }
 
+/// A session with `lifetime-<seconds>` is told how long it keeps its proxy: a tunnel open through it closes then, so
+/// a browser's kept-alive tunnel does not keep the proxy past the session's lifetime.
+#[tokio::test(start_paused = true)]
+async fn a_tunnel_of_a_session_with_a_lifetime_closes_when_its_time_on_the_proxy_is_over() {
+    let fleet = Fleet::start((1..=2).map(|index| record(index, 10, true)).collect()).await;
+    let router = fleet.router(|config| config);
+    let tunnel = Ask::new("session-s1,lifetime-3", "a.test").route(&router).await;
+    sleep(Duration::from_millis(2500)).await;
+    assert!(!revoked(&tunnel), "open within the lifetime");
+    sleep(Duration::from_millis(600)).await;
+    assert!(revoked(&tunnel), "closed once the session's 3 s on the proxy are over");
+    // A session without a lifetime keeps its tunnel.
+    let kept = Ask::new("session-s2", "a.test").route(&router).await;
+    sleep(Duration::from_secs(30)).await;
+    assert!(!revoked(&kept));
+}
+
 /// A session that sends nothing gives its lease back at its first renewal (half the TTL) and keeps its choice; it
 /// is forgotten once idle for its stickiness.
 #[tokio::test(start_paused = true)]

@@ -430,16 +430,21 @@ impl LeaseState for RedisLeaseState {
         let reply = strings(self.run("lease", args).await?, "a lease")?;
         let what = "a lease";
         match reply.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
-            ["ok", serial, proxy, expires, endpoint] => {
+            ["ok", serial, proxy, expires, endpoint, chose_at] => {
                 let serial: u64 = number(serial, what)?;
                 let proxy = proxy_id(proxy, what)?;
                 let expires_at = time(expires, what)?.ok_or_else(|| malformed(what))?;
+                let session_until = match (time(chose_at, what)?, request.session_limits.max_age) {
+                    (Some(since), Some(age)) => Some(since + age),
+                    _ => None,
+                };
                 Ok(Lease {
                     id: self.sign(serial, proxy.clone(), target.clone(), expires_at, owner),
                     proxy,
                     target,
                     expires_at,
                     endpoint: (*endpoint).to_owned(),
+                    session_until,
                 })
             }
             ["quota", retry] => Err(LeaseError::QuotaExceeded {
@@ -496,6 +501,7 @@ impl LeaseState for RedisLeaseState {
                     target: claims.target,
                     expires_at,
                     endpoint,
+                    session_until: None,
                 };
                 Ok(Renewed { lease, moved_from: (!moved.is_empty()).then(|| (*moved).to_owned()) })
             }

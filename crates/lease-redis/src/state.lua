@@ -233,6 +233,8 @@ local function lease()
     return unpaced(c) and not paced_until(c)
   end
   local chosen
+  -- When the session chose the proxy it is given, for its lifetime ('' without a session).
+  local chose_at = ''
   if mode == 'named' then
     local c = sample(1)[1]
     if c.active >= c.cap and not shares(c.proxy, slot) then return { 'proxy-full' } end
@@ -352,6 +354,7 @@ local function lease()
       if lapsed or chosen.proxy ~= sticky then since, used = now, 0 end
       redis.call('SET', sessionkey, chosen.proxy .. '\n' .. id(since) .. '\n' .. id(used + 1),
         'PX', math.floor((now + ttl) / 1000) * 1000 + keep - now)
+      chose_at = id(since)
     end
   end
   redis.call('SET', KEYS[1], start, 'NX')
@@ -365,7 +368,7 @@ local function lease()
     tat = tat + chosen.interval
     redis.call('SET', chosen.pacekey, id(tat), 'PX', tat - now)
   end
-  return { 'ok', serial, chosen.proxy, exp, chosen.endpoint }
+  return { 'ok', serial, chosen.proxy, exp, chosen.endpoint, chose_at }
 end
 
 -- Resolves a lease ID's serial (live, or adopted when valid and unknown here): serial owner proxy target exp healthy

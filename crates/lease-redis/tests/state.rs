@@ -234,7 +234,11 @@ async fn a_session_moves_after_its_leases_at_any_replica_and_after_its_lifetime(
         session_limits: SessionLimits { max_age: Some(Duration::from_millis(1500)), max_leases: None },
         ..request("example.com", "t1")
     };
-    let first = stores[0].lease(&by_age, SystemTime::now()).await.expect("lease").proxy;
+    let asked = SystemTime::now();
+    let lease = stores[0].lease(&by_age, asked).await.expect("lease");
+    let left = lease.session_until.and_then(|until| until.duration_since(asked).ok()).expect("the session's end");
+    assert!(left > Duration::from_millis(1300) && left <= Duration::from_millis(1600), "{left:?}");
+    let first = lease.proxy;
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(stores[1].lease(&by_age, SystemTime::now()).await.expect("lease").proxy, first, "within 1.5 s");
     tokio::time::sleep(Duration::from_millis(900)).await;

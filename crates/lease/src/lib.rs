@@ -214,6 +214,9 @@ pub struct Lease {
     pub expires_at: SystemTime,
     /// The proxy's endpoint as the holder was told it.
     pub endpoint: String,
+    /// For a session with a lifetime ([`SessionLimits::max_age`]): when its time on this proxy is over and its next
+    /// lease goes elsewhere, so a holder can let go of the proxy then (the gateway closes the session's tunnels).
+    pub session_until: Option<SystemTime>,
 }
 
 /// A renewed lease.

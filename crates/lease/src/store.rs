@@ -72,7 +72,8 @@ impl InMemoryLeaseStore {
     fn sign(&self, granted: Granted, owner: &str) -> Lease {
         let Granted { serial, proxy, target, expires_at, endpoint } = granted;
         let claims = Claims { serial, expires_at, proxy, target };
-        Lease { id: self.key.sign(&claims, owner), proxy: claims.proxy, target: claims.target, expires_at, endpoint }
+        let id = self.key.sign(&claims, owner);
+        Lease { id, proxy: claims.proxy, target: claims.target, expires_at, endpoint, session_until: None }
     }
 
     /// The serial of the lease `id` names (`claims`, which it verified with for its owner), adopting it when it is
@@ -303,8 +304,11 @@ impl LeaseStore for InMemoryLeaseStore {
             let forget_at = granted.expires_at + self.config.max_ttl;
             inner.stick(slot, proxy, forget_at, owner, &target, now);
         }
+        let session_until = slot
+            .and_then(|slot| inner.sessions.get(&slot))
+            .and_then(|sticky| request.session_limits.max_age.map(|age| sticky.since + age));
         drop(inner);
-        Ok(self.sign(granted, owner))
+        Ok(Lease { session_until, ..self.sign(granted, owner) })
     }
 
     fn renew(&self, id: &str, owner: &str, ttl: Option<Duration>, now: SystemTime) -> Result<Renewed, LeaseError> {

@@ -31,6 +31,10 @@ pub struct Lease<'a> {
     /// `proxy.url` from now on (the old instance is kept only until its holders renew, or the drain timeout).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaced: Option<bool>,
+    /// For a session with `sessionLifetimeSeconds`: how long, from this answer, it keeps this proxy (its next lease
+    /// after that goes to another); a holder lets go of the proxy then (the gateway closes the session's tunnels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_ends_in_milliseconds: Option<u64>,
 }
 
 /// The proxy a lease is on.
@@ -141,6 +145,7 @@ mod tests {
             target: Cow::Borrowed("example.com"),
             expires_at: Cow::Borrowed("2026-12-06T03:00:00Z"),
             replaced: None,
+            session_ends_in_milliseconds: None,
         };
         let json = serde_json::to_string(&lease).expect("serialised");
         assert!(!json.contains("replaced") && !json.contains("egressIP"), "absent fields are left out: {json}");

@@ -75,6 +75,9 @@ class LeaseState:
     proxy: LeasedProxy
     target: str
     expires_at: datetime.datetime
+    #: For a session with `session_lifetime`: how long, from the answer, it keeps this proxy (its next lease goes
+    #: elsewhere after that).
+    session_ends_in_milliseconds: Optional[int] = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "LeaseState":
@@ -94,6 +97,7 @@ class LeaseState:
                 ),
                 target=str(body["target"]),
                 expires_at=parse_time(body["expiresAt"]),
+                session_ends_in_milliseconds=body.get("sessionEndsInMilliseconds"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise DecodeError(f"not a lease: {body!r}") from error

@@ -189,6 +189,9 @@ pub(super) fn lease_json(state: &Discovery, lease: &Lease, replaced: Option<bool
         target: Cow::Borrowed(&lease.target),
         expires_at: Cow::Owned(timestamp(lease.expires_at)),
         replaced,
+        session_ends_in_milliseconds: lease.session_until.map(|until| {
+            u64::try_from(until.duration_since(SystemTime::now()).unwrap_or_default().as_millis()).unwrap_or(u64::MAX)
+        }),
     };
     serde_json::to_vec(&response).map_err(|error| {
         Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", error.to_string())

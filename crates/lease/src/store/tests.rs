@@ -151,8 +151,11 @@ fn a_session_moves_to_another_proxy_after_its_lifetime_or_its_leases() {
         session_limits: limits(Some(60), None),
         ..request("shop.example.com")
     };
-    let first = store.lease(&by_age, t(0)).expect("lease").proxy;
-    assert_eq!(store.lease(&by_age, t(30)).expect("lease").proxy, first);
+    let lease = store.lease(&by_age, t(0)).expect("lease");
+    assert_eq!(lease.session_until, Some(t(60)), "the lease says when the session moves on");
+    let first = lease.proxy;
+    let again = store.lease(&by_age, t(30)).expect("lease");
+    assert_eq!((&again.proxy, again.session_until), (&first, Some(t(60))), "from the lease that chose it");
     assert_eq!(store.lease(&by_age, t(59)).expect("lease").proxy, first);
     let second = store.lease(&by_age, t(60)).expect("lease").proxy;
     assert_ne!(second, first, "moved at 60 s");
