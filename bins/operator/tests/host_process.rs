@@ -11,7 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_api::{Proxy, ProxyPhase};
+use egress_api::{Proxy, ProxyPhase, ProxySpec};
 use egress_client::{ClientError, DiscoveryClient, LeaseOptions, Outcome, ProxyId};
 use egress_testenv::{
     GatewayProcess, LocalOrigin, NodeAgent, OperatorOptions, OperatorProcess, Squid, SquidOptions, TestNamespace,
@@ -164,6 +164,37 @@ impl Env {
         .await;
         client
     }
+
+    /// Three Ready External proxies named `names`, each on a Squid of its own (three exit addresses), their specs
+    /// shaped by `shape`; the operator with its discovery client, and two gateway replicas in front of it, as
+    /// deploy/default ships them.
+    async fn three_proxies_behind_two_gateways(&self, names: [&str; 3], shape: impl Fn(&mut ProxySpec)) -> Behind {
+        let mut squids = Vec::new();
+        for _ in 0..3 {
+            squids.push(Squid::start(SquidOptions::default()).await.expect("squid"));
+        }
+        let operator = self.operator(false).await;
+        let proxies = self.ns.api::<Proxy>();
+        for (name, squid) in names.iter().zip(&squids) {
+            let mut spec = common::external(squid.address(), 1);
+            shape(&mut spec);
+            proxies.create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create Proxy");
+        }
+        self.wait_phase(&names, ProxyPhase::Ready).await;
+        let discovery = self.discovery(&operator, 3).await;
+        let binary = binary();
+        let gateway = || GatewayProcess::start(&binary, &operator.discovery_url, &self.token, &[]);
+        let gateways = [gateway().await.expect("a gateway starts"), gateway().await.expect("a gateway starts")];
+        Behind { _squids: squids, _operator: operator, discovery, gateways }
+    }
+}
+
+/// What [`Env::three_proxies_behind_two_gateways`] started; dropping it stops everything.
+struct Behind {
+    _squids: Vec<Squid>,
+    _operator: OperatorProcess,
+    discovery: DiscoveryClient,
+    gateways: [GatewayProcess; 2],
 }
 
 fn binary() -> PathBuf {
@@ -1096,23 +1127,9 @@ async fn country_de_at_the_gateway_only_ever_leaves_through_the_german_exit() {
 #[tokio::test]
 async fn a_session_moves_to_another_proxy_after_its_requests_and_after_its_lifetime_at_either_replica() {
     let env = Env::new("e2e-lifetime").await;
-    let mut squids = Vec::new();
-    for _ in 0..3 {
-        squids.push(Squid::start(SquidOptions::default()).await.expect("squid"));
-    }
-    let operator = env.operator(false).await;
-    let proxies = env.ns.api::<Proxy>();
-    let names = ["l0", "l1", "l2"];
-    for (name, squid) in names.iter().zip(&squids) {
-        let proxy = Proxy::new(name, common::external(squid.address(), 1));
-        proxies.create(&PostParams::default(), &proxy).await.expect("create Proxy");
-    }
-    env.wait_phase(&names, ProxyPhase::Ready).await;
-    env.discovery(&operator, 3).await;
-    let gateways = [
-        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
-        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
-    ];
+    // Bound whole: the Squids and the operator it holds stop when it drops.
+    let behind = env.three_proxies_behind_two_gateways(["l0", "l1", "l2"], |_| {}).await;
+    let gateways = &behind.gateways;
     let origin = env.origin.ip_url();
     let exit = |n: usize, user: &'static str| {
         let (address, origin, token) = (gateways[n % 2].address, origin.clone(), env.token.clone());
@@ -1183,27 +1200,14 @@ async fn a_session_moves_to_another_proxy_after_its_requests_and_after_its_lifet
 #[tokio::test]
 async fn a_paced_address_reaches_the_site_once_per_interval_through_both_gateways_and_the_api() {
     let env = Env::new("e2e-pacing").await;
-    let mut squids = Vec::new();
-    for _ in 0..3 {
-        squids.push(Squid::start(SquidOptions::default()).await.expect("squid"));
-    }
-    let operator = env.operator(false).await;
-    let proxies = env.ns.api::<Proxy>();
-    let names = ["g0", "g1", "g2"];
-    for (name, squid) in names.iter().zip(&squids) {
-        let mut spec = common::external(squid.address(), 1);
+    let pace = |spec: &mut ProxySpec| {
         spec.max_leases = Some(10);
         spec.pacing = Some(egress_api::PacingSpec { interval_milliseconds: 2000, burst: None });
-        proxies.create(&PostParams::default(), &Proxy::new(name, spec)).await.expect("create Proxy");
-    }
-    env.wait_phase(&names, ProxyPhase::Ready).await;
-    let discovery = env.discovery(&operator, 3).await;
+    };
+    let behind = env.three_proxies_behind_two_gateways(["g0", "g1", "g2"], pace).await;
+    let (discovery, gateways) = (&behind.discovery, &behind.gateways);
     let listed = discovery.proxies(None, None).await.expect("list");
     assert!(listed.iter().all(|proxy| proxy.pacing.is_some_and(|pacing| pacing.interval_milliseconds == 2000)));
-    let gateways = [
-        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
-        GatewayProcess::start(&binary(), &operator.discovery_url, &env.token, &[]).await.expect("a gateway starts"),
-    ];
     let url = env.origin.logged_url();
     let crawl = Duration::from_secs(12);
     let start = tokio::time::Instant::now();
